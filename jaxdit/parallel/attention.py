@@ -1,0 +1,156 @@
+"""Parallel attention, chosen from the mesh: the one entry point models and users call.
+
+Two views of the same operation:
+
+* :func:`attention_in_shard` runs inside ``shard_map`` (models call it on their local tokens). It picks
+  the strategy from the degrees: USP when ring and ulysses are both > 1, Ring or Ulysses when one is,
+  the local kernel when neither. Heads may additionally be split over ``tensor`` by the caller's specs.
+* :func:`parallel_attention` takes global arrays, one or several token groups, pads them to the shard
+  layout, runs :func:`attention_in_shard` under ``shard_map`` and returns global outputs.
+
+Communication is exactly the design's: Ulysses' four all_to_alls and Ring's R-1 permutes of K and V.
+A user key mask (rarely needed: padding is masked without it) adds one small all-gather of booleans.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh
+
+from jaxdit.mesh import ParallelConfig
+from jaxdit.parallel.layout import SequenceLayout
+from jaxdit.parallel.usp import usp_attention
+from sharding_rules import ACTIVATIONS, logical_to_spec
+
+SEQ_AXES = ("ring", "ulysses")
+
+#: Logical layout of q, k, v and the output: [batch, seq, heads, head_dim].
+QKV_AXES = ("batch", "seq", "act_heads", None)
+
+
+def attention_in_shard(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    layout: SequenceLayout,
+    config: ParallelConfig,
+    key_mask: jax.Array | None = None,
+    **kernel_kwargs,
+) -> jax.Array:
+    """Local view. q/k/v [B, n, H_local, D] are this shard's joined token groups (``layout``).
+
+    ``key_mask`` [B, n] (optional) marks this shard's real keys beyond the layout's padding.
+    """
+    if layout.shards != config.sequence_degree:
+        raise ValueError(f"layout has {layout.shards} shards but ring x ulysses = {config.sequence_degree}")
+    if q.shape[1] != layout.local_length:
+        raise ValueError(f"local q has {q.shape[1]} tokens, layout expects {layout.local_length}")
+    batch = q.shape[0]
+    n = layout.local_length
+
+    full_mask = None
+    if key_mask is not None:
+        # Every shard's mask, in shard order (ring outer): booleans only, one small all-gather.
+        full_mask = key_mask if layout.shards == 1 else lax.all_gather(key_mask, SEQ_AXES, axis=1, tiled=True)
+
+    def key_valid_for_shard(shard):
+        valid = None
+        if layout.has_padding():
+            valid = jnp.broadcast_to(layout.key_valid(shard), (batch, n))
+        if full_mask is not None:
+            user = lax.dynamic_slice_in_dim(full_mask, shard * n, n, axis=1)
+            valid = user if valid is None else valid & user
+        return valid
+
+    return usp_attention(
+        q,
+        k,
+        v,
+        ring_degree=config.ring,
+        ulysses_degree=config.ulysses,
+        key_valid_for_shard=key_valid_for_shard,
+        **kernel_kwargs,
+    )
+
+
+def _as_groups(x):
+    return (tuple(x), True) if isinstance(x, list | tuple) else ((x,), False)
+
+
+def parallel_attention(
+    q: jax.Array | Sequence[jax.Array],
+    k: jax.Array | Sequence[jax.Array],
+    v: jax.Array | Sequence[jax.Array],
+    mesh: Mesh,
+    *,
+    key_mask: jax.Array | Sequence[jax.Array | None] | None = None,
+    **kernel_kwargs,
+):
+    """Global view: softmax attention of q over k/v of shape [batch, seq, heads, head_dim].
+
+    q, k, v may each be a tuple of token groups (e.g. FLUX's text and image tokens) with equal batch,
+    heads and head_dim; the groups are attended jointly, as if concatenated along seq, but are joined
+    per shard only. Any lengths work (padding + key mask; exact). The batch is split over (data, cfg),
+    the sequence over (ring, ulysses) and heads over tensor. Returns the output in the same structure.
+    """
+    qs, grouped = _as_groups(q)
+    ks, _ = _as_groups(k)
+    vs, _ = _as_groups(v)
+    if not (len(qs) == len(ks) == len(vs)):
+        raise ValueError(f"q, k, v have {len(qs)}, {len(ks)}, {len(vs)} token groups; they must match")
+    for i, (a, b, c) in enumerate(zip(qs, ks, vs, strict=True)):
+        if a.ndim != 4 or a.shape != b.shape or a.shape != c.shape:
+            raise ValueError(
+                f"token group {i}: q, k, v must share one shape [batch, seq, heads, head_dim] "
+                f"(self-attention); got {a.shape}, {b.shape}, {c.shape}"
+            )
+        if a.shape[0] != qs[0].shape[0] or a.shape[2:] != qs[0].shape[2:]:
+            raise ValueError(f"token group {i} has shape {a.shape}, group 0 has {qs[0].shape}")
+    masks = (None,) * len(qs) if key_mask is None else _as_groups(key_mask)[0]
+    if len(masks) != len(qs):
+        raise ValueError(f"{len(masks)} key masks for {len(qs)} token groups")
+
+    config = ParallelConfig.from_mesh(mesh)
+    batch, _, heads, _ = qs[0].shape
+    config.validate_heads(heads)
+    if batch % (config.data * config.cfg):
+        raise ValueError(f"batch {batch} does not split over data={config.data} x cfg={config.cfg}")
+    layout = SequenceLayout(tuple(a.shape[1] for a in qs), config.sequence_degree)
+
+    use_mask = any(m is not None for m in masks)
+    if use_mask:
+        masks = tuple(
+            jnp.ones(a.shape[:2], bool) if m is None else jnp.asarray(m, bool)
+            for a, m in zip(qs, masks, strict=True)
+        )
+        masks = tuple(layout.pad(m, g, value=False) for g, m in enumerate(masks))
+    pad = lambda xs: tuple(layout.pad(x, g) for g, x in enumerate(xs))
+    qs, ks, vs = pad(qs), pad(ks), pad(vs)
+
+    qkv_spec = logical_to_spec(QKV_AXES, ACTIVATIONS)
+    mask_spec = logical_to_spec(("batch", "seq"), ACTIVATIONS)
+    groups = len(qs)
+
+    def local(qs, ks, vs, *masks):
+        mask = layout.join_local(masks) if masks else None
+        out = attention_in_shard(
+            layout.join_local(qs),
+            layout.join_local(ks),
+            layout.join_local(vs),
+            layout,
+            config,
+            mask,
+            **kernel_kwargs,
+        )
+        return tuple(layout.split_local(out))
+
+    group_specs = (qkv_spec,) * groups
+    in_specs = (group_specs, group_specs, group_specs) + ((mask_spec,) * groups if use_mask else ())
+    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=group_specs, check_vma=False)
+    outs = sharded(qs, ks, vs, *(masks if use_mask else ()))
+    outs = tuple(layout.unpad(o, g) for g, o in enumerate(outs))
+    return outs if grouped else outs[0]

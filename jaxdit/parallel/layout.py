@@ -1,0 +1,89 @@
+"""Shard-major token layout: how token groups of any length live on S = ring x ulysses sequence shards.
+
+Each token group (FLUX's text and image tokens; Wan's video tokens) is padded to a multiple of S and split
+into S equal pieces. Shard s holds ``[group0_s; group1_s; ...]``: the groups are joined per shard and
+never concatenated globally (a global concatenation of two sharded arrays makes XLA move data). Every
+token carries its own RoPE position, so every op except attention is per-token; attention masks the
+padded keys, and the padded queries are dropped at the end. The result is exact.
+
+Which keys are padding is a static function of the group lengths and the shard index, so every device
+computes any shard's mask locally: no mask is communicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class SequenceLayout:
+    """Token groups of global lengths ``lengths`` on ``shards`` sequence shards."""
+
+    lengths: tuple[int, ...]
+    shards: int
+
+    def __post_init__(self) -> None:
+        if self.shards < 1 or not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"bad sequence layout: lengths={self.lengths}, shards={self.shards}")
+
+    @property
+    def local_lengths(self) -> tuple[int, ...]:
+        """Tokens of each group on one shard (padding included)."""
+        return tuple(math.ceil(n / self.shards) for n in self.lengths)
+
+    @property
+    def local_length(self) -> int:
+        return sum(self.local_lengths)
+
+    @property
+    def padded_lengths(self) -> tuple[int, ...]:
+        return tuple(n * self.shards for n in self.local_lengths)
+
+    @property
+    def padding(self) -> int:
+        """Total padded tokens, all shards together."""
+        return sum(self.padded_lengths) - sum(self.lengths)
+
+    # ------------------------------------------------------------ global view
+    def pad(self, x, group: int, axis: int = 1, value=0):
+        """Pad a global group array along ``axis`` to its padded length (numpy or jax)."""
+        extra = self.padded_lengths[group] - x.shape[axis]
+        if x.shape[axis] != self.lengths[group]:
+            raise ValueError(f"group {group} has {x.shape[axis]} tokens, layout says {self.lengths[group]}")
+        if extra == 0:
+            return x
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, extra)
+        lib = np if isinstance(x, np.ndarray) else jnp
+        return lib.pad(x, widths, constant_values=value)
+
+    def unpad(self, x, group: int, axis: int = 1):
+        return (
+            jax.lax.slice_in_dim(x, 0, self.lengths[group], axis=axis)
+            if not isinstance(x, np.ndarray)
+            else np.take(x, np.arange(self.lengths[group]), axis=axis)
+        )
+
+    # ------------------------------------------------------------- local view
+    def split_local(self, x: jax.Array, axis: int = 1) -> list[jax.Array]:
+        """A shard's joined tokens -> one piece per group."""
+        bounds = np.cumsum(self.local_lengths)[:-1].tolist()
+        return jnp.split(x, bounds, axis=axis)
+
+    def join_local(self, pieces, axis: int = 1) -> jax.Array:
+        return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)
+
+    def key_valid(self, shard) -> jax.Array:
+        """[local_length] bool: which of shard ``shard``'s tokens are real (shard may be traced)."""
+        parts = []
+        for n_global, n_local in zip(self.lengths, self.local_lengths, strict=True):
+            parts.append(shard * n_local + jnp.arange(n_local) < n_global)
+        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+
+    def has_padding(self) -> bool:
+        return self.padding > 0
