@@ -19,6 +19,7 @@ coordination service reports the peer missing and the survivors exit with an err
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
@@ -88,7 +89,5 @@ def initialize(
 
 def shutdown() -> None:
     """Leave the process group (safe to call when not initialised)."""
-    try:
+    with contextlib.suppress(RuntimeError):
         jax.distributed.shutdown()
-    except RuntimeError:
-        pass
