@@ -91,10 +91,12 @@ def local_attention(
     scale: float | None = None,
     block_k: int = DEFAULT_BLOCK_K,
     block_q: int = DEFAULT_BLOCK_Q,
+    out_dtype=None,
 ) -> tuple[jax.Array, jax.Array]:
     """Softmax attention of q over k/v, masking keys where ``key_valid`` is False.
 
-    Returns ``(out [B, Tq, H, D] in q's dtype, lse [B, Tq, H] fp32)``. A query whose keys are all masked
+    Returns ``(out [B, Tq, H, D] in out_dtype (default q's), lse [B, Tq, H] fp32)``; Ring attention asks
+    for fp32 partial outputs so that merging them rounds once, at the end. A query whose keys are all masked
     gets out = 0 and lse = -inf, which is what merging partial results needs.
     """
     if q.ndim != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
@@ -112,7 +114,7 @@ def local_attention(
         out, lse = lax.map(lambda qb: _attend_key_blocks(qb, k, v, key_valid, scale, block_k), qp)
         out = out.swapaxes(0, 1).reshape(b, nq * bq, h, d)[:, :tq]
         lse = lse.swapaxes(0, 1).reshape(b, nq * bq, h)[:, :tq]
-    return out.astype(q.dtype), lse
+    return out.astype(out_dtype or q.dtype), lse
 
 
 def merge_partials(

@@ -50,8 +50,8 @@ def ring_attention(
             k_next = lax.ppermute(k, axis_name, forward)
             v_next = lax.ppermute(v, axis_name, forward)
         source = (me - hop) % degree  # whose K/V block is here after `hop` hops
-        o, l = local_attention(q, k, v, key_valid_for(source), **kernel_kwargs)
-        out, lse = (o.astype(jnp.float32), l) if out is None else merge_partials(out, lse, o, l)
+        o, l = local_attention(q, k, v, key_valid_for(source), out_dtype=jnp.float32, **kernel_kwargs)
+        out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)
         if hop < degree - 1:
             k, v = k_next, v_next
     return out.astype(q.dtype), lse

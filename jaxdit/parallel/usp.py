@@ -45,6 +45,8 @@ def usp_attention(
         if key_valid_for_shard is None:
             return None
         parts = [key_valid_for_shard(src * ulysses_degree + u) for u in range(ulysses_degree)]
+        if any(p is None for p in parts):  # the layout has no padding and there is no user mask
+            return None
         return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
     def attend(qh, kh, vh):
