@@ -1,0 +1,42 @@
+"""From a model's logical parameter axes to PartitionSpecs, NamedShardings and sharded placement."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding_rules import logical_to_spec
+
+
+def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """A parameter's logical names; stacked (scanned) blocks gain a leading "layers" axis."""
+    axes = tuple(variable.get_metadata().get("logical_axes", ()))
+    ndim = len(variable.shape) if hasattr(variable, "shape") else variable[...].ndim
+    if ndim == len(axes) + 1:
+        axes = ("layers",) + axes
+    if ndim != len(axes):
+        raise ValueError(f"parameter of shape {variable.shape} declares logical axes {axes}")
+    return axes
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def partition_specs(state: nnx.State, rules: Mapping[str, object]):
+    """A pytree (like ``state``) of PartitionSpecs from each parameter's logical axes."""
+    return jax.tree.map(
+        lambda v: v.replace(logical_to_spec(logical_axes(v), rules)) if _is_var(v) else PartitionSpec(),
+        state,
+        is_leaf=_is_var,
+    )
+
+
+def named_shardings(state: nnx.State, rules: Mapping[str, object], mesh: Mesh):
+    specs = partition_specs(state, rules)
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )

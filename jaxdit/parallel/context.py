@@ -1,0 +1,45 @@
+"""What a model sees inside ``shard_map``: its local tokens and the few collectives it may call.
+
+Model code never names a mesh axis. It calls ``ctx.attention`` for self-attention over the whole
+(sharded) sequence and ``ctx.sum_tensor_parallel`` after a row-parallel projection; both are no-ops in
+communication when the corresponding degrees are 1, so one model file serves every configuration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jax import lax
+
+from jaxdit.mesh import ParallelConfig
+from jaxdit.parallel.attention import attention_in_shard
+from jaxdit.parallel.layout import SequenceLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardContext:
+    """Static description of one shard: the mesh's degrees and the token layout of self-attention."""
+
+    config: ParallelConfig
+    layout: SequenceLayout
+    #: Tile sizes for the local attention kernel (``block_q``, ``block_k``); defaults when empty.
+    kernel: tuple[tuple[str, int], ...] = ()
+
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Self-attention over every shard's tokens; q/k/v [B, n_local, H_local, D] in the layout."""
+        return attention_in_shard(q, k, v, self.layout, self.config, None, **dict(self.kernel))
+
+    def sum_tensor_parallel(self, x: jax.Array) -> jax.Array:
+        """All-reduce over the tensor axis: completes a row-parallel projection's partial sums."""
+        return lax.psum(x, "tensor") if self.config.tensor > 1 else x
+
+    def sequence_shard(self) -> jax.Array:
+        """Index of this device's sequence shard, ring-major (traced)."""
+        if self.layout.shards == 1:
+            return jax.numpy.int32(0)
+        return lax.axis_index("ring") * self.config.ulysses + lax.axis_index("ulysses")
+
+    def token_valid(self) -> jax.Array:
+        """[n_local] bool: which local tokens are real, not padding."""
+        return self.layout.key_valid(self.sequence_shard())
