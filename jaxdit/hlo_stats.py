@@ -538,6 +538,18 @@ def _parse_groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...] |
         groups = tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in listed)
         groups = tuple(g for g in groups if g)
         return groups or (tuple(range(num_devices)),)
+    # Mesh form (Shardy): mesh['a'=1,'b'=8] {'b'}: groups vary the listed axes, the others fixed.
+    mm = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", s)
+    if mm:
+        axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", mm.group(1))]
+        varying = set(re.findall(r"'([^']+)'", mm.group(2)))
+        ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+        order = [i for i, (n, _) in enumerate(axes) if n not in varying] + [
+            i for i, (n, _) in enumerate(axes) if n in varying
+        ]
+        group_size = math.prod(size for n, size in axes if n in varying)
+        rows = ids.transpose(order).reshape(-1, group_size)
+        return tuple(tuple(int(x) for x in row) for row in rows)
     # Iota form: [G,S]<=[d0,d1,...] optionally followed by T(perm).
     im = re.match(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?", s)
     if not im:

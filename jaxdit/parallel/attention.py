@@ -77,6 +77,28 @@ def attention_in_shard(
     )
 
 
+def sharded_attention(mesh: Mesh, layout: SequenceLayout, *, with_mask: bool = False, **kernel_kwargs):
+    """``shard_map`` of :func:`attention_in_shard` over token groups already padded to ``layout``.
+
+    Call it as ``fn(qs, ks, vs[, masks])`` with tuples of global padded arrays [B, padded_len, H, D]
+    (and [B, padded_len] masks); returns a tuple of padded outputs. This is the whole communication of
+    parallel attention; padding and unpadding are the caller's (a model pads once per step).
+    """
+    config = ParallelConfig.from_mesh(mesh)
+    qkv_spec = logical_to_spec(QKV_AXES, ACTIVATIONS)
+    mask_spec = logical_to_spec(("batch", "seq"), ACTIVATIONS)
+    group_specs = (qkv_spec,) * len(layout.lengths)
+
+    def local(qs, ks, vs, *masks):
+        mask = layout.join_local(masks) if masks else None
+        join = layout.join_local
+        out = attention_in_shard(join(qs), join(ks), join(vs), layout, config, mask, **kernel_kwargs)
+        return tuple(layout.split_local(out))
+
+    in_specs = (group_specs,) * 3 + ((mask_spec,) * len(layout.lengths) if with_mask else ())
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=group_specs, check_vma=False)
+
+
 def _as_groups(x):
     return (tuple(x), True) if isinstance(x, list | tuple) else ((x,), False)
 
@@ -96,6 +118,10 @@ def parallel_attention(
     heads and head_dim; the groups are attended jointly, as if concatenated along seq, but are joined
     per shard only. Any lengths work (padding + key mask; exact). The batch is split over (data, cfg),
     the sequence over (ring, ulysses) and heads over tensor. Returns the output in the same structure.
+
+    Lengths the degrees do not divide are padded here and the padding is sliced off the sharded output,
+    which XLA does by moving data (an all-gather at the edges). Models avoid it by keeping the padded
+    layout for the whole step (see :func:`sharded_attention`).
     """
     qs, grouped = _as_groups(q)
     ks, _ = _as_groups(k)
@@ -131,26 +157,7 @@ def parallel_attention(
     pad = lambda xs: tuple(layout.pad(x, g) for g, x in enumerate(xs))
     qs, ks, vs = pad(qs), pad(ks), pad(vs)
 
-    qkv_spec = logical_to_spec(QKV_AXES, ACTIVATIONS)
-    mask_spec = logical_to_spec(("batch", "seq"), ACTIVATIONS)
-    groups = len(qs)
-
-    def local(qs, ks, vs, *masks):
-        mask = layout.join_local(masks) if masks else None
-        out = attention_in_shard(
-            layout.join_local(qs),
-            layout.join_local(ks),
-            layout.join_local(vs),
-            layout,
-            config,
-            mask,
-            **kernel_kwargs,
-        )
-        return tuple(layout.split_local(out))
-
-    group_specs = (qkv_spec,) * groups
-    in_specs = (group_specs, group_specs, group_specs) + ((mask_spec,) * groups if use_mask else ())
-    sharded = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=group_specs, check_vma=False)
+    sharded = sharded_attention(mesh, layout, with_mask=use_mask, **kernel_kwargs)
     outs = sharded(qs, ks, vs, *(masks if use_mask else ()))
     outs = tuple(layout.unpad(o, g) for g, o in enumerate(outs))
     return outs if grouped else outs[0]
