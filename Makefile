@@ -1,0 +1,32 @@
+# Two commands for a fresh machine with Python 3.11, pip and make:
+#   make demo   creates .venv, installs jaxdit, runs the main job
+#   make test   creates .venv, installs jaxdit with its test extra, runs lint and the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: demo test lint format clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch==2.13.0 (in the test extra) is the CPU build; a looser pin would pull a CUDA build.
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.installed
+	$(PY) scripts/demo_attention.py
+
+test: $(VENV)/.installed
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.installed
+	$(PY) -m ruff check .
+
+format: $(VENV)/.installed
+	$(PY) -m ruff format .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
