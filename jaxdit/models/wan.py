@@ -1,0 +1,559 @@
+"""Wan 2.1 video diffusion transformer (T2V 1.3B/14B, I2V 14B) in Flax NNX, written as the local view of
+one sequence shard.
+
+Follows ``wan/modules/model.py`` (``WanModel``, Wan-Video/Wan2.1) and diffusers'
+``WanTransformer3DModel``; ../reference/flux-wan-facts.md sections 3-4 list the differences between them.
+
+Shape letters: B batch, N video tokens (local to a sequence shard inside ``shard_map``), T text tokens,
+I image tokens, H heads, D head_dim, E hidden (``dim``), K patch features (in_channels * pt * ph * pw).
+
+Parallel plan (the model never names a mesh axis; it calls the :class:`ShardContext`):
+
+- Video tokens are one token group, sequence-sharded over (ring, ulysses) and padded when the degrees do
+  not divide their count. Self-attention goes through ``ctx.attention`` (Ulysses / Ring / USP, padding
+  masked). Every other op on video tokens is per token, RoPE included, since each token carries its own
+  (frame, row, col) position.
+- Cross-attention is local: every sequence shard computes the text (and image) keys and values of all
+  512 (+257) context tokens itself. That work is duplicated over ring x ulysses; it is
+  2 * 769 * E^2 multiply-adds per block against about (6 E^2 + 2 E F) * N_local for the shard's own
+  tokens (Wan-14B at 720p on 8 devices: 1.5% extra). Sharding the context instead would add an
+  all-gather per block for a 512-token tensor.
+- Tensor parallel: q/k/v and the first FFN projection are column-parallel (output features over
+  ``tensor``), o and the second FFN projection row-parallel (one all-reduce each). The RMSNorm of q and k
+  runs across ALL heads, so each device sums the squares of its own features and the [.., 1] partial sums
+  are all-reduced over ``tensor`` before normalising: two small extra all-reduces per block (self-attention
+  q and k in one; cross-attention q, text k and image k in another), B * (2 N + N + T + I) floats each
+  block. Time/text/image embeddings and all modulation stay replicated (computed once per step from
+  [B, E] vectors or from the short context).
+
+Precision: weights and matmuls in ``dtype`` with fp32 accumulation; the residual stream, norms, RoPE,
+the time embedding and modulation, and softmax statistics in fp32 (the time embedding and projection
+weights and all norm/modulation tables are stored in fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdit.mesh import ParallelConfig
+from jaxdit.models.layers import Linear, gelu_tanh, layer_norm, param, rope_angles, timestep_embedding
+from jaxdit.parallel.context import ShardContext
+from jaxdit.parallel.layout import SequenceLayout
+from jaxdit.parallel.local_attention import local_attention
+
+#: Wan 2.1's text encoder (umT5-XXL) context length; the original model pads prompts to it.
+TEXT_LEN = 512
+
+
+# --------------------------------------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class WanConfig:
+    """Architecture of one Wan 2.1 transformer (``WanModel`` arguments, diffusers names in comments)."""
+
+    dim: int = 1536  # num_attention_heads * attention_head_dim
+    ffn_dim: int = 8960
+    num_heads: int = 12  # num_attention_heads
+    num_layers: int = 30
+    in_channels: int = 16  # 36 for I2V: [noise 16 | mask 4 | condition latent 16]
+    out_channels: int = 16
+    patch_size: tuple[int, int, int] = (1, 2, 2)
+    text_dim: int = 4096
+    freq_dim: int = 256
+    eps: float = 1e-6
+    #: CLIP feature width (1280) for I2V; None for T2V. Implies image keys/values in every block.
+    image_dim: int | None = None
+    rope_theta: float = 10000.0
+    #: Largest (frame, row, col) position the reference tables cover; larger grids are refused.
+    rope_max_seq_len: int = 1024
+
+    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
+        "wan2.1-t2v-1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, in_channels=16),
+        "wan2.1-t2v-14b": dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_channels=16),
+        "wan2.1-i2v-14b": dict(
+            dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_channels=36, image_dim=1280
+        ),
+    }
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
+        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
+            raise ValueError(f"patch_size must be three positive ints (t, h, w), got {self.patch_size}")
+        for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"WanConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"dim={self.dim} is not a multiple of num_heads={self.num_heads}")
+        if self.head_dim % 2 or self.head_dim < 6:
+            raise ValueError(f"head_dim={self.head_dim} must be even and >= 6 for the 3D RoPE split")
+        if self.image_dim is not None and self.image_dim < 1:
+            raise ValueError(f"image_dim must be None or >= 1, got {self.image_dim}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def rope_axes_dim(self) -> tuple[int, int, int]:
+        """Head dims rotated by (frame, row, col): d - 4(d//6), 2(d//6), 2(d//6) (44/42/42 for d=128)."""
+        d = self.head_dim
+        return (d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6))
+
+    @property
+    def patch_features(self) -> int:
+        return self.in_channels * math.prod(self.patch_size)
+
+    @property
+    def out_features(self) -> int:
+        return self.out_channels * math.prod(self.patch_size)
+
+    @property
+    def is_i2v(self) -> bool:
+        return self.image_dim is not None
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def preset(cls, name: str) -> WanConfig:
+        """One of ``wan2.1-t2v-1.3b``, ``wan2.1-t2v-14b``, ``wan2.1-i2v-14b``."""
+        if name not in cls.PRESETS:
+            raise ValueError(f"unknown Wan preset {name!r}; known: {', '.join(sorted(cls.PRESETS))}")
+        return cls(**cls.PRESETS[name])
+
+    @classmethod
+    def from_diffusers(cls, config: Mapping[str, Any]) -> WanConfig:
+        """From a diffusers ``WanTransformer3DModel`` ``config.json`` (as a dict)."""
+        get = lambda k, d: config.get(k, d) if config.get(k, d) is not None else d
+        heads, head_dim = int(get("num_attention_heads", 40)), int(get("attention_head_dim", 128))
+        dim = heads * head_dim
+        if get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
+            raise ValueError(
+                f"only qk_norm='rms_norm_across_heads' exists in Wan 2.1, got {config['qk_norm']!r}"
+            )
+        if not get("cross_attn_norm", True):
+            raise ValueError("cross_attn_norm=False is not a Wan 2.1 configuration")
+        if config.get("pos_embed_seq_len") is not None:
+            raise ValueError("pos_embed_seq_len is set: FLF2V (first-last-frame) models are not supported")
+        image_dim, added_kv = config.get("image_dim"), config.get("added_kv_proj_dim")
+        if (image_dim is None) != (added_kv is None):
+            raise ValueError(
+                f"image_dim={image_dim} and added_kv_proj_dim={added_kv}: Wan 2.1 I2V sets both "
+                f"(added_kv_proj_dim = {dim}), T2V neither; other combinations are not Wan 2.1 models"
+            )
+        if added_kv is not None and int(added_kv) != dim:
+            raise ValueError(f"added_kv_proj_dim={added_kv} must equal the hidden size {dim}")
+        in_channels = int(get("in_channels", 16))
+        return cls(
+            dim=dim,
+            ffn_dim=int(get("ffn_dim", 13824)),
+            num_heads=heads,
+            num_layers=int(get("num_layers", 40)),
+            in_channels=in_channels,
+            out_channels=int(get("out_channels", in_channels)),
+            patch_size=tuple(get("patch_size", (1, 2, 2))),
+            text_dim=int(get("text_dim", 4096)),
+            freq_dim=int(get("freq_dim", 256)),
+            eps=float(get("eps", 1e-6)),
+            image_dim=None if image_dim is None else int(image_dim),
+            rope_max_seq_len=int(get("rope_max_seq_len", 1024)),
+        )
+
+    @classmethod
+    def from_original(cls, config: Mapping[str, Any]) -> WanConfig:
+        """From the original repositories' ``config.json`` (``WanModel`` arguments: dim, num_heads, ...)."""
+        model_type = config.get("model_type", "t2v")
+        if model_type not in ("t2v", "i2v"):
+            raise ValueError(f"model_type={model_type!r}: only Wan 2.1 t2v and i2v are supported")
+        in_dim = int(config.get("in_dim", 36 if model_type == "i2v" else 16))
+        return cls(
+            dim=int(config["dim"]),
+            ffn_dim=int(config["ffn_dim"]),
+            num_heads=int(config["num_heads"]),
+            num_layers=int(config["num_layers"]),
+            in_channels=in_dim,
+            out_channels=int(config.get("out_dim", 16)),
+            patch_size=tuple(config.get("patch_size", (1, 2, 2))),
+            text_dim=int(config.get("text_dim", 4096)),
+            freq_dim=int(config.get("freq_dim", 256)),
+            eps=float(config.get("eps", 1e-6)),
+            image_dim=1280 if model_type == "i2v" else None,
+        )
+
+    @classmethod
+    def from_original_keys(
+        cls, shapes: Mapping[str, Sequence[int]], num_heads: int | None = None
+    ) -> WanConfig:
+        """Infer the architecture from original-layout tensor names and shapes.
+
+        Shapes fix everything except the head count; every Wan 2.1 release uses head_dim 128, so
+        ``num_heads`` defaults to dim // 128 (pass it, or use a config.json, for other models).
+        """
+
+        def shape(key: str) -> tuple[int, ...]:
+            if key not in shapes:
+                raise KeyError(f"cannot infer the Wan architecture: the checkpoint has no {key!r}")
+            return tuple(int(s) for s in shapes[key])
+
+        dim, in_channels, *patch = shape("patch_embedding.weight")
+        layers = {
+            int(k.split(".")[1]) for k in shapes if k.startswith("blocks.") and k.endswith(".modulation")
+        }
+        if not layers or sorted(layers) != list(range(len(layers))):
+            raise KeyError(
+                f"cannot infer the Wan architecture: block indices {sorted(layers)} are not 0..N-1"
+            )
+        if num_heads is None:
+            if dim % 128:
+                raise ValueError(f"dim={dim} is not a multiple of 128; pass num_heads (or a config.json)")
+            num_heads = dim // 128
+        image_dim = shape("img_emb.proj.0.weight")[0] if "img_emb.proj.0.weight" in shapes else None
+        return cls(
+            dim=dim,
+            ffn_dim=shape("blocks.0.ffn.0.weight")[0],
+            num_heads=num_heads,
+            num_layers=len(layers),
+            in_channels=in_channels,
+            out_channels=shape("head.head.weight")[0] // math.prod(patch),
+            patch_size=tuple(patch),
+            text_dim=shape("text_embedding.0.weight")[1],
+            freq_dim=shape("time_embedding.0.weight")[1],
+            image_dim=image_dim,
+        )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Global-view helpers: patchify, positions, unpatchify (outside shard_map; pure reshapes)
+# --------------------------------------------------------------------------------------------------------
+
+
+def latent_grid(shape: Sequence[int], patch_size: Sequence[int]) -> tuple[int, int, int]:
+    """(F', H', W') token grid of a [B, C, F, H, W] latent; the sizes must be multiples of the patch."""
+    f, h, w = (int(s) for s in shape[-3:])
+    pt, ph, pw = patch_size
+    if f % pt or h % ph or w % pw:
+        raise ValueError(
+            f"latent frames x height x width {f}x{h}x{w} are not multiples of the patch {pt}x{ph}x{pw}"
+        )
+    return f // pt, h // ph, w // pw
+
+
+def patchify(video: jax.Array, patch_size: Sequence[int]) -> jax.Array:
+    """[B, C, F, H, W] -> [B, N, C*pt*ph*pw] tokens in (frame, row, col) order.
+
+    The patch embedding is a Conv3d with kernel = stride = patch, i.e. one linear map per patch; the
+    feature order (c, t, h, w) matches the Conv3d weight flattened as [E, C*pt*ph*pw].
+    """
+    b, c = video.shape[:2]
+    (f, h, w), (pt, ph, pw) = latent_grid(video.shape, patch_size), patch_size
+    x = video.reshape(b, c, f, pt, h, ph, w, pw)
+    x = x.transpose(0, 2, 4, 6, 1, 3, 5, 7)  # b f h w c pt ph pw
+    return x.reshape(b, f * h * w, c * pt * ph * pw)
+
+
+def unpatchify(tokens: jax.Array, grid: Sequence[int], patch_size: Sequence[int], channels: int) -> jax.Array:
+    """[B, N, pt*ph*pw*C] -> [B, C, F, H, W]; the output channel is the fastest feature (unlike FLUX)."""
+    b = tokens.shape[0]
+    (f, h, w), (pt, ph, pw) = grid, patch_size
+    x = tokens.reshape(b, f, h, w, pt, ph, pw, channels)
+    x = x.transpose(0, 7, 1, 4, 2, 5, 3, 6)  # b c f pt h ph w pw
+    return x.reshape(b, channels, f * pt, h * ph, w * pw)
+
+
+def token_positions(grid: Sequence[int]) -> np.ndarray:
+    """[N, 3] int32 (frame, row, col) of every token, in patchify order (static: computed with numpy)."""
+    f, h, w = grid
+    pos = np.stack(np.meshgrid(np.arange(f), np.arange(h), np.arange(w), indexing="ij"), axis=-1)
+    return pos.reshape(-1, 3).astype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Modules (local view)
+# --------------------------------------------------------------------------------------------------------
+
+
+def _fp32_linear(layer: Linear, x: jax.Array) -> jax.Array:
+    """A Linear evaluated entirely in fp32 (the time embedding and modulation path)."""
+    y = jnp.einsum("...i,io->...o", x.astype(jnp.float32), layer.kernel[...].astype(jnp.float32))
+    return y if layer.bias is None else y + layer.bias[...].astype(jnp.float32)
+
+
+def _affine_layer_norm(x: jax.Array, weight: nnx.Param, bias: nnx.Param, eps: float) -> jax.Array:
+    return layer_norm(x, eps) * weight[...].astype(jnp.float32) + bias[...].astype(jnp.float32)
+
+
+def _rms_norm_across_heads(
+    xs: Sequence[jax.Array], scales: Sequence[nnx.Param], full_dim: int, eps: float, ctx: ShardContext
+) -> list[jax.Array]:
+    """RMSNorm over the full hidden size (all heads) of several [B, L_i, E_local] arrays, in fp32.
+
+    Under tensor parallelism each device holds E/tensor features; the per-token sums of squares of all
+    the arrays are joined and all-reduced once (``ctx.sum_tensor_parallel``), so one small collective
+    serves them all.
+    """
+    xs = [x.astype(jnp.float32) for x in xs]
+    partial = [jnp.square(x).sum(-1) for x in xs]  # [B, L_i]
+    total = ctx.sum_tensor_parallel(jnp.concatenate(partial, axis=1) if len(xs) > 1 else partial[0])
+    bounds = np.cumsum([x.shape[1] for x in xs])[:-1].tolist()
+    totals = jnp.split(total, bounds, axis=1) if len(xs) > 1 else [total]
+    return [
+        x * jax.lax.rsqrt(t[..., None] / full_dim + eps) * s[...].astype(jnp.float32)
+        for x, t, s in zip(xs, totals, scales, strict=True)
+    ]
+
+
+def _heads(x: jax.Array, head_dim: int) -> jax.Array:
+    """[B, L, E_local] -> [B, L, H_local, D] (features are head-major: E = H x D)."""
+    return x.reshape(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
+
+
+def _norm_weight(rngs: nnx.Rngs, dim: int, axis: str | None) -> nnx.Param:
+    return param(rngs, (dim,), (axis,), jnp.float32, init="ones")
+
+
+class WanSelfAttention(nnx.Module):
+    """Sequence-parallel self-attention over the video tokens, q/k RMS-normed across heads, 3D RoPE."""
+
+    def __init__(self, cfg: WanConfig, dtype: Any, rngs: nnx.Rngs):
+        e = cfg.dim
+        self.q = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.k = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.v = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.o = Linear(e, e, ("heads", "embed"), rngs=rngs, dtype=dtype, row_parallel=True)
+        self.norm_q = _norm_weight(rngs, e, "heads")
+        self.norm_k = _norm_weight(rngs, e, "heads")
+        self.cfg = cfg
+
+    def __call__(self, x: jax.Array, angles: jax.Array, ctx: ShardContext) -> jax.Array:
+        cfg = self.cfg
+        q, k = _rms_norm_across_heads(
+            [self.q(x), self.k(x)], [self.norm_q, self.norm_k], cfg.dim, cfg.eps, ctx
+        )
+        dtype = self.q.kernel.dtype
+        q = rope_apply(_heads(q, cfg.head_dim), angles).astype(dtype)
+        k = rope_apply(_heads(k, cfg.head_dim), angles).astype(dtype)
+        v = _heads(self.v(x), cfg.head_dim)
+        out = ctx.attention(q, k, v)  # [B, N, H_local, D]
+        return self.o(out.reshape(*out.shape[:2], -1), ctx)
+
+
+class WanCrossAttention(nnx.Module):
+    """Local attention of the video tokens to the text tokens (and, for I2V, separately to the image
+    tokens, the two softmax outputs summed before ``o``). Context K/V are computed on every shard."""
+
+    def __init__(self, cfg: WanConfig, dtype: Any, rngs: nnx.Rngs):
+        e = cfg.dim
+        self.q = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.k = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.v = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+        self.o = Linear(e, e, ("heads", "embed"), rngs=rngs, dtype=dtype, row_parallel=True)
+        self.norm_q = _norm_weight(rngs, e, "heads")
+        self.norm_k = _norm_weight(rngs, e, "heads")
+        if cfg.is_i2v:
+            self.k_img = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+            self.v_img = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype)
+            self.norm_k_img = _norm_weight(rngs, e, "heads")
+        else:
+            self.k_img = self.v_img = self.norm_k_img = None
+        self.cfg = cfg
+
+    def __call__(
+        self, x: jax.Array, text: jax.Array, image: jax.Array | None, ctx: ShardContext
+    ) -> jax.Array:
+        cfg = self.cfg
+        dtype = self.q.kernel.dtype
+        use_image = self.k_img is not None
+        if use_image and image is None:
+            raise ValueError("an I2V Wan model needs the image context (encoder_hidden_states_image)")
+        xs = [self.q(x), self.k(text)] + ([self.k_img(image)] if use_image else [])
+        scales = [self.norm_q, self.norm_k] + ([self.norm_k_img] if use_image else [])
+        normed = [
+            _heads(n, cfg.head_dim).astype(dtype)
+            for n in _rms_norm_across_heads(xs, scales, cfg.dim, cfg.eps, ctx)
+        ]
+        q, k = normed[0], normed[1]
+        out, _ = local_attention(q, k, _heads(self.v(text), cfg.head_dim), out_dtype=jnp.float32)
+        if use_image:
+            out_img, _ = local_attention(
+                q, normed[2], _heads(self.v_img(image), cfg.head_dim), out_dtype=jnp.float32
+            )
+            out = out + out_img
+        return self.o(out.reshape(*out.shape[:2], -1).astype(dtype), ctx)
+
+
+def rope_apply(x: jax.Array, angles: jax.Array) -> jax.Array:
+    """Interleaved-pair RoPE in fp32; x [B, N, H, D], angles [B or 1, N, D/2]."""
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return jnp.stack([cos * x0 - sin * x1, sin * x0 + cos * x1], axis=-1).reshape(x.shape)
+
+
+class WanBlock(nnx.Module):
+    """One transformer block: modulated self-attention, un-modulated cross-attention, modulated FFN."""
+
+    def __init__(self, cfg: WanConfig, dtype: Any, rngs: nnx.Rngs):
+        e = cfg.dim
+        #: (shift, scale, gate) of self-attention, then of the FFN; added to the shared time projection.
+        self.modulation = param(rngs, (6, e), (None, "embed"), jnp.float32, scale=e**-0.5)
+        self.self_attn = WanSelfAttention(cfg, dtype, rngs)
+        # The affine LayerNorm before cross-attention: original ``norm3``, diffusers ``norm2``.
+        self.cross_norm_weight = _norm_weight(rngs, e, "embed")
+        self.cross_norm_bias = param(rngs, (e,), ("embed",), jnp.float32, init="zeros")
+        self.cross_attn = WanCrossAttention(cfg, dtype, rngs)
+        self.ffn_in = Linear(e, cfg.ffn_dim, ("embed", "mlp"), rngs=rngs, dtype=dtype)
+        self.ffn_out = Linear(cfg.ffn_dim, e, ("mlp", "embed"), rngs=rngs, dtype=dtype, row_parallel=True)
+        self.cfg = cfg
+
+    def __call__(
+        self,
+        x: jax.Array,
+        time_mod: jax.Array,
+        text: jax.Array,
+        image: jax.Array | None,
+        angles: jax.Array,
+        ctx: ShardContext,
+    ) -> jax.Array:
+        eps = self.cfg.eps
+        dtype = self.ffn_in.kernel.dtype
+        mod = time_mod + self.modulation[...][None]  # [B, 6, E] fp32
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (mod[:, i, None, :] for i in range(6))
+
+        h = (layer_norm(x, eps) * (1 + scale_sa) + shift_sa).astype(dtype)
+        x = x + self.self_attn(h, angles, ctx).astype(jnp.float32) * gate_sa
+
+        h = _affine_layer_norm(x, self.cross_norm_weight, self.cross_norm_bias, eps).astype(dtype)
+        x = x + self.cross_attn(h, text, image, ctx).astype(jnp.float32)
+
+        h = (layer_norm(x, eps) * (1 + scale_ff) + shift_ff).astype(dtype)
+        h = gelu_tanh(self.ffn_in(h).astype(jnp.float32)).astype(dtype)
+        return x + self.ffn_out(h, ctx).astype(jnp.float32) * gate_ff
+
+
+class WanImageEmbedding(nnx.Module):
+    """I2V: CLIP features [B, I, 1280] -> LayerNorm -> Linear -> GELU (exact) -> Linear -> LayerNorm."""
+
+    def __init__(self, cfg: WanConfig, dtype: Any, rngs: nnx.Rngs):
+        d_in, e = cfg.image_dim, cfg.dim
+        self.norm_in_weight = _norm_weight(rngs, d_in, None)
+        self.norm_in_bias = param(rngs, (d_in,), (None,), jnp.float32, init="zeros")
+        self.fc1 = Linear(d_in, d_in, (None, None), rngs=rngs, dtype=dtype)
+        self.fc2 = Linear(d_in, e, (None, "embed"), rngs=rngs, dtype=dtype)
+        self.norm_out_weight = _norm_weight(rngs, e, "embed")
+        self.norm_out_bias = param(rngs, (e,), ("embed",), jnp.float32, init="zeros")
+
+    def __call__(self, image: jax.Array) -> jax.Array:
+        dtype = self.fc1.kernel.dtype
+        # The CLIP projection's LayerNorms use torch's default eps, not the model's.
+        h = _affine_layer_norm(image, self.norm_in_weight, self.norm_in_bias, 1e-5).astype(dtype)
+        h = jax.nn.gelu(self.fc1(h).astype(jnp.float32), approximate=False).astype(dtype)
+        return _affine_layer_norm(self.fc2(h), self.norm_out_weight, self.norm_out_bias, 1e-5).astype(dtype)
+
+
+class WanTransformer(nnx.Module):
+    """Wan 2.1 DiT. ``__call__`` is the local view of one sequence shard (see the module docstring);
+    :func:`forward_unsharded` runs it on one device from a [B, C, F, H, W] latent."""
+
+    def __init__(self, config: WanConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+        cfg = config
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        e = cfg.dim
+        self.config = cfg
+        self.patch_embedding = Linear(cfg.patch_features, e, (None, "embed"), rngs=rngs, dtype=dtype)
+        self.text_embedding_1 = Linear(cfg.text_dim, e, (None, "embed"), rngs=rngs, dtype=dtype)
+        self.text_embedding_2 = Linear(e, e, (None, "embed"), rngs=rngs, dtype=dtype)
+        # Time embedding and the projection to the six modulation vectors: fp32 weights (a [B, E] input,
+        # computed once per step; the numbers that scale every block's activations).
+        self.time_embedding_1 = Linear(cfg.freq_dim, e, (None, "embed"), rngs=rngs, dtype=jnp.float32)
+        self.time_embedding_2 = Linear(e, e, (None, "embed"), rngs=rngs, dtype=jnp.float32)
+        self.time_projection = Linear(e, 6 * e, (None, None), rngs=rngs, dtype=jnp.float32)
+        self.image_embedding = WanImageEmbedding(cfg, dtype, rngs) if cfg.is_i2v else None
+        self.blocks = nnx.vmap(lambda r: WanBlock(cfg, dtype, r))(rngs.split(cfg.num_layers))
+        self.head_modulation = param(rngs, (2, e), (None, "embed"), jnp.float32, scale=e**-0.5)
+        self.head = Linear(e, cfg.out_features, ("embed", None), rngs=rngs, dtype=dtype)
+
+    @property
+    def dtype(self) -> Any:
+        return self.patch_embedding.kernel.dtype
+
+    def embed_conditions(
+        self, timestep: jax.Array, text: jax.Array, image: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """(temb [B, E], time projection [B, 6, E], text [B, T, E], image [B, I, E] or None).
+
+        Replicated over sequence shards: they depend on the timestep and the short context only.
+        """
+        cfg = self.config
+        t = timestep_embedding(jnp.asarray(timestep).reshape(-1), cfg.freq_dim)
+        temb = _fp32_linear(self.time_embedding_2, jax.nn.silu(_fp32_linear(self.time_embedding_1, t)))
+        time_mod = _fp32_linear(self.time_projection, jax.nn.silu(temb)).reshape(-1, 6, cfg.dim)
+        txt = gelu_tanh(self.text_embedding_1(text).astype(jnp.float32)).astype(self.dtype)
+        txt = self.text_embedding_2(txt)
+        img = None
+        if self.image_embedding is not None:
+            if image is None:
+                raise ValueError("an I2V Wan model needs encoder_hidden_states_image (CLIP features)")
+            img = self.image_embedding(image)
+        elif image is not None:
+            raise ValueError("encoder_hidden_states_image given to a T2V Wan model (it has no image input)")
+        return temb, time_mod, txt, img
+
+    def __call__(
+        self,
+        patches: jax.Array,
+        positions: jax.Array,
+        timestep: jax.Array,
+        text: jax.Array,
+        image: jax.Array | None = None,
+        *,
+        ctx: ShardContext,
+    ) -> jax.Array:
+        """Local view: this shard's tokens -> its output patches.
+
+        patches [B, N, K] (this shard's video tokens, :func:`patchify` order, padded per ``ctx.layout``),
+        positions [B or 1, N, 3] int (frame, row, col) of those tokens, timestep [B] in [0, 1000),
+        text [B, T, text_dim], image [B, I, image_dim] (I2V only). Returns [B, N, pt*ph*pw*C_out] fp32.
+        """
+        cfg = self.config
+        temb, time_mod, txt, img = self.embed_conditions(timestep, text, image)
+        angles = rope_angles(positions, cfg.rope_axes_dim, cfg.rope_theta)
+        x = self.patch_embedding(patches).astype(jnp.float32)
+
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def body(x, block_state):
+            return nnx.merge(graphdef, block_state)(x, time_mod, txt, img, angles, ctx), None
+
+        x, _ = jax.lax.scan(body, x, stacked)
+
+        shift, scale = (self.head_modulation[...][None] + temb[:, None, :]).transpose(1, 0, 2)[:, :, None]
+        h = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(self.dtype)
+        return self.head(h).astype(jnp.float32)
+
+
+def forward_unsharded(
+    model: WanTransformer,
+    hidden_states: jax.Array,
+    timestep: jax.Array,
+    encoder_hidden_states: jax.Array,
+    encoder_hidden_states_image: jax.Array | None = None,
+) -> jax.Array:
+    """diffusers' ``WanTransformer3DModel.forward`` on one device: [B, C, F, H, W] -> [B, C_out, F, H, W]."""
+    cfg = model.config
+    grid = latent_grid(hidden_states.shape, cfg.patch_size)
+    n = math.prod(grid)
+    ctx = ShardContext(ParallelConfig(), SequenceLayout((n,), 1))
+    patches = patchify(hidden_states, cfg.patch_size)
+    positions = jnp.asarray(token_positions(grid))[None]
+    out = model(patches, positions, timestep, encoder_hidden_states, encoder_hidden_states_image, ctx=ctx)
+    return unpatchify(out, grid, cfg.patch_size, cfg.out_channels)
