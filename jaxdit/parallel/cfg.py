@@ -1,0 +1,79 @@
+"""CFG parallel: the unconditional and conditional branches of classifier-free guidance on two devices.
+
+The batch is laid out ``[unconditional; conditional]`` and split over the ``cfg`` axis, so each cfg
+shard runs the model on one branch. Guidance needs both predictions: each shard sends its prediction to
+the other (one collective-permute of one noise prediction per step, the only cfg communication) and
+both compute ``uncond + scale * (cond - uncond)`` locally, so the guided result and the sampler state
+stay replicated over cfg. With cfg=1 both halves live on every device and no communication happens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxdit.mesh import ParallelConfig
+
+CFG_AXIS = "cfg"
+
+
+def guidance(uncond: jax.Array, cond: jax.Array, scale) -> jax.Array:
+    """Classifier-free guidance in fp32, returned in the predictions' dtype."""
+    u = uncond.astype(jnp.float32)
+    return (u + scale * (cond.astype(jnp.float32) - u)).astype(cond.dtype)
+
+
+def interleave_branches(uncond: jax.Array, cond: jax.Array, data: int) -> jax.Array:
+    """[B, ...] x 2 -> [2B, ...] ordered (data shard, branch, request): each (data, cfg) shard of the
+    batch then holds one branch of its own requests, and with cfg=1 each data shard holds both."""
+    if uncond.shape != cond.shape or uncond.shape[0] % data:
+        raise ValueError(f"branches of shapes {uncond.shape}, {cond.shape} do not split over data={data}")
+    per = uncond.shape[0] // data
+    pairs = jnp.stack(
+        [uncond.reshape(data, per, *uncond.shape[1:]), cond.reshape(data, per, *cond.shape[1:])], 1
+    )
+    return pairs.reshape(2 * uncond.shape[0], *uncond.shape[1:])
+
+
+def combine_branches(prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: bool = False) -> jax.Array:
+    """Predictions laid out by :func:`interleave_branches`, batch over (data, cfg) -> guided [B, ...].
+
+    The output batch is split over data only (replicated over cfg). ``seq_sharded``: axis 1 is a token
+    axis in the model's padded shard layout, split over (ring, ulysses); it stays where it is.
+    """
+    config = ParallelConfig.from_mesh(mesh)
+    if prediction.shape[0] % (2 * config.data):
+        raise ValueError(f"CFG batch {prediction.shape[0]} is not 2 x a multiple of data={config.data}")
+    rest = (
+        (("ring", "ulysses"),) + (None,) * (prediction.ndim - 2)
+        if seq_sharded
+        else (None,) * (prediction.ndim - 1)
+    )
+
+    if config.cfg == 1:
+
+        def local(pred, scale):
+            # This data shard holds its own [uncond; cond] pair: split locally, nothing moves.
+            uncond, cond = jnp.split(pred, 2, axis=0)
+            return guidance(uncond, cond, scale)
+
+        in_spec = PartitionSpec("data", *rest)
+    else:
+
+        def local(pred, scale):
+            other = lax.ppermute(pred, CFG_AXIS, [(0, 1), (1, 0)])
+            is_cond = lax.axis_index(CFG_AXIS) == 1
+            return guidance(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
+
+        in_spec = PartitionSpec(("data", CFG_AXIS), *rest)
+
+    fn = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(in_spec, PartitionSpec()),
+        out_specs=PartitionSpec("data", *rest),
+        check_vma=False,
+    )
+    return fn(prediction, jnp.asarray(scale, jnp.float32))
