@@ -1,0 +1,45 @@
+"""Latent tensors between the sampler and the transformer: FLUX packing, positions, initial noise.
+
+FLUX packs a latent [B, C, H, W] into tokens [B, (H/2)(W/2), 4C] with channel index c*4 + ph*2 + pw
+(latent channel slowest) and gives image token (i, j) the RoPE position (0, i, j); text tokens sit at
+(0, 0, 0). The initial noise is drawn on the host from the seed alone, so the same seed gives the same
+picture on every mesh.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def pack(latents: np.ndarray) -> np.ndarray:
+    """[B, C, H, W] -> [B, (H/2)(W/2), 4C]."""
+    b, c, h, w = latents.shape
+    if h % 2 or w % 2:
+        raise ValueError(f"latent height and width must be even to pack 2x2 patches, got {h}x{w}")
+    x = latents.reshape(b, c, h // 2, 2, w // 2, 2)
+    return x.transpose(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+
+
+def unpack(tokens: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Inverse of :func:`pack`: [B, (H/2)(W/2), 4C] -> [B, C, H, W] for a latent of height x width."""
+    b, n, d = tokens.shape
+    if n != (height // 2) * (width // 2) or d % 4:
+        raise ValueError(f"{n} tokens of {d} features do not unpack to a {height}x{width} latent")
+    c = d // 4
+    x = tokens.reshape(b, height // 2, width // 2, c, 2, 2)
+    return x.transpose(0, 3, 1, 4, 2, 5).reshape(b, c, height, width)
+
+
+def image_positions(height: int, width: int) -> np.ndarray:
+    """RoPE ids of the packed image tokens of a height x width latent: [(H/2)(W/2), 3] = (0, row, col)."""
+    rows, cols = np.meshgrid(np.arange(height // 2), np.arange(width // 2), indexing="ij")
+    return np.stack([np.zeros_like(rows), rows, cols], axis=-1).reshape(-1, 3).astype(np.float32)
+
+
+def text_positions(length: int) -> np.ndarray:
+    return np.zeros((length, 3), np.float32)
+
+
+def initial_noise(seed: int, shape: tuple[int, ...]) -> np.ndarray:
+    """Standard normal noise from the seed alone (host side, fp32): independent of the mesh."""
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)

@@ -1,0 +1,68 @@
+"""Writing generated pictures and videos, atomically: a failed write leaves no half-written file."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    """Images in [-1, 1] (any float dtype) -> uint8 in [0, 255]."""
+    return np.round((np.clip(np.asarray(images, np.float32), -1.0, 1.0) + 1.0) * 127.5).astype(np.uint8)
+
+
+def grid(images: np.ndarray, columns: int, pad: int = 1) -> np.ndarray:
+    """[N, H, W(, C)] uint8 -> one [rows*(H+pad), columns*(W+pad)(, C)] picture, row-major."""
+    n, h, w = images.shape[:3]
+    rows = -(-n // columns)
+    canvas = np.zeros((rows * (h + pad) + pad, columns * (w + pad) + pad, *images.shape[3:]), images.dtype)
+    for i, img in enumerate(images):
+        r, c = divmod(i, columns)
+        canvas[
+            pad + r * (h + pad) : pad + r * (h + pad) + h, pad + c * (w + pad) : pad + c * (w + pad) + w
+        ] = img
+    return canvas
+
+
+def _atomic(path: Path, write) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def save_image(path: str | os.PathLike, image: np.ndarray, scale: int = 1) -> Path:
+    """Write one uint8 image [H, W] or [H, W, 3] as PNG, optionally enlarged by an integer factor."""
+    from PIL import Image
+
+    picture = Image.fromarray(image)
+    if scale > 1:
+        picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+    return _atomic(Path(path), lambda tmp: picture.save(tmp, format="PNG"))
+
+
+def save_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: int = 16) -> Path:
+    """Write uint8 frames [H, W(, 3)] as an animated GIF (needs nothing beyond Pillow)."""
+    from PIL import Image
+
+    path = Path(path)
+    if path.suffix.lower() != ".gif":
+        raise ValueError(f"videos are written as .gif; got {path.name}")
+    pictures = [Image.fromarray(f) for f in frames]
+    return _atomic(
+        path,
+        lambda tmp: pictures[0].save(
+            tmp, format="GIF", save_all=True, append_images=pictures[1:], duration=int(1000 / fps), loop=0
+        ),
+    )
