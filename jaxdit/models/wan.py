@@ -44,7 +44,15 @@ import numpy as np
 from flax import nnx
 
 from jaxdit.mesh import ParallelConfig
-from jaxdit.models.layers import Linear, gelu_tanh, layer_norm, param, rope_angles, timestep_embedding
+from jaxdit.models.layers import (
+    Linear,
+    apply_rope,
+    gelu_tanh,
+    layer_norm,
+    param,
+    rope_angles,
+    timestep_embedding,
+)
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.local_attention import local_attention
@@ -168,6 +176,13 @@ class WanConfig:
             image_dim=None if image_dim is None else int(image_dim),
             rope_max_seq_len=int(get("rope_max_seq_len", 1024)),
         )
+
+    def to_json(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> WanConfig:
+        return cls(**{k: (tuple(v) if k == "patch_size" else v) for k, v in data.items()})
 
     @classmethod
     def from_original(cls, config: Mapping[str, Any]) -> WanConfig:
@@ -340,8 +355,8 @@ class WanSelfAttention(nnx.Module):
             [self.q(x), self.k(x)], [self.norm_q, self.norm_k], cfg.dim, cfg.eps, ctx
         )
         dtype = self.q.kernel.dtype
-        q = rope_apply(_heads(q, cfg.head_dim), angles).astype(dtype)
-        k = rope_apply(_heads(k, cfg.head_dim), angles).astype(dtype)
+        q = apply_rope(_heads(q, cfg.head_dim), angles).astype(dtype)
+        k = apply_rope(_heads(k, cfg.head_dim), angles).astype(dtype)
         v = _heads(self.v(x), cfg.head_dim)
         out = ctx.attention(q, k, v)  # [B, N, H_local, D]
         return self.o(out.reshape(*out.shape[:2], -1), ctx)
@@ -389,14 +404,6 @@ class WanCrossAttention(nnx.Module):
             )
             out = out + out_img
         return self.o(out.reshape(*out.shape[:2], -1).astype(dtype), ctx)
-
-
-def rope_apply(x: jax.Array, angles: jax.Array) -> jax.Array:
-    """Interleaved-pair RoPE in fp32; x [B, N, H, D], angles [B or 1, N, D/2]."""
-    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-    x0, x1 = xf[..., 0], xf[..., 1]
-    return jnp.stack([cos * x0 - sin * x1, sin * x0 + cos * x1], axis=-1).reshape(x.shape)
 
 
 class WanBlock(nnx.Module):
@@ -469,8 +476,8 @@ class WanTransformer(nnx.Module):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         e = cfg.dim
         self.config = cfg
-        self.patch_embedding = Linear(cfg.patch_features, e, (None, "embed"), rngs=rngs, dtype=dtype)
-        self.text_embedding_1 = Linear(cfg.text_dim, e, (None, "embed"), rngs=rngs, dtype=dtype)
+        self.patch_embedding = Linear(cfg.patch_features, e, ("in_features", "embed"), rngs=rngs, dtype=dtype)
+        self.text_embedding_1 = Linear(cfg.text_dim, e, ("in_features", "embed"), rngs=rngs, dtype=dtype)
         self.text_embedding_2 = Linear(e, e, (None, "embed"), rngs=rngs, dtype=dtype)
         # Time embedding and the projection to the six modulation vectors: fp32 weights (a [B, E] input,
         # computed once per step; the numbers that scale every block's activations).
@@ -516,17 +523,20 @@ class WanTransformer(nnx.Module):
         text: jax.Array,
         image: jax.Array | None = None,
         *,
-        ctx: ShardContext,
+        ctx: ShardContext | None = None,
     ) -> jax.Array:
         """Local view: this shard's tokens -> its output patches.
 
         patches [B, N, K] (this shard's video tokens, :func:`patchify` order, padded per ``ctx.layout``),
-        positions [B or 1, N, 3] int (frame, row, col) of those tokens, timestep [B] in [0, 1000),
-        text [B, T, text_dim], image [B, I, image_dim] (I2V only). Returns [B, N, pt*ph*pw*C_out] fp32.
+        positions [N, 3] int (frame, row, col) of those tokens, timestep [B] in [0, 1000), text
+        [B, T, text_dim], image [B, I, image_dim] (I2V only). Without ``ctx`` the call is the whole,
+        unsharded model. Returns [B, N, pt*ph*pw*C_out] fp32.
         """
+        if ctx is None:
+            ctx = ShardContext(ParallelConfig(), SequenceLayout((patches.shape[1],), 1))
         cfg = self.config
         temb, time_mod, txt, img = self.embed_conditions(timestep, text, image)
-        angles = rope_angles(positions, cfg.rope_axes_dim, cfg.rope_theta)
+        angles = rope_angles(positions, cfg.rope_axes_dim, cfg.rope_theta)[None]  # shared by the batch
         x = self.patch_embedding(patches).astype(jnp.float32)
 
         graphdef, stacked = nnx.split(self.blocks)
@@ -551,9 +561,18 @@ def forward_unsharded(
     """diffusers' ``WanTransformer3DModel.forward`` on one device: [B, C, F, H, W] -> [B, C_out, F, H, W]."""
     cfg = model.config
     grid = latent_grid(hidden_states.shape, cfg.patch_size)
-    n = math.prod(grid)
-    ctx = ShardContext(ParallelConfig(), SequenceLayout((n,), 1))
     patches = patchify(hidden_states, cfg.patch_size)
-    positions = jnp.asarray(token_positions(grid))[None]
-    out = model(patches, positions, timestep, encoder_hidden_states, encoder_hidden_states_image, ctx=ctx)
+    positions = jnp.asarray(token_positions(grid))
+    out = model(patches, positions, timestep, encoder_hidden_states, encoder_hidden_states_image)
     return unpatchify(out, grid, cfg.patch_size, cfg.out_channels)
+
+
+def abstract_model(config: WanConfig, dtype: Any = jnp.float32) -> WanTransformer:
+    """The model with ``jax.ShapeDtypeStruct`` parameters: shapes and logical axes, nothing allocated."""
+    return nnx.eval_shape(lambda: WanTransformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def parameter_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
+    """Dotted parameter path -> shape (stacked blocks with their leading layer axis)."""
+    state = nnx.state(abstract_model(config), nnx.Param)
+    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
