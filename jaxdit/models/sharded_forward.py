@@ -1,0 +1,250 @@
+"""One jitted ``shard_map`` around a model's local-view forward: the generic glue FLUX and Wan share.
+
+A model written as the local view of one shard (``model(..., ctx=ShardContext)``) becomes a global
+function of global arrays here:
+
+- parameters enter ``shard_map`` with PartitionSpecs from their logical axes and the rule table
+  (replicated, or split over ``tensor``); nothing but the parameters' own shards is ever on a device;
+- every input and the output declare logical axes (:class:`Arg`); "batch" lands on (data, cfg) and "seq"
+  on (ring, ulysses) through the same rule table (``sharding_rules.ACTIVATIONS``), so this module is
+  where "batch over (data, cfg), seq over (ring, ulysses)" happens;
+- inputs whose "seq" axis belongs to a token group are padded to the group's shard-major layout
+  (:class:`SequenceLayout`) before, and the output group is unpadded after. Padding happens outside the
+  compiled step, so the step itself contains only the model's collectives.
+
+Preconditions are checked before anything is traced: heads against ulysses x tensor, batch against
+data x cfg, token-group lengths that agree between inputs, and no pipefusion (PipeFusion splits the stacked
+layers over devices and needs its own runner; a plain forward needs every layer on every device).
+
+:meth:`ShardedForward.step` is the compiled step on padded, sharded arrays, for denoising loops that
+keep their latents in the padded layout across steps; :meth:`ShardedForward.lower` compiles it from
+``jax.ShapeDtypeStruct`` parameters and inputs (full-size compiles without weights).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxdit.mesh import ParallelConfig
+from jaxdit.models.partitioning import named_shardings, partition_specs
+from jaxdit.parallel.context import ShardContext
+from jaxdit.parallel.layout import SequenceLayout
+from sharding_rules import logical_to_spec, rules_for
+
+__all__ = ["Arg", "ShardedForward", "validate_batch"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """How one input (or the output) of a forward lies on the mesh.
+
+    ``axes``: a logical name per dimension (e.g. ``("batch", "seq", None)``). ``group``: the token group
+    whose length the "seq" dimension has; such arrays are padded to the group's shard-major layout.
+    """
+
+    axes: tuple[str | None, ...]
+    group: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.group is not None) != ("seq" in self.axes):
+            raise ValueError(f"Arg{self.axes}: a token group needs a 'seq' axis and vice versa")
+
+    @property
+    def seq_axis(self) -> int | None:
+        return self.axes.index("seq") if "seq" in self.axes else None
+
+    @property
+    def batch_axis(self) -> int | None:
+        return self.axes.index("batch") if "batch" in self.axes else None
+
+
+def validate_batch(batch: int, config: ParallelConfig) -> None:
+    """Raise unless the batch splits over data x cfg."""
+    ways = config.data * config.cfg
+    if batch % ways:
+        valid = [d for d in range(1, batch + 1) if batch % d == 0]
+        raise ValueError(
+            f"batch {batch} cannot be split over data={config.data} x cfg={config.cfg} = {ways}; "
+            f"data x cfg must divide the batch (divisors of {batch}: {', '.join(map(str, valid))}); "
+            f"cfg=2 needs the conditional and unconditional halves stacked in one batch"
+        )
+
+
+def _pad(x: Any, layout: SequenceLayout, group: int, axis: int) -> Any:
+    if isinstance(x, np.ndarray):
+        return layout.pad(x, group, axis=axis)
+    return layout.pad(jnp.asarray(x), group, axis=axis)
+
+
+class ShardedForward:
+    """A model's local-view forward as one jitted ``shard_map`` over a mesh.
+
+    Args:
+      model: an ``nnx.Module`` (its parameters already placed, or abstract ``ShapeDtypeStruct``s for
+        :meth:`lower`), or a ``(graphdef, state)`` pair from ``nnx.split``.
+      mesh: a mesh from ``ParallelConfig.make_mesh``.
+      inputs: name -> :class:`Arg`, in the order ``body`` takes them. An input passed as ``None`` is
+        left out (e.g. FLUX-schnell's guidance).
+      output: the :class:`Arg` of the result.
+      body: ``body(model, ctx, **local_inputs) -> local output``, run inside ``shard_map``.
+      num_heads: checked against ulysses x tensor before anything is compiled.
+      rules: logical -> mesh axes; default ``rules_for(tensor=..., pipefusion=...)`` of the mesh.
+      kernel: tile sizes for the local attention kernel (``block_q``, ``block_k``).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module | tuple[nnx.GraphDef, nnx.State],
+        mesh: Mesh,
+        *,
+        inputs: Mapping[str, Arg],
+        output: Arg,
+        body: Callable[..., jax.Array],
+        num_heads: int,
+        rules: Mapping[str, object] | None = None,
+        kernel: Mapping[str, int] | None = None,
+    ) -> None:
+        self.config = ParallelConfig.from_mesh(mesh)
+        if self.config.pipefusion > 1:
+            raise ValueError(
+                f"pipefusion={self.config.pipefusion}: PipeFusion splits the stacked layers over devices and "
+                "needs the pipeline runner; a plain forward needs every layer on every device "
+                "(put the devices on ring/ulysses/tensor/cfg/data instead)"
+            )
+        self.config.validate_heads(num_heads)
+        self.mesh = mesh
+        self.rules = rules if rules is not None else rules_for(tensor=self.config.tensor)
+        if isinstance(model, tuple):
+            self.graphdef, self.state = model
+        else:
+            self.graphdef, self.state = nnx.split(model)
+        self.inputs = dict(inputs)
+        self.output = output
+        self.body = body
+        self.kernel = tuple(sorted((kernel or {}).items()))
+        self.param_specs = partition_specs(self.state, self.rules)
+        self.param_shardings = named_shardings(self.state, self.rules, mesh)
+        self._steps: dict[tuple, Callable] = {}
+
+    # ---------------------------------------------------------------- shapes
+    def spec(self, arg: Arg) -> PartitionSpec:
+        return logical_to_spec(arg.axes, self.rules)
+
+    def sharding(self, arg: Arg) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(arg))
+
+    def layout(self, shapes: Mapping[str, tuple[int, ...] | None]) -> SequenceLayout:
+        """The token layout for inputs of these (unpadded) shapes; checks batch and group lengths."""
+        lengths: dict[int, tuple[int, str]] = {}
+        batch: tuple[int, str] | None = None
+        for name, arg in self.inputs.items():
+            shape = shapes.get(name)
+            if shape is None:
+                continue
+            if len(shape) != len(arg.axes):
+                raise ValueError(f"{name} has shape {tuple(shape)}; expected {len(arg.axes)} dims {arg.axes}")
+            if arg.group is not None:
+                n = shape[arg.seq_axis]
+                if arg.group in lengths and lengths[arg.group][0] != n:
+                    other = lengths[arg.group]
+                    raise ValueError(
+                        f"{name} has {n} tokens but {other[1]} has {other[0]} (same token group)"
+                    )
+                lengths.setdefault(arg.group, (n, name))
+            if arg.batch_axis is not None:
+                b = shape[arg.batch_axis]
+                if batch is not None and batch[0] != b:
+                    raise ValueError(f"{name} has batch {b} but {batch[1]} has batch {batch[0]}")
+                batch = batch or (b, name)
+        groups = sorted(lengths)
+        if groups != list(range(len(groups))):
+            raise ValueError(f"token groups {groups} are not numbered 0..n-1")
+        if batch is not None:
+            validate_batch(batch[0], self.config)
+        return SequenceLayout(tuple(lengths[g][0] for g in groups), self.config.sequence_degree)
+
+    def _padded_shape(self, shape: tuple[int, ...], arg: Arg, layout: SequenceLayout) -> tuple[int, ...]:
+        if arg.group is None:
+            return tuple(shape)
+        out = list(shape)
+        out[arg.seq_axis] = layout.padded_lengths[arg.group]
+        return tuple(out)
+
+    # ------------------------------------------------------------------ step
+    def step(self, layout: SequenceLayout, names: tuple[str, ...]) -> Callable:
+        """The compiled step ``fn(state, *padded_inputs)`` for ``layout`` and the inputs ``names`` present.
+
+        Inputs and output are global arrays padded to ``layout`` and sharded as their :class:`Arg`\\ s say.
+        """
+        key = (layout, names)
+        if key not in self._steps:
+            ctx = ShardContext(self.config, layout, self.kernel)
+            graphdef, body = self.graphdef, self.body
+
+            def local(state, *args):
+                model = nnx.merge(graphdef, state)
+                return body(model, ctx, **dict(zip(names, args, strict=True)))
+
+            in_specs = (self.param_specs,) + tuple(self.spec(self.inputs[n]) for n in names)
+            sharded = jax.shard_map(
+                local, mesh=self.mesh, in_specs=in_specs, out_specs=self.spec(self.output), check_vma=False
+            )
+            self._steps[key] = jax.jit(
+                sharded,
+                in_shardings=(self.param_shardings,) + tuple(self.sharding(self.inputs[n]) for n in names),
+                out_shardings=self.sharding(self.output),
+            )
+        return self._steps[key]
+
+    def __call__(self, **inputs: Any) -> jax.Array:
+        """Global inputs (numpy or jax, unpadded) -> global output (unpadded)."""
+        unknown = set(inputs) - set(self.inputs)
+        if unknown:
+            raise TypeError(f"unexpected inputs {sorted(unknown)}; expected {list(self.inputs)}")
+        present = {n: inputs[n] for n in self.inputs if inputs.get(n) is not None}
+        layout = self.layout({n: tuple(np.shape(x)) for n, x in present.items()})
+        args = []
+        for name, x in present.items():
+            arg = self.inputs[name]
+            if arg.group is not None:
+                x = _pad(x, layout, arg.group, arg.seq_axis)
+            args.append(jax.device_put(x, self.sharding(arg)))
+        out = self.step(layout, tuple(present))(self.state, *args)
+        if self.output.group is not None:
+            out = layout.unpad(out, self.output.group, axis=self.output.seq_axis)
+        return out
+
+    def lower(self, **inputs: jax.ShapeDtypeStruct | None) -> jax.stages.Lowered:
+        """Lower the step from abstract (unpadded) inputs and this object's (possibly abstract) state."""
+        present = {n: inputs[n] for n in self.inputs if inputs.get(n) is not None}
+        layout = self.layout({n: tuple(x.shape) for n, x in present.items()})
+        args = [
+            jax.ShapeDtypeStruct(
+                self._padded_shape(tuple(x.shape), self.inputs[n], layout),
+                x.dtype,
+                sharding=self.sharding(self.inputs[n]),
+            )
+            for n, x in present.items()
+        ]
+        state = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.param_shardings
+        )
+        return self.step(layout, tuple(present)).lower(state, *args)
+
+    # ----------------------------------------------------------------- sizes
+    def param_bytes_per_device(self) -> int:
+        """Bytes of parameters one device holds under the rule table."""
+        total = 0
+        for x, s in zip(jax.tree.leaves(self.state), jax.tree.leaves(self.param_shardings), strict=True):
+            shard = s.shard_shape(tuple(x.shape))
+            total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
+        return total
