@@ -15,6 +15,21 @@ argument                    environment variable
 
 ``heartbeat_timeout_seconds`` bounds how long a process waits on a dead peer: after it, the
 coordination service reports the peer missing and the survivors exit with an error instead of hanging.
+
+How a dead peer ends the others (jax 0.10.2 on CPU/gloo, measured; ``tests/test_multiprocess.py``):
+every process's coordination-service client sends heartbeats to the service (hosted by process 0) and
+polls it for errors. When a process stops heartbeating for ``heartbeat_timeout_seconds`` the service
+sends the error to every task, and jax's client ends each survivor at once: a fatal log line
+"Terminating process because the JAX distributed service detected fatal errors. This most likely
+indicates that another task died ..." naming the unhealthy task, then SIGABRT (exit status -6/134).
+If process 0 (the service) dies, the others lose their connection to it and end the same way:
+immediately when its socket closes, otherwise (a frozen host) after the heartbeat timeout.
+
+This is what bounds a survivor blocked inside a gloo collective: gloo did not notice that a peer's
+sockets had closed while it waited in an all-reduce (still blocked 40 s later, with no error of its
+own). A survivor whose collective raises a ``JaxRuntimeError`` and exits normally is bounded the same
+way, by jax's shutdown barrier at exit. So no watchdog of ours is needed. Not covered: a peer that is
+alive but stuck, whose client thread keeps heartbeating.
 """
 
 from __future__ import annotations
