@@ -36,6 +36,7 @@ __all__ = [
     "Family",
     "FluxForward",
     "Source",
+    "WanForward",
     "convert_checkpoint",
     "load_params",
     "load_transformer",
@@ -180,15 +181,15 @@ def load_transformer(
     """Load a transformer checkpoint onto a mesh; returns a callable mirroring diffusers' ``forward``.
 
     Args:
-      path: a BFL ``.safetensors`` file, a diffusers model or pipeline folder, or a folder written by
-        ``jaxdit convert`` (orbax).
+      path: a BFL ``.safetensors`` file, a diffusers model or pipeline folder, an original Wan 2.1
+        folder or file, or a folder written by ``jaxdit convert`` (orbax).
       parallel: a :class:`ParallelConfig` (its mesh uses the first ``num_devices`` devices) or a mesh;
         None runs on one device.
       dtype: parameter and compute dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's.
       config: overrides the config read or inferred from the checkpoint (needed for BFL files whose RoPE
         split is not FLUX.1's).
 
-    For FLUX the callable is :class:`FluxForward`.
+    For FLUX the callable is :class:`FluxForward`, for Wan 2.1 :class:`WanForward`.
     """
     mesh = _mesh(parallel)
     family, model = load_params(path, mesh, dtype, config=config)
@@ -312,3 +313,86 @@ def _flux_family() -> Family:
 
 
 register_family(_flux_family())
+
+
+# --------------------------------------------------------------------------------------------------------
+# Wan 2.1
+# --------------------------------------------------------------------------------------------------------
+
+
+class WanForward:
+    """A Wan 2.1 transformer on a mesh, called like diffusers' ``WanTransformer3DModel.forward``.
+
+    ``hidden_states`` [B, C, F, H, W] latents (C = 16, or 36 for I2V: noise, mask, condition),
+    ``timestep`` [B] (or a scalar) in [0, 1000), ``encoder_hidden_states`` [B, T, 4096] umT5 tokens
+    (the original model zero-pads them to 512), ``encoder_hidden_states_image`` [B, 257, 1280] CLIP
+    features for I2V, None for T2V. numpy or jax arrays; returns [B, 16, F, H, W] as an fp32 jax array
+    (as the original model does). Any F, H, W that the patch divides: the video tokens are padded for the
+    mesh and the padding removed.
+    """
+
+    def __init__(self, model: nnx.Module, mesh: Mesh) -> None:
+        from jaxdit.models import wan
+
+        self.config = model.config
+        self.mesh = mesh
+        self.dtype = model.dtype
+        self.forward = wan.sharded(model, mesh)
+
+    @property
+    def params(self) -> nnx.State:
+        return self.forward.state
+
+    def __call__(
+        self,
+        hidden_states: Any,
+        timestep: Any,
+        encoder_hidden_states: Any,
+        encoder_hidden_states_image: Any = None,
+    ) -> jax.Array:
+        from jaxdit.models import wan
+
+        cfg = self.config
+        shape = np.shape(hidden_states)
+        if len(shape) != 5 or shape[1] != cfg.in_channels:
+            raise ValueError(f"hidden_states has shape {shape}; expected [B, {cfg.in_channels}, F, H, W]")
+        batch = shape[0]
+        t = _as_float(timestep, jnp.float32)
+        if t.ndim == 0:
+            t = t.reshape(1)
+        if t.shape == (1,) and batch > 1:
+            t = jnp.broadcast_to(t, (batch,)) if isinstance(t, jax.Array) else np.broadcast_to(t, (batch,))
+        if t.shape != (batch,):
+            raise ValueError(f"timestep has shape {t.shape}; expected ({batch},) or a scalar")
+        grid = wan.latent_grid(shape, cfg.patch_size)
+        image = encoder_hidden_states_image
+        out = self.forward(
+            hidden_states=wan.patchify(_as_float(hidden_states, self.dtype), cfg.patch_size),
+            positions=wan.token_positions(grid),
+            timestep=t,
+            encoder_hidden_states=_as_float(encoder_hidden_states, self.dtype),
+            encoder_hidden_states_image=None if image is None else _as_float(image, self.dtype),
+        )
+        return wan.unpatchify(out, grid, cfg.patch_size, cfg.out_channels)
+
+
+def _wan_family() -> Family:
+    from converters import wan as wan_converters
+    from jaxdit.models import wan
+
+    def open_wan(path: Path, config: Any) -> Source:
+        ckpt = wan_converters.detect(path, config)
+        return Source(ckpt.config, ckpt.dtype, ckpt.resolve)
+
+    return Family(
+        name="wan",
+        detect=wan_converters.is_wan_checkpoint,
+        open=open_wan,
+        config_to_json=lambda c: c.to_json(),
+        config_from_json=wan.WanConfig.from_json,
+        abstract_model=wan.abstract_model,
+        wrap=WanForward,
+    )
+
+
+register_family(_wan_family())

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models.layers import (
@@ -53,6 +54,7 @@ from jaxdit.models.layers import (
     rope_angles,
     timestep_embedding,
 )
+from jaxdit.models.sharded_forward import Arg, ShardedForward
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.local_attention import local_attention
@@ -83,8 +85,6 @@ class WanConfig:
     #: CLIP feature width (1280) for I2V; None for T2V. Implies image keys/values in every block.
     image_dim: int | None = None
     rope_theta: float = 10000.0
-    #: Largest (frame, row, col) position the reference tables cover; larger grids are refused.
-    rope_max_seq_len: int = 1024
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         "wan2.1-t2v-1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, in_channels=16),
@@ -174,7 +174,6 @@ class WanConfig:
             freq_dim=int(get("freq_dim", 256)),
             eps=float(get("eps", 1e-6)),
             image_dim=None if image_dim is None else int(image_dim),
-            rope_max_seq_len=int(get("rope_max_seq_len", 1024)),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -576,3 +575,54 @@ def parameter_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
     """Dotted parameter path -> shape (stacked blocks with their leading layer axis)."""
     state = nnx.state(abstract_model(config), nnx.Param)
     return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
+
+
+# --------------------------------------------------------------------------------------------------------
+# On a mesh
+# --------------------------------------------------------------------------------------------------------
+
+#: How the sharded forward's inputs lie on the mesh. The video tokens (patchified latents) and their
+#: positions are token group 0, sequence-sharded; the timestep, text and image context are split over the
+#: batch only, so every sequence shard holds the whole context (cross-attention is local).
+FORWARD_INPUTS: dict[str, Arg] = {
+    "hidden_states": Arg(("batch", "seq", None), 0),
+    "positions": Arg(("seq", None), 0),
+    "timestep": Arg(("batch",)),
+    "encoder_hidden_states": Arg(("batch", None, None)),
+    "encoder_hidden_states_image": Arg(("batch", None, None)),
+}
+FORWARD_OUTPUT = Arg(("batch", "seq", None), 0)
+
+
+def _forward_body(model: WanTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
+    return model(
+        x["hidden_states"],
+        x["positions"],
+        x["timestep"],
+        x["encoder_hidden_states"],
+        x.get("encoder_hidden_states_image"),
+        ctx=ctx,
+    )
+
+
+def sharded(
+    model: WanTransformer,
+    mesh: Mesh,
+    *,
+    rules: Mapping[str, object] | None = None,
+    kernel: Mapping[str, int] | None = None,
+) -> ShardedForward:
+    """The model's forward on patch tokens as one jitted ``shard_map`` over ``mesh`` (see
+    :data:`FORWARD_INPUTS`: ``hidden_states`` [B, N, K] from :func:`patchify`, ``positions`` [N, 3]
+    from :func:`token_positions`). ``model`` may be abstract (:func:`abstract_model`) for
+    :meth:`ShardedForward.lower`. ``jaxdit.load_transformer`` wraps it with patchify/unpatchify."""
+    return ShardedForward(
+        model,
+        mesh,
+        inputs=FORWARD_INPUTS,
+        output=FORWARD_OUTPUT,
+        body=_forward_body,
+        num_heads=model.config.num_heads,
+        rules=rules,
+        kernel=kernel,
+    )
