@@ -67,7 +67,8 @@ class Family:
     ``open(path, config)``: a :class:`Source`; ``config`` (or None) overrides the inferred config.
     ``config_to_json`` / ``config_from_json``: the config in an orbax checkpoint's ``jaxdit.json``.
     ``abstract_model(config, dtype)``: the model with ``ShapeDtypeStruct`` parameters.
-    ``wrap(model, mesh)``: the user-facing callable of a loaded model.
+    ``wrap(model, mesh, **options)``: the user-facing callable of a loaded model; ``options`` are
+    ``kernel`` (attention tile sizes) and ``compiler_options`` (XLA), both may be None.
     """
 
     name: str
@@ -76,7 +77,7 @@ class Family:
     config_to_json: Callable[[Any], dict[str, Any]]
     config_from_json: Callable[[Mapping[str, Any]], Any]
     abstract_model: Callable[[Any, Any], nnx.Module]
-    wrap: Callable[[nnx.Module, Mesh], Callable[..., Any]]
+    wrap: Callable[..., Callable[..., Any]]
 
 
 #: Registered families, tried in order by :func:`detect_family`.
@@ -177,6 +178,8 @@ def load_transformer(
     dtype: Any = None,
     *,
     config: Any = None,
+    kernel: Mapping[str, int] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Callable[..., jax.Array]:
     """Load a transformer checkpoint onto a mesh; returns a callable mirroring diffusers' ``forward``.
 
@@ -188,12 +191,14 @@ def load_transformer(
       dtype: parameter and compute dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's.
       config: overrides the config read or inferred from the checkpoint (needed for BFL files whose RoPE
         split is not FLUX.1's).
+      kernel: tile sizes of the local attention kernel (``block_q``, ``block_k``).
+      compiler_options: XLA options for the compiled step (see ``ShardedForward``).
 
     For FLUX the callable is :class:`FluxForward`, for Wan 2.1 :class:`WanForward`.
     """
     mesh = _mesh(parallel)
     family, model = load_params(path, mesh, dtype, config=config)
-    return family.wrap(model, mesh)
+    return family.wrap(model, mesh, kernel=kernel, compiler_options=compiler_options)
 
 
 def convert_checkpoint(
@@ -227,13 +232,20 @@ class FluxForward:
     the padding removed.
     """
 
-    def __init__(self, model: nnx.Module, mesh: Mesh) -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        mesh: Mesh,
+        *,
+        kernel: Mapping[str, int] | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> None:
         from jaxdit.models import flux
 
         self.config = model.config
         self.mesh = mesh
         self.dtype = model.dtype
-        self.forward = flux.sharded(model, mesh)
+        self.forward = flux.sharded(model, mesh, kernel=kernel, compiler_options=compiler_options)
 
     @property
     def params(self) -> nnx.State:

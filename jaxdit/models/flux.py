@@ -537,6 +537,7 @@ def sharded(
     *,
     rules: Mapping[str, object] | None = None,
     kernel: Mapping[str, int] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> ShardedForward:
     """The model's forward as one jitted ``shard_map`` over ``mesh``, called with diffusers' argument
     names on global arrays (see :data:`FORWARD_INPUTS`). ``model`` may be abstract
@@ -550,4 +551,5 @@ def sharded(
         num_heads=model.config.num_heads,
         rules=rules,
         kernel=kernel,
+        compiler_options=compiler_options,
     )

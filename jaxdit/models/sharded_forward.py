@@ -99,6 +99,8 @@ class ShardedForward:
       num_heads: checked against ulysses x tensor before anything is compiled.
       rules: logical -> mesh axes; default ``rules_for(tensor=..., pipefusion=...)`` of the mesh.
       kernel: tile sizes for the local attention kernel (``block_q``, ``block_k``).
+      compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``), e.g.
+        ``{"xla_backend_optimization_level": 0}`` for quick test compiles on CPU.
     """
 
     def __init__(
@@ -112,6 +114,7 @@ class ShardedForward:
         num_heads: int,
         rules: Mapping[str, object] | None = None,
         kernel: Mapping[str, int] | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = ParallelConfig.from_mesh(mesh)
         if self.config.pipefusion > 1:
@@ -131,6 +134,7 @@ class ShardedForward:
         self.output = output
         self.body = body
         self.kernel = tuple(sorted((kernel or {}).items()))
+        self.compiler_options = dict(compiler_options) if compiler_options else None
         self.param_specs = partition_specs(self.state, self.rules)
         self.param_shardings = named_shardings(self.state, self.rules, mesh)
         self._steps: dict[tuple, Callable] = {}
@@ -202,6 +206,7 @@ class ShardedForward:
                 sharded,
                 in_shardings=(self.param_shardings,) + tuple(self.sharding(self.inputs[n]) for n in names),
                 out_shardings=self.sharding(self.output),
+                compiler_options=self.compiler_options,
             )
         return self._steps[key]
 
