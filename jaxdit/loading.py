@@ -343,13 +343,20 @@ class WanForward:
     mesh and the padding removed.
     """
 
-    def __init__(self, model: nnx.Module, mesh: Mesh) -> None:
+    def __init__(
+        self,
+        model: nnx.Module,
+        mesh: Mesh,
+        *,
+        kernel: Mapping[str, int] | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> None:
         from jaxdit.models import wan
 
         self.config = model.config
         self.mesh = mesh
         self.dtype = model.dtype
-        self.forward = wan.sharded(model, mesh)
+        self.forward = wan.sharded(model, mesh, kernel=kernel, compiler_options=compiler_options)
 
     @property
     def params(self) -> nnx.State:

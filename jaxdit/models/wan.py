@@ -611,6 +611,7 @@ def sharded(
     *,
     rules: Mapping[str, object] | None = None,
     kernel: Mapping[str, int] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> ShardedForward:
     """The model's forward on patch tokens as one jitted ``shard_map`` over ``mesh`` (see
     :data:`FORWARD_INPUTS`: ``hidden_states`` [B, N, K] from :func:`patchify`, ``positions`` [N, 3]
@@ -625,4 +626,5 @@ def sharded(
         num_heads=model.config.num_heads,
         rules=rules,
         kernel=kernel,
+        compiler_options=compiler_options,
     )
