@@ -353,7 +353,7 @@ def detect(
                 try:
                     config = FluxConfig.from_bfl_keys(shapes)
                 except (KeyError, ValueError) as e:
-                    raise CheckpointError(f"{_name(files)}: {e}") from None
+                    raise CheckpointError(f"{_name(files)}: {e.args[0]}") from None
             return FluxCheckpoint(files, "bfl", prefix, config)
     if "x_embedder.weight" in keys:
         if config is None:

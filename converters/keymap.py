@@ -369,9 +369,9 @@ def _check_keys(table: KeyTable, ckpt: Checkpoint, prefix: str) -> None:
         hint = ""
         if extra:
             hint = f"; it holds {len(extra)} tensor(s) the table does not use: {_list(extra)} (renamed?)"
+        more = f" ({len(missing)} missing in all: {_list(missing)})" if len(missing) > 1 else ""
         raise CheckpointKeyError(
-            f"{_where(ckpt)}: missing tensor {missing[0]!r} ({len(missing)} missing in all: "
-            f"{_list(missing)}) for the {table.name} layout{hint}"
+            f"{_where(ckpt)}: missing tensor {missing[0]!r}{more} for the {table.name} layout{hint}"
         )
     if extra:
         raise CheckpointError(

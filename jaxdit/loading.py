@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from converters import orbax_io
 from converters.errors import CheckpointError
 from converters.keymap import place_params
-from converters.safetensors_io import LazyTensor
+from converters.safetensors_io import LazyTensor, open_checkpoint
 from jaxdit.mesh import ParallelConfig, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
 from sharding_rules import rules_for
@@ -95,6 +95,9 @@ def detect_family(path: PathLike) -> Family:
     for family in FAMILIES.values():
         if family.detect(path):
             return family
+    # Nothing recognised it. A damaged file is the likelier story: let the reader say what is wrong with
+    # it (truncated, bad header), naming the file.
+    open_checkpoint(path)
     raise CheckpointError(
         f"{path}: not a checkpoint of a known model family ({', '.join(FAMILIES)}); expected a BFL or "
         "diffusers file/folder, or a folder written by `jaxdit convert`"
