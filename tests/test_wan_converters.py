@@ -19,6 +19,9 @@ from converters.safetensors_io import open_checkpoint, write_safetensors
 from jaxdit.loading import convert_checkpoint, load_transformer
 from jaxdit.models.wan import WanConfig, parameter_shapes
 
+#: Quick CPU compiles for the few tests that run the model (numerics are tested elsewhere).
+FAST = {"compiler_options": {"xla_backend_optimization_level": 0}}
+
 # ------------------------------------------------------------------------------------------ key tables
 
 
@@ -157,7 +160,7 @@ def test_detects_each_layout(tmp_path):
     ckpt = cw.detect(single, wan_tiny.config(False))
     assert (ckpt.layout, ckpt.prefix) == ("original", cw.ORIGINAL_PREFIX)
     x, ref = wan_tiny.case(False)
-    out = load_transformer(single, config=wan_tiny.config(False))(**x)
+    out = load_transformer(single, config=wan_tiny.config(False), **FAST)(**x)
     assert float(np.abs(np.asarray(out) - ref).max()) < 1e-4
 
 
@@ -272,7 +275,7 @@ def test_convert_to_orbax_and_load(tmp_path):
     meta = json.loads((dst / "jaxdit.json").read_text())
     assert meta["family"] == "wan" and WanConfig.from_json(meta["config"]) == wan_tiny.config(True)
     x, ref = wan_tiny.case(True)
-    out = load_transformer(dst)(**x)
+    out = load_transformer(dst, **FAST)(**x)
     assert float(np.abs(np.asarray(out) - ref).max()) < 1e-4
     with pytest.raises(FileExistsError):
         convert_checkpoint(wan_tiny.original_folder(True), dst)

@@ -22,6 +22,9 @@ from jaxdit.models import wan
 TOL = 1e-4  # the design's fp32 tolerance against PyTorch; never relaxed to pass
 UNSHARDED_TOL = 1e-5  # sharded vs jaxdit's own single-device run (fp32)
 
+#: Halves CPU compile time (every configuration is a new program); numerics are what is tested.
+FAST = {"compiler_options": {"xla_backend_optimization_level": 0}}
+
 #: Each uses all 8 emulated devices; batch 2 so that data and cfg have something to split.
 T2V_CONFIGS = {
     "ulysses8": ParallelConfig(ulysses=8),
@@ -47,7 +50,7 @@ def _error(out, ref) -> float:
 
 @functools.cache
 def _unsharded_fn(i2v: bool):
-    return load_transformer(wan_tiny.diffusers_folder(i2v))
+    return load_transformer(wan_tiny.diffusers_folder(i2v), **FAST)
 
 
 @functools.cache
@@ -82,7 +85,7 @@ def test_single_device(i2v):
 @pytest.mark.parametrize("i2v", [False, True], ids=["t2v", "i2v"])
 def test_original_layout_single_device(i2v):
     # Sharded files + index with original names -> the same parameters, hence bit for bit the same output.
-    fn = load_transformer(wan_tiny.original_folder(i2v))
+    fn = load_transformer(wan_tiny.original_folder(i2v), **FAST)
     assert fn.config == wan_tiny.config(i2v)
     x, ref = wan_tiny.case(i2v)
     out = np.asarray(fn(**x))
@@ -93,21 +96,21 @@ def test_original_layout_single_device(i2v):
 
 @pytest.mark.parametrize("name", list(T2V_CONFIGS))
 def test_parallel_t2v(name):
-    fn = load_transformer(wan_tiny.diffusers_folder(False), T2V_CONFIGS[name])
+    fn = load_transformer(wan_tiny.diffusers_folder(False), T2V_CONFIGS[name], **FAST)
     _check_parallel(fn, False, wan_tiny.DEFAULT_SHAPE, name)
 
 
 @pytest.mark.parametrize("name", list(I2V_CONFIGS))
 def test_parallel_i2v_original_layout(name):
     parallel, shape = I2V_CONFIGS[name]
-    _check_parallel(load_transformer(wan_tiny.original_folder(True), parallel), True, shape, name)
+    _check_parallel(load_transformer(wan_tiny.original_folder(True), parallel, **FAST), True, shape, name)
 
 
 def test_bf16_single_device():
     # bf16 weights and matmuls (norms, RoPE, modulation, softmax statistics and the residual stream in
     # fp32): within a few bf16 ulps (2^-8 relative) of the output's scale after two blocks of rounding.
     x, ref = wan_tiny.case(False)
-    fn = load_transformer(wan_tiny.diffusers_folder(False), dtype=jnp.bfloat16)
+    fn = load_transformer(wan_tiny.diffusers_folder(False), dtype=jnp.bfloat16, **FAST)
     assert fn.dtype == jnp.bfloat16
     err = float(np.abs(np.asarray(fn(**x)) - ref).max())
     print(
@@ -121,7 +124,7 @@ def test_tensor_parallel_collectives():
     # and the FFN, plus the two small all-reduces of the q/k RMSNorm sums of squares across heads
     # (self-attention q and k in one [B, 2N] all-reduce; cross-attention q and text k in one [B, N + T]).
     parallel = ParallelConfig(tensor=2, ring=2, ulysses=2)
-    fn = load_transformer(wan_tiny.diffusers_folder(False), parallel)
+    fn = load_transformer(wan_tiny.diffusers_folder(False), parallel, **FAST)
     x, _ = wan_tiny.case(False)
     cfg = fn.config
     grid = wan.latent_grid(x["hidden_states"].shape, cfg.patch_size)
