@@ -1,6 +1,6 @@
 """The ``jaxdit`` command: a thin dispatcher over the library, one function per subcommand.
 
-jaxdit convert SRC DST [--dtype bfloat16]   checkpoint (BFL, diffusers) -> jaxdit orbax folder
+jaxdit convert SRC DST [--dtype bfloat16]   checkpoint (BFL, diffusers, original Wan) -> jaxdit orbax folder
 """
 
 from __future__ import annotations
@@ -26,9 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     convert = sub.add_parser(
         "convert",
-        help="convert a checkpoint (BFL file, diffusers folder) into a jaxdit orbax folder, atomically",
+        help="convert a checkpoint (FLUX BFL file, diffusers folder, original Wan 2.1 folder) into a jaxdit orbax "
+        "folder, atomically",
     )
-    convert.add_argument("src", help="a .safetensors file, a diffusers model or pipeline folder")
+    convert.add_argument(
+        "src", help="a .safetensors file, a diffusers model or pipeline folder, an original Wan 2.1 folder"
+    )
     convert.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
     convert.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")

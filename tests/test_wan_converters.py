@@ -16,6 +16,7 @@ from converters import wan as cw
 from converters.errors import CheckpointError, CheckpointKeyError
 from converters.keymap import StateDict, invert, resolve
 from converters.safetensors_io import open_checkpoint, write_safetensors
+from jaxdit import cli
 from jaxdit.loading import convert_checkpoint, load_transformer
 from jaxdit.models.wan import WanConfig, parameter_shapes
 
@@ -270,8 +271,11 @@ def test_diffusers_config_with_more_layers_than_weights(tmp_path):
 # ------------------------------------------------------------------------------------------ export
 
 
-def test_convert_to_orbax_and_load(tmp_path):
-    dst = convert_checkpoint(wan_tiny.original_folder(True), tmp_path / "wan-i2v-jaxdit")
+def test_convert_to_orbax_and_load(tmp_path, capsys):
+    # Through the command line: the original-layout I2V folder -> a jaxdit orbax folder.
+    dst = tmp_path / "wan-i2v-jaxdit"
+    assert cli.main(["convert", str(wan_tiny.original_folder(True)), str(dst)]) == 0
+    assert str(dst) in capsys.readouterr().out
     meta = json.loads((dst / "jaxdit.json").read_text())
     assert meta["family"] == "wan" and WanConfig.from_json(meta["config"]) == wan_tiny.config(True)
     x, ref = wan_tiny.case(True)
@@ -279,3 +283,4 @@ def test_convert_to_orbax_and_load(tmp_path):
     assert float(np.abs(np.asarray(out) - ref).max()) < 1e-4
     with pytest.raises(FileExistsError):
         convert_checkpoint(wan_tiny.original_folder(True), dst)
+    assert cli.main(["convert", str(wan_tiny.original_folder(True)), str(dst)]) == 2  # exists: an error
