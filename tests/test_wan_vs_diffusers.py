@@ -143,3 +143,24 @@ def test_tensor_parallel_collectives():
     assert all(c.count == cfg.num_layers for c in reduces)
     assert len(big) == 3 and small == [(batch, n_local + text), (batch, 2 * n_local)]
     assert {c.kind for c in collectives(compiled)} == {"all-reduce", "all-to-all", "collective-permute"}
+
+
+def test_input_errors():
+    t2v, i2v = _unsharded_fn(False), _unsharded_fn(True)
+    x, _ = wan_tiny.case(False)
+    with pytest.raises(
+        ValueError, match=r"hidden_states has shape \(2, 3, 3, 6, 10\); expected \[B, 4, F, H, W\]"
+    ):
+        t2v(**{**x, "hidden_states": x["hidden_states"][:, :3]})
+    with pytest.raises(ValueError, match="3x6x9 are not multiples of the patch 1x2x2"):
+        t2v(**{**x, "hidden_states": x["hidden_states"][..., :9]})
+    with pytest.raises(ValueError, match="has no image input"):
+        t2v(**{**x, "encoder_hidden_states_image": np.zeros((2, 5, wan_tiny.IMAGE_DIM), np.float32)})
+    xi, _ = wan_tiny.case(True)
+    with pytest.raises(ValueError, match="needs encoder_hidden_states_image"):
+        i2v(**{**xi, "encoder_hidden_states_image": None})
+    with pytest.raises(ValueError, match="8 heads cannot be split over ulysses=3"):
+        load_transformer(wan_tiny.diffusers_folder(False), ParallelConfig(ulysses=3))
+    cfg2 = load_transformer(wan_tiny.diffusers_folder(False), ParallelConfig(cfg=2), **FAST)
+    with pytest.raises(ValueError, match="batch 1 cannot be split over data=1 x cfg=2"):
+        cfg2(**wan_tiny.inputs(False, batch=1))
