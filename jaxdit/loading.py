@@ -29,6 +29,7 @@ from converters.keymap import place_params
 from converters.safetensors_io import LazyTensor, open_checkpoint
 from jaxdit.mesh import ParallelConfig, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
+from jaxdit.models.sharded_forward import validate_forward
 from sharding_rules import rules_for
 
 __all__ = [
@@ -66,6 +67,7 @@ class Family:
     ``detect(path)``: is ``path`` a (non-orbax) checkpoint of this family; cheap (config or headers).
     ``open(path, config)``: a :class:`Source`; ``config`` (or None) overrides the inferred config.
     ``config_to_json`` / ``config_from_json``: the config in an orbax checkpoint's ``jaxdit.json``.
+    Configs have ``num_heads`` (checked against the mesh before loading).
     ``abstract_model(config, dtype)``: the model with ``ShapeDtypeStruct`` parameters.
     ``wrap(model, mesh, **options)``: the user-facing callable of a loaded model; ``options`` are
     ``kernel`` (attention tile sizes) and ``compiler_options`` (XLA), both may be None.
@@ -137,10 +139,12 @@ def load_params(
     *,
     config: Any = None,
     rules: Mapping[str, object] | None = None,
+    check: Callable[[Any], None] | None = None,
 ) -> tuple[Family, nnx.Module]:
     """Read a checkpoint into a model whose parameters live on ``mesh`` (sharded by ``rules``).
 
-    ``dtype`` defaults to the checkpoint's storage dtype. Returns the family and the model.
+    ``dtype`` defaults to the checkpoint's storage dtype. ``check(config)`` runs once the config is known
+    and before any tensor is read (e.g. heads against the mesh). Returns the family and the model.
     """
     path = Path(path)
     config_ = ParallelConfig.from_mesh(mesh)
@@ -151,6 +155,8 @@ def load_params(
             raise CheckpointError(f"{path}: checkpoint of unknown family {meta['family']!r}")
         family = FAMILIES[meta["family"]]
         cfg = family.config_from_json(meta["config"]) if config is None else config
+        if check is not None:
+            check(cfg)
         dtype = jnp.dtype(dtype or meta["dtype"])
         graphdef, abstract = nnx.split(family.abstract_model(cfg, dtype))
         shardings = named_shardings(abstract, rules, mesh)
@@ -164,6 +170,8 @@ def load_params(
 
     family = detect_family(path)
     source = family.open(path, config)
+    if check is not None:
+        check(source.config)
     dtype = jnp.dtype(dtype or source.dtype)
     graphdef, abstract = nnx.split(family.abstract_model(source.config, dtype))
     flat = nnx.to_flat_state(abstract)
@@ -200,7 +208,9 @@ def load_transformer(
     For FLUX the callable is :class:`FluxForward`, for Wan 2.1 :class:`WanForward`.
     """
     mesh = _mesh(parallel)
-    family, model = load_params(path, mesh, dtype, config=config)
+    # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
+    check = lambda cfg: validate_forward(ParallelConfig.from_mesh(mesh), cfg.num_heads)
+    family, model = load_params(path, mesh, dtype, config=config, check=check)
     return family.wrap(model, mesh, kernel=kernel, compiler_options=compiler_options)
 
 

@@ -40,7 +40,7 @@ from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from sharding_rules import logical_to_spec, rules_for
 
-__all__ = ["Arg", "ShardedForward", "validate_batch"]
+__all__ = ["Arg", "ShardedForward", "validate_batch", "validate_forward"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,20 @@ def validate_batch(batch: int, config: ParallelConfig) -> None:
             f"data x cfg must divide the batch (divisors of {batch}: {', '.join(map(str, valid))}); "
             f"cfg=2 needs the conditional and unconditional halves stacked in one batch"
         )
+
+
+def validate_forward(config: ParallelConfig, num_heads: int) -> None:
+    """Raise unless a plain (non-pipelined) forward of a model with ``num_heads`` heads runs on ``config``.
+
+    Cheap and weight-free: loaders call it before reading a checkpoint.
+    """
+    if config.pipefusion > 1:
+        raise ValueError(
+            f"pipefusion={config.pipefusion}: PipeFusion splits the stacked layers over devices and needs "
+            "the pipeline runner; a plain forward needs every layer on every device "
+            "(put the devices on ring/ulysses/tensor/cfg/data instead)"
+        )
+    config.validate_heads(num_heads)
 
 
 def _pad(x: Any, layout: SequenceLayout, group: int, axis: int) -> Any:
@@ -117,13 +131,7 @@ class ShardedForward:
         compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.config = ParallelConfig.from_mesh(mesh)
-        if self.config.pipefusion > 1:
-            raise ValueError(
-                f"pipefusion={self.config.pipefusion}: PipeFusion splits the stacked layers over devices and "
-                "needs the pipeline runner; a plain forward needs every layer on every device "
-                "(put the devices on ring/ulysses/tensor/cfg/data instead)"
-            )
-        self.config.validate_heads(num_heads)
+        validate_forward(self.config, num_heads)
         self.mesh = mesh
         self.rules = rules if rules is not None else rules_for(tensor=self.config.tensor)
         if isinstance(model, tuple):
