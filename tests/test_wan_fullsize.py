@@ -9,6 +9,7 @@ in ``temp`` (reference/jax-facts.md), so ``temp`` is about twice the bf16 argume
 arguments plus the activations. The test also reports ``temp - 2 x arguments`` as the activation estimate.
 """
 
+import functools
 import math
 import time
 
@@ -16,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxdit.hlo_stats import collectives, memory_per_device
+from jaxdit.hlo_stats import collectives, flops_per_device, memory_per_device
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 
@@ -30,20 +31,18 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def abstract():
+@functools.cache
+def _abstract():
     return wan.abstract_model(wan.WanConfig.preset("wan2.1-t2v-14b"), jnp.bfloat16)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CONFIGS))
-def test_wan14b_720p_81_frames_compiles(abstract, name):
-    parallel, batch = CONFIGS[name]
+@functools.cache
+def _compile(parallel: ParallelConfig, batch: int):
+    """(compiled step, its ShardedForward, lower + compile seconds), from abstract params and inputs."""
+    abstract = _abstract()
     cfg = abstract.config
-    grid = wan.latent_grid(LATENT, cfg.patch_size)
-    tokens = math.prod(grid)
-    assert tokens == 75_600
-    forward = wan.sharded(abstract, parallel.make_mesh())
+    tokens = math.prod(wan.latent_grid(LATENT, cfg.patch_size))
+    forward = wan.sharded(abstract, parallel.make_mesh(jax.devices()[: parallel.num_devices]))
     spec = jax.ShapeDtypeStruct
     start = time.perf_counter()
     lowered = forward.lower(
@@ -53,7 +52,17 @@ def test_wan14b_720p_81_frames_compiles(abstract, name):
         encoder_hidden_states=spec((batch, TEXT_LEN, TEXT_DIM), jnp.bfloat16),
     )
     compiled = lowered.compile()
-    seconds = time.perf_counter() - start
+    return compiled, forward, time.perf_counter() - start
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_wan14b_720p_81_frames_compiles(name):
+    parallel, batch = CONFIGS[name]
+    cfg = _abstract().config
+    tokens = math.prod(wan.latent_grid(LATENT, cfg.patch_size))
+    assert tokens == 75_600
+    compiled, forward, seconds = _compile(parallel, batch)
 
     mem = memory_per_device(compiled)
     # q, k, v and the output of every block, each [B/cfg, N/ulysses, H, D] in bf16 per device. The CPU
@@ -83,3 +92,21 @@ def test_wan14b_720p_81_frames_compiles(abstract, name):
     # Every device holds all 14B bf16 weights (no tensor parallelism here).
     assert params == pytest.approx(mem["argument"], rel=0.01)
     assert 26 * GIB < params < 28 * GIB
+
+
+@pytest.mark.slow
+def test_wan14b_duplicated_work_is_only_the_text_kv():
+    # Summed over the 8 devices of ulysses8, the step's matmul FLOPs exceed one device's by the text
+    # K/V projections each sequence shard computes for itself: 7 extra copies of 2 x 2 T E^2 per block.
+    cfg = _abstract().config
+    single, _, seconds = _compile(ParallelConfig(), 1)
+    sharded, _, _ = _compile(*CONFIGS["ulysses8"])
+    one, eight = flops_per_device(single), 8 * flops_per_device(sharded)
+    text_kv = 7 * cfg.num_layers * 2 * (2 * TEXT_LEN * cfg.dim * cfg.dim)
+    print(
+        f"\nsingle device compile {seconds:.1f} s, {one / 1e15:.3f} PFLOP per step; ulysses8: 8 x per-device "
+        f"= {eight / 1e15:.3f} PFLOP (+{(eight - one) / one:.2%}; duplicated text K/V {text_kv / one:.2%})"
+    )
+    assert eight >= one
+    assert eight - one == pytest.approx(text_kv, rel=0.05)  # the rest is the text embedding, also local
+    assert (eight - one) / one < 0.005
