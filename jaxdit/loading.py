@@ -275,6 +275,10 @@ class FluxForward:
         guidance: Any = None,
     ) -> jax.Array:
         batch = np.shape(hidden_states)[0]
+        if self.config.guidance_embed and guidance is None:
+            raise ValueError("this FLUX model embeds the guidance scale (dev): pass guidance=")
+        if not self.config.guidance_embed and guidance is not None:
+            raise ValueError("this FLUX model has no guidance embedding (schnell); pass guidance=None")
 
         def per_batch(x: Any, name: str) -> Any:
             if x is None:

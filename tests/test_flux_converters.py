@@ -136,12 +136,14 @@ def test_every_layout_loads_the_same_parameters(tmp_path, bfl_dict, bfl_file, re
     prefixed = write_safetensors(
         tmp_path / "comfy.safetensors", {BFL_PREFIX + k: v for k, v in bfl_dict.items()}
     )
+    single = write_safetensors(tmp_path / "diffusers.safetensors", flux_tiny.state_dict(True))
 
     cases = {
         "diffusers sharded": (sharded, "diffusers", ""),
         "pipeline folder": (pipeline, "diffusers", ""),
         "BFL": (bfl_file, "bfl", ""),
         "BFL prefixed": (prefixed, "bfl", BFL_PREFIX),
+        "diffusers single file": (single, "diffusers", ""),
     }
     for name, (path, layout, prefix) in cases.items():
         ckpt = detect(path, CFG)

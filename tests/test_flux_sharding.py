@@ -124,6 +124,10 @@ def test_preconditions_fail_before_loading_or_compiling(monkeypatch):
     x = flux_tiny.inputs(True, batch=2)
     with pytest.raises(ValueError, match=r"img_ids has 14 tokens but hidden_states has 15"):
         fn(**{**x, "img_ids": x["img_ids"][:-1]})
+    with pytest.raises(ValueError, match=r"embeds the guidance scale"):
+        fn(**{**x, "guidance": None})
+    with pytest.raises(ValueError, match=r"timestep has shape \(3,\)"):
+        fn(**{**x, "timestep": np.zeros(3, np.float32)})
     assert not fn.forward._steps  # nothing was compiled
 
 
