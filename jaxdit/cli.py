@@ -1,6 +1,10 @@
 """The ``jaxdit`` command: a thin dispatcher over the library, one function per subcommand.
 
+jaxdit generate [--model tiny-digits] [--prompt ...] [parallel flags]   sample images on a mesh
 jaxdit convert SRC DST [--dtype bfloat16]   checkpoint (BFL, diffusers, original Wan) -> jaxdit orbax folder
+
+Parallel flags are named as xDiT names them (``--ulysses_degree``, ``--use_cfg_parallel``, ...); the
+hyphenated spellings work too. Every combination is checked before anything is loaded or compiled.
 """
 
 from __future__ import annotations
@@ -20,9 +24,74 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
+    """Add ``--name_with_underscores`` and its ``--hyphenated-spelling``."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    parser.add_argument(*spellings, dest=name, **kwargs)
+
+
+def _add_generate(sub) -> None:
+    gen = sub.add_parser("generate", help="generate images with a model on a (possibly emulated) device mesh")
+    _flag(
+        gen, "model", default="tiny-digits", help="tiny-digits (bundled, default), flux-dev or flux-schnell"
+    )
+    _flag(gen, "weights", default=None, help="checkpoint: BFL file, diffusers folder or jaxdit orbax folder")
+    _flag(gen, "prompt", default=None, help="tiny-digits: the digits to draw, e.g. 0123456789 (default)")
+    _flag(gen, "negative_prompt", default=None, help="negative prompt for true CFG (tiny-digits: '' = empty)")
+    _flag(
+        gen,
+        "prompt_embeds",
+        default=None,
+        help=".npz/.safetensors with prompt_embeds, pooled_prompt_embeds "
+        "(and negative_prompt_embeds, negative_pooled_prompt_embeds), for models without a text encoder yet",
+    )
+    _flag(gen, "height", type=int, default=None, help="pixels (default: 16 for tiny-digits, 1024 for FLUX)")
+    _flag(gen, "width", type=int, default=None)
+    _flag(gen, "num_inference_steps", type=int, default=None, help="alias --steps")
+    gen.add_argument("--steps", dest="num_inference_steps", type=int, help=argparse.SUPPRESS)
+    _flag(gen, "guidance_scale", type=float, default=3.5, help="FLUX-dev embedded guidance; alias --guidance")
+    gen.add_argument("--guidance", dest="guidance_scale", type=float, help=argparse.SUPPRESS)
+    _flag(
+        gen,
+        "true_cfg_scale",
+        type=float,
+        default=None,
+        help="classifier-free guidance scale (needs a negative)",
+    )
+    _flag(gen, "seed", type=int, default=0)
+    _flag(gen, "output", default=None, help="output file (.png for images, .npy for latents)")
+    _flag(gen, "emulate_devices", type=int, default=None, help="emulate N CPU devices (sets XLA flags)")
+    _flag(
+        gen,
+        "compare_single_device",
+        action="store_true",
+        help="also run on one device and print the max difference",
+    )
+    _flag(gen, "dtype", choices=DTYPES, default=None)
+    par = gen.add_argument_group("parallelism (xDiT's flags)")
+    _flag(par, "data_parallel_degree", type=int, default=1)
+    _flag(par, "use_cfg_parallel", action="store_true", help="split the CFG branches over 2 devices")
+    _flag(par, "ulysses_degree", type=int, default=1)
+    _flag(par, "ring_degree", type=int, default=1)
+    _flag(par, "tensor_parallel_degree", type=int, default=1)
+    _flag(par, "pipefusion_parallel_degree", type=int, default=1)
+    _flag(par, "num_pipeline_patch", type=int, default=None)
+    _flag(par, "warmup_steps", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jaxdit.pipelines.generate import GenerateRequest, check_request, run
+
+    request = GenerateRequest.from_args(args)
+    check_request(request)  # every flag combination, before jax starts or anything loads
+    return run(request)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxdit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
 
     convert = sub.add_parser(
         "convert",
@@ -45,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError) as e:
+    except (CheckpointError, FileExistsError, ValueError) as e:
         print(f"jaxdit {args.command}: error: {e}", file=sys.stderr)
         return 2
 

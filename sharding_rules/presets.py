@@ -18,6 +18,8 @@ Rules = MappingProxyType
 ACTIVATIONS: Rules = MappingProxyType(
     {
         "batch": ("data", "cfg"),
+        # Requests before CFG doubles the batch (latents, sampler state): over data, replicated over cfg.
+        "request": "data",
         "seq": ("ring", "ulysses"),
         "act_heads": "tensor",
         "act_mlp": "tensor",

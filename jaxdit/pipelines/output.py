@@ -66,3 +66,8 @@ def save_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: int =
             tmp, format="GIF", save_all=True, append_images=pictures[1:], duration=int(1000 / fps), loop=0
         ),
     )
+
+
+def save_array(path: str | os.PathLike, array: np.ndarray) -> Path:
+    """Write a numpy array (.npy) atomically."""
+    return _atomic(Path(path), lambda tmp: np.save(tmp, array))

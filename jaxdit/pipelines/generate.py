@@ -1,0 +1,228 @@
+"""What ``jaxdit generate`` does, as a library: a request, its checks, and the run.
+
+Everything that can be wrong with a request (degrees, CFG without a negative, sizes the patches do not
+divide, PipeFusion options without PipeFusion) is reported by :func:`check_request` before jax starts,
+weights load or anything compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+TINY = "tiny-digits"
+FLUX_PRESETS = ("flux-dev", "flux-schnell")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    model: str = TINY
+    weights: str | None = None
+    prompt: str | None = None
+    negative_prompt: str | None = None
+    prompt_embeds: str | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float = 3.5
+    true_cfg_scale: float | None = None
+    seed: int = 0
+    output: str | None = None
+    emulate_devices: int | None = None
+    compare_single_device: bool = False
+    dtype: str | None = None
+    data_parallel_degree: int = 1
+    use_cfg_parallel: bool = False
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    tensor_parallel_degree: int = 1
+    pipefusion_parallel_degree: int = 1
+    num_pipeline_patch: int | None = None
+    warmup_steps: int | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> GenerateRequest:
+        return cls(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        )
+
+    # Defaults that depend on the model.
+    @property
+    def is_tiny(self) -> bool:
+        return self.model == TINY and self.weights is None
+
+    @property
+    def size(self) -> tuple[int, int]:
+        default = 16 if self.is_tiny else 1024
+        return self.height or default, self.width or default
+
+    @property
+    def steps(self) -> int:
+        return self.num_inference_steps or (20 if self.is_tiny else 28)
+
+    @property
+    def cfg_scale(self) -> float:
+        if self.true_cfg_scale is not None:
+            return self.true_cfg_scale
+        return 3.0 if self.is_tiny else 1.0
+
+    @property
+    def negative(self) -> str | None:
+        # The tiny model's empty prompt is its unconditional branch; CFG is on by default there.
+        return "" if self.is_tiny and self.negative_prompt is None else self.negative_prompt
+
+    def parallel_degrees(self) -> dict[str, int]:
+        return dict(
+            data=self.data_parallel_degree,
+            cfg=2 if self.use_cfg_parallel else 1,
+            pipefusion=self.pipefusion_parallel_degree,
+            ring=self.ring_degree,
+            ulysses=self.ulysses_degree,
+            tensor=self.tensor_parallel_degree,
+        )
+
+
+def check_request(r: GenerateRequest) -> None:
+    """Raise ValueError naming the problem; needs no devices."""
+    from jaxdit.mesh import ParallelConfig
+
+    if r.model not in (TINY, *FLUX_PRESETS) and r.weights is None:
+        raise ValueError(
+            f"unknown --model {r.model!r}; use tiny-digits, flux-dev or flux-schnell (with --weights)"
+        )
+    if r.model in FLUX_PRESETS and r.weights is None:
+        raise ValueError(
+            f"--model {r.model} needs --weights (a BFL file, diffusers folder or jaxdit orbax folder)"
+        )
+    degrees = r.parallel_degrees()
+    config = ParallelConfig(**degrees)  # degrees >= 1
+    if config.pipefusion > 1:
+        raise ValueError(
+            f"--pipefusion_parallel_degree {config.pipefusion}: PipeFusion is not implemented yet in jaxdit; "
+            "use --ulysses_degree / --ring_degree / --use_cfg_parallel instead"
+        )
+    if r.num_pipeline_patch is not None or r.warmup_steps is not None:
+        raise ValueError(
+            "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
+        )
+    if r.emulate_devices is not None:
+        if r.emulate_devices < 1:
+            raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
+        config.validate_devices(r.emulate_devices)
+    if r.use_cfg_parallel and (r.negative is None and r.prompt_embeds is None or r.cfg_scale <= 1.0):
+        raise ValueError(
+            "--use_cfg_parallel needs classifier-free guidance: a --negative_prompt (or negative embeddings) and "
+            f"--true_cfg_scale > 1 (got {r.cfg_scale}); FLUX-dev's embedded guidance needs no CFG"
+        )
+    height, width = r.size
+    factor = 2 if r.is_tiny else 16
+    if height % factor or width % factor or height < factor or width < factor:
+        raise ValueError(f"height and width must be positive multiples of {factor}; got {height}x{width}")
+    if r.steps < 1:
+        raise ValueError(f"--num_inference_steps must be >= 1, got {r.steps}")
+    if r.is_tiny:
+        from jaxdit.pipelines.tiny_digits import CONFIG, parse_prompt
+
+        config.validate_heads(CONFIG.num_heads)
+        parse_prompt(r.prompt or "0123456789")
+        if r.prompt_embeds is not None:
+            raise ValueError("tiny-digits takes digit prompts, not --prompt_embeds")
+    elif r.prompt_embeds is None:
+        raise ValueError(
+            "FLUX needs --prompt_embeds (a .npz/.safetensors with prompt_embeds and pooled_prompt_embeds) until "
+            "text encoders land"
+        )
+    if r.output is not None and Path(r.output).suffix.lower() not in (".png", ".npy"):
+        raise ValueError(f"--output must end in .png (images) or .npy (latents); got {r.output}")
+
+
+def _load_embeddings(path: str) -> dict[str, np.ndarray]:
+    if path.endswith(".npz"):
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+    from converters.safetensors_io import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    return {k: ckpt.read(k) for k in ckpt.keys()}
+
+
+def _pipeline(r: GenerateRequest, mesh):
+    import jax.numpy as jnp
+
+    from jaxdit.pipelines.flux import FluxPipeline, tiny_digits
+
+    if r.is_tiny:
+        return tiny_digits(mesh)
+    from jaxdit.loading import load_params
+
+    _, model = load_params(r.weights, mesh, jnp.dtype(r.dtype) if r.dtype else None)
+    return FluxPipeline(model, mesh)
+
+
+def _call(pipe, r: GenerateRequest, output_type: str):
+    height, width = r.size
+    kwargs = dict(
+        height=height,
+        width=width,
+        num_inference_steps=r.steps,
+        guidance_scale=r.guidance_scale,
+        true_cfg_scale=r.cfg_scale,
+        seed=r.seed,
+        output_type=output_type,
+    )
+    if r.is_tiny:
+        return pipe(r.prompt or "0123456789", negative_prompt=r.negative, **kwargs)
+    e = _load_embeddings(r.prompt_embeds)
+    return pipe(
+        prompt_embeds=e["prompt_embeds"],
+        pooled_prompt_embeds=e["pooled_prompt_embeds"],
+        negative_prompt_embeds=e.get("negative_prompt_embeds"),
+        negative_pooled_prompt_embeds=e.get("negative_pooled_prompt_embeds"),
+        **kwargs,
+    )
+
+
+def run(r: GenerateRequest) -> int:
+    import jax
+
+    if r.emulate_devices:
+        # Must happen before jax's backend starts (nothing above touched devices).
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", r.emulate_devices)
+    from jaxdit.mesh import ParallelConfig
+    from jaxdit.pipelines import output as out
+
+    config = ParallelConfig(**r.parallel_degrees())
+    devices = jax.devices()
+    if len(devices) < config.num_devices:
+        raise ValueError(
+            f"{config.describe()} needs {config.num_devices} devices; {len(devices)} are available"
+        )
+    mesh = config.make_mesh(devices[: config.num_devices])
+    output_type = "np" if r.is_tiny else "latent"
+    print(f"{r.model}: {config.describe()} on {config.num_devices} {devices[0].platform} device(s)")
+    start = time.perf_counter()
+    pipe = _pipeline(r, mesh)
+    result = _call(pipe, r, output_type)
+    elapsed = time.perf_counter() - start
+    print(f"generated in {elapsed:.1f} s ({result.seconds:.1f} s denoising, compile included)")
+
+    if r.compare_single_device:
+        single = _call(_pipeline(r, ParallelConfig().make_mesh(devices[:1])), r, output_type)
+        diff = float(np.abs(single.latents - result.latents).max())
+        print(f"max |difference| to the single-device result: {diff:.2e}")
+
+    path = Path(r.output or ("digits.png" if r.is_tiny else "latents.npy"))
+    if path.suffix.lower() == ".npy" or result.images is None:
+        path = path.with_suffix(".npy")
+        out.save_array(path, result.latents)
+    else:
+        images = out.to_uint8(result.images)
+        picture = out.grid(images, columns=min(10, len(images))) if len(images) > 1 else images[0]
+        out.save_image(path, picture, scale=8 if r.is_tiny else 1)
+    print(f"wrote {path}")
+    return 0
