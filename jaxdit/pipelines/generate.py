@@ -147,7 +147,7 @@ def _load_embeddings(path: str) -> dict[str, np.ndarray]:
     from converters.safetensors_io import open_checkpoint
 
     ckpt = open_checkpoint(path)
-    return {k: ckpt.read(k) for k in ckpt.keys()}
+    return {k: ckpt.read(k) for k in ckpt}
 
 
 def _pipeline(r: GenerateRequest, mesh):
