@@ -195,7 +195,7 @@ def diffusers_table(cfg: FluxConfig) -> KeyTable:
     for stream, (norm, qkv, qk_norms, proj, ff) in per_stream.items():
         rules += _linear(f"{d}.{stream}_mod", f"{blk}.{norm}.linear", d)
         for name, src in zip("qkv", qkv, strict=True):
-            rules += _linear(f"{d}.{stream}_attn.{name}", f"{blk}.attn.{src}", d)
+            rules += _linear(f"{d}.{stream}_attn.{name}", f"{blk}.attn.{src}", d, bias=cfg.qkv_bias)
         rules.append(KeyRule(f"{d}.{stream}_attn.q_norm", f"{blk}.attn.{qk_norms[0]}.weight", IDENTITY, d))
         rules.append(KeyRule(f"{d}.{stream}_attn.k_norm", f"{blk}.attn.{qk_norms[1]}.weight", IDENTITY, d))
         rules += _linear(f"{d}.{stream}_proj", f"{blk}.{proj}", d)

@@ -263,8 +263,8 @@ class MLPEmbedder(nnx.Module):
 class QKVProjection(nnx.Module):
     """Column-parallel q/k/v of one stream plus the QK RMSNorm scales (BFL ``QKNorm``)."""
 
-    def __init__(self, cfg: FluxConfig, *, dtype: Any, rngs: nnx.Rngs):
-        e, bias = cfg.hidden_size, cfg.qkv_bias
+    def __init__(self, cfg: FluxConfig, *, bias: bool, dtype: Any, rngs: nnx.Rngs):
+        e = cfg.hidden_size
         # Separate kernels rather than BFL's fused [E, 3E]: a fused kernel split over "tensor" would give
         # a device a slab mixing q, k and v features instead of whole heads of each.
         self.q = Linear(e, e, ("embed", "heads"), rngs=rngs, dtype=dtype, bias=bias)
@@ -312,7 +312,7 @@ class DoubleStreamBlock(nnx.Module):
         for stream in ("img", "txt"):
             # Modulation chunks, BFL order: shift1, scale1, gate1, shift2, scale2, gate2.
             setattr(self, f"{stream}_mod", Linear(e, 6 * e, ("embed", "modulation"), rngs=rngs, dtype=dtype))
-            setattr(self, f"{stream}_attn", QKVProjection(cfg, dtype=dtype, rngs=rngs))
+            setattr(self, f"{stream}_attn", QKVProjection(cfg, bias=cfg.qkv_bias, dtype=dtype, rngs=rngs))
             setattr(
                 self,
                 f"{stream}_proj",
@@ -356,7 +356,7 @@ class SingleStreamBlock(nnx.Module):
         self.modulation = Linear(
             e, 3 * e, ("embed", "modulation"), rngs=rngs, dtype=dtype
         )  # shift, scale, gate
-        self.attn = QKVProjection(cfg, dtype=dtype, rngs=rngs)
+        self.attn = QKVProjection(cfg, bias=True, dtype=dtype, rngs=rngs)  # BFL's linear1 always has a bias
         self.mlp_in = Linear(e, f, ("embed", "mlp"), rngs=rngs, dtype=dtype)
         self.out_attn = Linear(e, e, ("heads", "embed"), rngs=rngs, dtype=dtype)
         self.out_mlp = Linear(f, e, ("mlp", "embed"), rngs=rngs, dtype=dtype, bias=False)
