@@ -19,11 +19,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
@@ -45,6 +46,10 @@ class GenerationOutput:
     images: np.ndarray | None  # [B, H, W(, C)] in [-1, 1], when decoded
     latents: np.ndarray  # [B, C, h, w]
     seconds: float  # wall time of the denoising loop (compile included on a first call)
+
+
+def _abstract(a):
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
 
 
 def _progress(iterable, enabled: bool, total: int):
@@ -76,8 +81,10 @@ class FluxPipeline:
         latent_channels: int = 16,
         vae_scale_factor: int = 8,
         kernel: dict[str, int] | None = None,
+        compiler_options: dict[str, Any] | None = None,
     ) -> None:
         self.model = model
+        self.compiler_options = compiler_options
         self.mesh = mesh
         self.parallel = ParallelConfig.from_mesh(mesh)
         self.forward = flux.sharded(model, mesh, kernel=kernel)
@@ -126,7 +133,9 @@ class FluxPipeline:
                 v = combine_branches(v, cfg_scale, mesh, seq_sharded=True)
             return euler.step(x, v.astype(jnp.float32), sigma, sigma_next)
 
-        self._steps[key] = jax.jit(step, out_shardings=latent_sharding, donate_argnums=(1,))
+        self._steps[key] = jax.jit(
+            step, out_shardings=latent_sharding, donate_argnums=(1,), compiler_options=self.compiler_options
+        )
         return self._steps[key]
 
     # ------------------------------------------------------------------ call
@@ -206,9 +215,13 @@ class FluxPipeline:
         latent_sharding = NamedSharding(self.mesh, logical_to_spec(LATENT_AXES, self.forward.rules))
         x = jax.device_put(layout.pad(x, flux.IMAGE, axis=1), latent_sharding)
         step = self._step_fn(layout, names, true_cfg)
-        sigmas = jnp.asarray(schedule.sigmas, jnp.float32)
-        scale = jnp.float32(true_cfg_scale)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        sigmas = jax.device_put(np.asarray(schedule.sigmas, np.float32), replicated)
+        scale = jax.device_put(np.float32(true_cfg_scale), replicated)
 
+        args = (self.forward.state, x, placed, sigmas[0], sigmas[1], scale)
+        #: The last step function and its abstract arguments, to inspect the compiled program.
+        self.last_step = (step, jax.tree.map(_abstract, args))
         start = time.perf_counter()
         for i in _progress(range(num_inference_steps), progress, num_inference_steps):
             x = step(self.forward.state, x, placed, sigmas[i], sigmas[i + 1], scale)
@@ -242,7 +255,9 @@ class FluxPipeline:
         return embeds, pooled
 
 
-def tiny_digits(parallel: ParallelConfig | Mesh | None = None, folder=None) -> FluxPipeline:
+def tiny_digits(
+    parallel: ParallelConfig | Mesh | None = None, folder=None, compiler_options: dict[str, Any] | None = None
+) -> FluxPipeline:
     """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789")."""
     from jaxdit.loading import _mesh, load_params
     from jaxdit.pipelines import tiny_digits as tiny
@@ -264,4 +279,5 @@ def tiny_digits(parallel: ParallelConfig | Mesh | None = None, folder=None) -> F
         decode=lambda z: z[:, 0],  # pixel space: the 1-channel latent is the image
         latent_channels=tiny.LATENT_CHANNELS,
         vae_scale_factor=1,
+        compiler_options=compiler_options,
     )

@@ -58,11 +58,14 @@ class GenerateRequest:
     @property
     def size(self) -> tuple[int, int]:
         default = 16 if self.is_tiny else 1024
-        return self.height or default, self.width or default
+        pick = lambda v: default if v is None else v
+        return pick(self.height), pick(self.width)
 
     @property
     def steps(self) -> int:
-        return self.num_inference_steps or (20 if self.is_tiny else 28)
+        if self.num_inference_steps is not None:
+            return self.num_inference_steps
+        return 20 if self.is_tiny else 28
 
     @property
     def cfg_scale(self) -> float:
