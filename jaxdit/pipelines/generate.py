@@ -219,6 +219,15 @@ def run(r: GenerateRequest) -> int:
         diff = float(np.abs(single.latents - result.latents).max())
         print(f"max |difference| to the single-device result: {diff:.2e}")
 
+    if r.is_tiny:
+        from jaxdit.pipelines.digits import DigitJudge
+        from jaxdit.pipelines.tiny_digits import NULL_LABEL, parse_prompt
+
+        labels = np.asarray(parse_prompt(r.prompt or "0123456789"))
+        if (labels != NULL_LABEL).all():
+            judged = DigitJudge().predict(result.images)
+            print(f"held-out digit judge recognises {int((judged == labels).sum())} of {len(labels)} as asked")
+
     path = Path(r.output or ("digits.png" if r.is_tiny else "latents.npy"))
     if path.suffix.lower() == ".npy" or result.images is None:
         path = path.with_suffix(".npy")
