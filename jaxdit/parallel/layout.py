@@ -63,11 +63,12 @@ class SequenceLayout:
         return lib.pad(x, widths, constant_values=value)
 
     def unpad(self, x, group: int, axis: int = 1):
-        return (
-            jax.lax.slice_in_dim(x, 0, self.lengths[group], axis=axis)
-            if not isinstance(x, np.ndarray)
-            else np.take(x, np.arange(self.lengths[group]), axis=axis)
-        )
+        """Drop a group's padding along ``axis`` (numpy stays numpy)."""
+        if isinstance(x, np.ndarray):
+            index = [slice(None)] * x.ndim
+            index[axis] = slice(0, self.lengths[group])
+            return x[tuple(index)]
+        return jax.lax.slice_in_dim(x, 0, self.lengths[group], axis=axis)
 
     # ------------------------------------------------------------- local view
     def split_local(self, x: jax.Array, axis: int = 1) -> list[jax.Array]:
