@@ -2,6 +2,7 @@
 
 jaxdit generate [--model tiny-digits] [--prompt ...] [parallel flags]   sample images on a mesh
 jaxdit convert SRC DST [--dtype bfloat16]   checkpoint (BFL, diffusers, original Wan) -> jaxdit orbax folder
+jaxdit plan --model flux-dev --devices 8 [--link nvlink] [--json] [--verify]   every parallel configuration
 
 Parallel flags are named as xDiT names them (``--ulysses_degree``, ``--use_cfg_parallel``, ...); the
 hyphenated spellings work too. Every combination is checked before anything is loaded or compiled.
@@ -88,6 +89,23 @@ def _generate(args: argparse.Namespace) -> int:
     return run(request)
 
 
+def _add_plan(sub) -> None:
+    from jaxdit.plan.command import add_arguments
+
+    plan = sub.add_parser(
+        "plan",
+        help="model every parallel configuration's communication, memory and latency; --verify compiles them",
+    )
+    add_arguments(plan)
+    plan.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from jaxdit.plan.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxdit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
     convert.set_defaults(func=_convert)
+    _add_plan(sub)
     return parser
 
 

@@ -1,0 +1,128 @@
+"""``jaxdit plan``: its flags and what it runs (jaxdit/cli.py only dispatches here).
+
+jaxdit plan --model flux-dev --height 1024 --width 1024 --devices 8 --link nvlink [--json]
+jaxdit plan --model wan2.1-t2v-14b --height 720 --width 1280 --frames 81 --devices 8 --verify \\
+    --configs ulysses8,ring8,ring2xulysses4,cfg2xulysses4,tensor2xulysses4
+
+Argument parsing imports nothing heavy; jax is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from jaxdit.mesh import MESH_AXES
+
+_TOKEN = re.compile(rf"({'|'.join(MESH_AXES)})\s*=?\s*(\d+)$")
+
+
+def parse_config(text: str):
+    """``ring2xulysses4``, ``ring2 x ulysses4``, ``ring=2,ulysses=4`` (within one config: x or +), or
+    ``single`` -> ParallelConfig."""
+    from jaxdit.mesh import ParallelConfig
+
+    text = text.strip().lower()
+    if text in ("single", "single device", "1"):
+        return ParallelConfig()
+    degrees: dict[str, int] = {}
+    for part in re.split(r"\s*[x+]\s*", text):
+        m = _TOKEN.match(part.strip())
+        if not m:
+            raise ValueError(f"cannot read {part!r} in configuration {text!r}; write e.g. ring2xulysses4")
+        if m.group(1) in degrees:
+            raise ValueError(f"{m.group(1)} given twice in {text!r}")
+        degrees[m.group(1)] = int(m.group(2))
+    return ParallelConfig(**degrees)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="flux-dev", help="flux-dev (default), flux-schnell, wan2.1-t2v-1.3b, "
+                   "wan2.1-t2v-14b (wan-14b), wan2.1-i2v-14b")  # fmt: skip
+    p.add_argument("--height", type=int, default=None, help="pixels (default: the model's)")
+    p.add_argument("--width", type=int, default=None)
+    p.add_argument("--frames", type=int, default=None, help="video frames, 4n+1 (Wan; default 81)")
+    p.add_argument("--devices", type=int, required=True, help="devices for one generation")
+    p.add_argument("--link", default="nvlink", choices=("nvlink", "pcie", "ib"), help="link between devices")
+    p.add_argument("--bandwidth", type=float, default=None, help="GB/s per device per direction (effective)")
+    p.add_argument("--latency-us", type=float, default=None, help="microseconds per collective")
+    p.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s per device (default 480)")
+    p.add_argument("--memory-gb", type=float, default=None, help="memory per device (default 80)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
+    p.add_argument("--requests", type=int, default=1, help="independent generations (for data parallelism)")
+    cfg = p.add_mutually_exclusive_group()
+    cfg.add_argument("--cfg", dest="branches", action="store_const", const=2, help="classifier-free guidance")
+    cfg.add_argument("--no-cfg", dest="branches", action="store_const", const=1, help="no CFG (one branch)")
+    p.add_argument("--text-tokens", type=int, default=None, help="prompt tokens (default 512)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--json", action="store_true", help="print the plan (and verification) as JSON")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="compile each configuration's full-size step on emulated CPU devices and compare",
+    )
+    p.add_argument(
+        "--configs",
+        default=None,
+        help="comma-separated configurations to --verify (default: every valid one), e.g. "
+        "ulysses8,ring8,ring2xulysses4",
+    )
+    p.add_argument("--threads", type=int, default=2, help="concurrent compiles for --verify")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan (and verify); prints a table or JSON. Raises ValueError on bad arguments."""
+    from jaxdit.plan.latency import DEFAULT_MEMORY_GB, DEFAULT_TFLOPS, Hardware
+    from jaxdit.plan.report import format_plan, format_verify
+    from jaxdit.plan.search import plan
+    from jaxdit.plan.workload import Workload
+
+    workload = Workload.create(
+        args.model,
+        height=args.height,
+        width=args.width,
+        frames=args.frames,
+        steps=args.steps,
+        branches=args.branches,
+        requests=args.requests,
+        text_tokens=args.text_tokens,
+        dtype=args.dtype,
+    )
+    hw = Hardware(
+        link=args.link,
+        bandwidth_gbs=args.bandwidth,
+        latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
+        tflops=args.tflops or DEFAULT_TFLOPS,
+        memory_gb=args.memory_gb or DEFAULT_MEMORY_GB,
+    )
+    report = plan(workload, args.devices, hw)
+    data = report.to_json() if args.json else None
+    if not args.json:
+        print(format_plan(report), flush=True)
+
+    if args.verify:
+        from jaxdit.plan.verify import verify
+
+        if args.configs:
+            chosen = [report.find(parse_config(c)) for c in args.configs.split(",") if c.strip()]
+            bad = [f"{p.name}: {'; '.join(p.reasons)}" for p in chosen if not p.valid]
+            if bad:
+                raise ValueError("cannot verify invalid configurations: " + " | ".join(bad))
+        else:
+            chosen = list(report.plans)
+        compile_now = [p for p in chosen if p.config.pipefusion == 1]
+        modelled_only = [p for p in chosen if p.config.pipefusion > 1]
+        say = (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if not args.json else None
+        comparisons = verify(workload, [p.config for p in compile_now], threads=args.threads, progress=say)
+        if args.json:
+            data["verify"] = [c.to_json() for c in comparisons] + [
+                {"config": p.name, "modelled_only": True} for p in modelled_only
+            ]
+        else:
+            print()
+            print(format_verify(workload.describe(), comparisons, modelled_only))
+    if args.json:
+        print(json.dumps(data, indent=1))
+    return 0

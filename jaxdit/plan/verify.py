@@ -1,0 +1,318 @@
+"""Hold the cost model against compiled programs: compile one denoising step per configuration on
+emulated CPU devices from abstract shapes (no weights allocated) and measure it with ``jaxdit.hlo_stats``.
+
+The step compiled is the pipeline's (``jaxdit.pipelines.flux``): the sharded transformer forward on
+both guidance branches, CFG's exchange (``parallel/cfg.py``) and the Euler update, latents kept in the
+padded token layout; Wan's step has the same shape. Parameters and inputs are ``jax.ShapeDtypeStruct``s
+in the workload's dtype (bf16 as served).
+
+What is compared:
+
+- Collective bytes sent per device, loop trip counts included, against the model priced as the CPU
+  backend sends them (bf16 collectives widened to f32; the fp32 all-reduces and Wan's fp32 prediction
+  unchanged). The model's GPU bytes are printed beside them.
+- Matmul FLOPs per device (``hlo_stats.flops_per_device``), and their sum over devices against a
+  one-device compile of the same step: the duplicated work.
+- Memory per device: the parameters the step takes (``ShardedForward.param_bytes_per_device``) against
+  the model's; activations as the CPU reports them. The CPU backend keeps fp32 copies of bf16 weights
+  in ``temp``, so for bf16 the activation figure is ``temp - 2 x bf16 weight bytes`` (an estimate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from jaxdit.mesh import ParallelConfig
+from jaxdit.plan.cost import StepCost, step_cost
+from jaxdit.plan.workload import Workload
+
+#: XLA options for quick CPU compiles: the LLVM optimisation level only; the HLO is the same.
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def ensure_cpu_devices(count: int) -> None:
+    """Emulate ``count`` CPU devices if jax has not started yet; raise if fewer are available."""
+    import jax
+
+    try:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass  # the backend is up already (e.g. under tests/conftest.py); use what it has
+    have = len(jax.devices())
+    if have < count:
+        raise ValueError(
+            f"--verify needs {count} devices but jax has {have}; run it in a fresh process (jaxdit plan "
+            "--verify emulates CPU devices itself) or set XLA_FLAGS=--xla_force_host_platform_device_count"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Measurement:
+    """What one compiled step does, per device."""
+
+    config: ParallelConfig
+    bytes_sent: float  # collective bytes leaving one device per step (CPU dtypes)
+    by_kind: dict[str, dict[str, float]]
+    flops: int
+    param_bytes: int
+    argument_bytes: int
+    temp_bytes: int
+    activation_bytes: int  # temp minus the CPU's fp32 copies of bf16 weights
+    compile_seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """A configuration's measurement beside its model."""
+
+    model: StepCost
+    measured: Measurement
+    single_device_flops: int  # measured, one device, same step
+
+    @property
+    def bytes_ratio(self) -> float:
+        modelled = self.model.bytes_sent(cpu=True)
+        if modelled == 0:
+            return 1.0 if self.measured.bytes_sent == 0 else math.inf
+        return self.measured.bytes_sent / modelled
+
+    @property
+    def flops_ratio(self) -> float:
+        return self.measured.flops / self.model.flops
+
+    @property
+    def summed_flops_ratio(self) -> float:
+        """Sum over devices of the measured per-device FLOPs / the measured one-device FLOPs."""
+        return self.measured.flops * self.model.config.num_devices / self.single_device_flops
+
+    @property
+    def unexpected_kinds(self) -> list[str]:
+        """Collective kinds in the program that the model does not have."""
+        modelled = self.model.by_kind(cpu=True)
+        return sorted(k for k, v in self.measured.by_kind.items() if v["count"] and k not in modelled)
+
+    def to_json(self) -> dict[str, Any]:
+        m = self.measured
+        return {
+            "config": self.model.config.describe(),
+            "bytes_sent_measured_cpu": m.bytes_sent,
+            "bytes_sent_modelled_cpu": self.model.bytes_sent(cpu=True),
+            "bytes_sent_modelled_gpu": self.model.bytes_sent(),
+            "bytes_ratio": self.bytes_ratio,
+            "collectives_measured": {k: v for k, v in m.by_kind.items() if v["count"]},
+            "flops_measured": m.flops,
+            "flops_modelled": self.model.flops,
+            "flops_ratio": self.flops_ratio,
+            "summed_over_single_measured": self.summed_flops_ratio,
+            "summed_over_single_modelled": 1 + self.model.duplicated_flops,
+            "param_bytes_measured": m.param_bytes,
+            "param_bytes_modelled": self.model.param_bytes,
+            "activation_bytes_measured_cpu": m.activation_bytes,
+            "activation_bytes_modelled": self.model.activation_bytes,
+            "temp_bytes_cpu": m.temp_bytes,
+            "unexpected_collectives": self.unexpected_kinds,
+            "compile_seconds": m.compile_seconds,
+        }
+
+
+# ----------------------------------------------------------------------------------------------------
+# Building the step
+
+
+@functools.cache
+def _abstract_model(workload_model: Any, dtype: str):
+    import jax.numpy as jnp
+
+    from jaxdit.models import flux, wan
+
+    module = flux if workload_model.__class__.__name__ == "FluxConfig" else wan
+    return module.abstract_model(workload_model, jnp.dtype(dtype))
+
+
+def _inputs(w: Workload) -> dict[str, tuple[tuple[int, ...], str]]:
+    """The forward's conditioning inputs (name -> unpadded shape, dtype), batch = requests x branches."""
+    m, b = w.model, w.batch
+    if w.family == "flux":
+        text, image = w.tokens
+        shapes = {
+            "encoder_hidden_states": ((b, text, m.context_in_dim), w.dtype),
+            "pooled_projections": ((b, m.vec_in_dim), w.dtype),
+            "img_ids": ((image, 3), "float32"),
+            "txt_ids": ((text, 3), "float32"),
+        }
+        if m.guidance_embed:
+            shapes["guidance"] = ((b,), "float32")
+        return shapes
+    shapes = {
+        "positions": ((w.tokens[0], 3), "int32"),
+        "encoder_hidden_states": ((b, w.context[0], m.text_dim), w.dtype),
+    }
+    if m.is_i2v:
+        shapes["encoder_hidden_states_image"] = ((b, w.context[1], m.image_dim), w.dtype)
+    return shapes
+
+
+def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | None = None):
+    """Lower one denoising step of ``w`` on ``config`` from abstract shapes; returns (lowered, forward)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from jaxdit.models import flux, wan
+    from jaxdit.parallel.cfg import combine_branches, interleave_branches
+    from sharding_rules import logical_to_spec
+
+    if config.pipefusion > 1:
+        raise ValueError(f"{config.describe()}: PipeFusion is modelled only (no runner to compile yet)")
+    devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
+    mesh = config.make_mesh(devices)
+    module = flux if w.family == "flux" else wan
+    forward = module.sharded(_abstract_model(w.model, w.dtype), mesh)
+    dtype = jnp.dtype(w.dtype)
+    cond = _inputs(w)
+    features = w.model.in_channels if w.family == "flux" else w.model.patch_features
+    shapes = {n: s for n, (s, _) in cond.items()}
+    shapes["hidden_states"] = (w.batch, w.output_tokens, features)
+    shapes["timestep"] = (w.batch,)
+    layout = forward.layout(shapes)  # checks heads, batch and lengths
+    names = tuple(n for n in module.FORWARD_INPUTS if n in shapes)
+    fwd = forward.step(layout, names)
+    latent_sharding = NamedSharding(mesh, logical_to_spec(("request", "seq", None), forward.rules))
+    branches = w.branches
+    # FLUX takes sigma in [0, 1]; Wan the raw timestep in [0, 1000).
+    time_scale = 1.0 if w.family == "flux" else 1000.0
+
+    seq = logical_to_spec(("seq",), forward.rules)[0]
+    # Both branches denoise the same latents. Duplicating them per shard moves nothing; the global
+    # ``interleave_branches(x, x, data)`` the FLUX pipeline uses makes XLA reshard the stacked copy with
+    # all-to-alls when cfg=2 (found by this verify step).
+    duplicate = jax.shard_map(
+        lambda x: x if config.cfg == 2 else interleave_branches(x, x, 1),
+        mesh=mesh,
+        in_specs=PartitionSpec("data", seq, None),
+        out_specs=PartitionSpec(("data", "cfg"), seq, None),
+        check_vma=False,
+    )
+
+    def step(state, x, inputs, sigma, sigma_next, cfg_scale):
+        t = jnp.full((x.shape[0] * branches,), sigma * time_scale, jnp.float32)
+        model_x = duplicate(x) if branches == 2 else x
+        args = dict(inputs, hidden_states=model_x.astype(dtype), timestep=t)
+        v = fwd(state, *(args[n] for n in names))
+        if branches == 2:
+            v = combine_branches(v, cfg_scale, mesh, seq_sharded=True)
+        return x + (sigma_next - sigma) * v.astype(jnp.float32)  # Euler, in fp32
+
+    def spec(name: str) -> jax.ShapeDtypeStruct:
+        arg = module.FORWARD_INPUTS[name]
+        shape = list(cond[name][0])
+        if arg.group is not None:
+            shape[arg.seq_axis] = layout.padded_lengths[arg.group]
+        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(cond[name][1]), sharding=forward.sharding(arg))
+
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        forward.state,
+        forward.param_shardings,
+    )
+    group = layout.padded_lengths[-1]
+    x = jax.ShapeDtypeStruct((w.requests, group, features), jnp.float32, sharding=latent_sharding)
+    scalar = jax.ShapeDtypeStruct((), jnp.float32)
+    jitted = jax.jit(step, out_shardings=latent_sharding, donate_argnums=(1,), compiler_options=FAST_COMPILE)
+    lowered = jitted.lower(state, x, {n: spec(n) for n in cond}, scalar, scalar, scalar)
+    return lowered, forward
+
+
+def _bf16_weight_bytes(forward) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    total = 0
+    for x, s in zip(jax.tree.leaves(forward.state), jax.tree.leaves(forward.param_shardings), strict=True):
+        if jnp.dtype(x.dtype) == jnp.bfloat16:
+            total += math.prod(s.shard_shape(tuple(x.shape))) * 2
+    return total
+
+
+def measure(lowered, forward, config: ParallelConfig, seconds: float = 0.0) -> tuple[Measurement, Any]:
+    """Compile ``lowered`` and read collectives, FLOPs and memory per device from the program."""
+    from jaxdit import hlo_stats
+
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds += time.perf_counter() - start
+    summary = hlo_stats.summarize(compiled)
+    mem = hlo_stats.memory_per_device(compiled)
+    copies = 2 * _bf16_weight_bytes(forward)  # the CPU's fp32 copies of bf16 weights
+    return (
+        Measurement(
+            config=config,
+            bytes_sent=summary["total"]["bytes_sent"],
+            by_kind={k: v for k, v in summary.items() if k != "total"},
+            flops=hlo_stats.flops_per_device(compiled),
+            param_bytes=forward.param_bytes_per_device(),
+            argument_bytes=mem["argument"],
+            temp_bytes=mem["temp"],
+            activation_bytes=max(mem["temp"] - copies, 0),
+            compile_seconds=seconds,
+        ),
+        compiled,
+    )
+
+
+def verify_many(
+    jobs: Sequence[tuple[Workload, Sequence[ParallelConfig]]],
+    *,
+    threads: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> list[list[Comparison]]:
+    """:func:`verify` for several workloads, all compiles sharing one pool."""
+    jobs = [(w, list(configs)) for w, configs in jobs]
+    ensure_cpu_devices(max([c.num_devices for _, cs in jobs for c in cs] + [1]))
+    say = progress or (lambda s: None)
+
+    def compile_one(low, fwd, c, seconds):
+        result, _ = measure(low, fwd, c, seconds)
+        say(f"compiled {c.describe()} in {result.compile_seconds:.1f} s")
+        return result
+
+    # Lowering (tracing) holds the GIL; XLA's compile releases it. Each step is handed to the pool as
+    # soon as it is lowered, so tracing the next one overlaps the compiles.
+    futures = []
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for w, configs in jobs:
+            row = []
+            for c in [ParallelConfig(), *configs]:
+                start = time.perf_counter()
+                low, fwd = lower_step(w, c)
+                say(f"lowered {w.name} {c.describe()}")
+                row.append(pool.submit(compile_one, low, fwd, c, time.perf_counter() - start))
+                del low, fwd
+            futures.append(row)
+        results = [[f.result() for f in row] for row in futures]
+    out = []
+    for (w, configs), (single, *rest) in zip(jobs, results, strict=True):
+        out.append([Comparison(step_cost(w, c), r, single.flops) for c, r in zip(configs, rest, strict=True)])
+    return out
+
+
+def verify(
+    w: Workload,
+    configs: Iterable[ParallelConfig],
+    *,
+    threads: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> list[Comparison]:
+    """Compile ``w``'s step on every config (and on one device) and compare each with the model.
+
+    Compiles run ``threads`` at a time (XLA's CPU compile is mostly single-threaded and releases the
+    GIL). Pipefusion configurations are not compiled (no runner to compile; modelled only).
+    """
+    return verify_many([(w, list(configs))], threads=threads, progress=progress)[0]
