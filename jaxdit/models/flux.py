@@ -157,6 +157,8 @@ class FluxConfig:
             depth_single_blocks=int(c.get("num_single_layers", 38)),
             axes_dim=tuple(c.get("axes_dims_rope", (16, 56, 56))),
             guidance_embed=bool(c.get("guidance_embeds", False)),
+            # diffusers fixes the MLP ratio at 4; a jaxdit-written config may carry another one.
+            mlp_ratio=float(c.get("mlp_ratio", 4.0)),
         )
 
     @classmethod

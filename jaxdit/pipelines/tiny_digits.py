@@ -8,7 +8,8 @@ pooled vector), standing in for T5/CLIP. Label 10 is the empty prompt, used for 
 (the training script drops labels to it).
 
 The bundled folder is laid out like a diffusers pipeline folder: ``transformer/`` (``config.json`` +
-``diffusion_pytorch_model.safetensors``, loadable by diffusers' ``FluxTransformer2DModel`` too),
+``diffusion_pytorch_model.safetensors`` with diffusers' key names; its MLP ratio of 2 is a jaxdit config
+field, since diffusers' ``FluxTransformer2DModel`` fixes the ratio at 4),
 ``label_encoder/label_embeddings.safetensors`` and ``training.json`` (how it was trained, what it scored).
 """
 
@@ -69,6 +70,8 @@ def diffusers_config(cfg: FluxConfig) -> dict:
         "pooled_projection_dim": cfg.vec_in_dim,
         "guidance_embeds": cfg.guidance_embed,
         "axes_dims_rope": list(cfg.axes_dim),
+        # Not a diffusers field (diffusers fixes 4.0); jaxdit reads it, so the tiny model can be narrower.
+        "mlp_ratio": cfg.mlp_ratio,
     }
 
 
