@@ -1,6 +1,7 @@
 """The ``jaxdit`` command: a thin dispatcher over the library, one function per subcommand.
 
 jaxdit generate [--model tiny-digits] [--prompt ...] [parallel flags]   sample images on a mesh
+jaxdit generate --model wan2.1-t2v-1.3b --weights DIR --prompt_embeds FILE [--num_frames 81]   video latents
 jaxdit convert SRC DST [--dtype bfloat16]   checkpoint (BFL, diffusers, original Wan) -> jaxdit orbax folder
 jaxdit plan --model flux-dev --devices 8 [--link nvlink] [--json] [--verify]   every parallel configuration
 
@@ -34,7 +35,11 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
 def _add_generate(sub) -> None:
     gen = sub.add_parser("generate", help="generate images with a model on a (possibly emulated) device mesh")
     _flag(
-        gen, "model", default="tiny-digits", help="tiny-digits (bundled, default), flux-dev or flux-schnell"
+        gen,
+        "model",
+        default="tiny-digits",
+        help="tiny-digits (bundled, default), flux-dev, flux-schnell, wan2.1-t2v-1.3b, wan2.1-t2v-14b or "
+        "wan2.1-i2v-14b (all but tiny-digits need --weights)",
     )
     _flag(gen, "weights", default=None, help="checkpoint: BFL file, diffusers folder or jaxdit orbax folder")
     _flag(gen, "prompt", default=None, help="tiny-digits: the digits to draw, e.g. 0123456789 (default)")
@@ -44,13 +49,35 @@ def _add_generate(sub) -> None:
         "prompt_embeds",
         default=None,
         help=".npz/.safetensors with prompt_embeds, pooled_prompt_embeds "
-        "(and negative_prompt_embeds, negative_pooled_prompt_embeds), for models without a text encoder yet",
+        "(and negative_prompt_embeds, negative_pooled_prompt_embeds), for models without a text encoder yet; "
+        "Wan: prompt_embeds, negative_prompt_embeds (I2V also image_embeds, condition)",
     )
-    _flag(gen, "height", type=int, default=None, help="pixels (default: 16 for tiny-digits, 1024 for FLUX)")
-    _flag(gen, "width", type=int, default=None)
+    _flag(
+        gen,
+        "height",
+        type=int,
+        default=None,
+        help="pixels (default: 16 for tiny-digits, 1024 for FLUX, 480 for Wan)",
+    )
+    _flag(gen, "width", type=int, default=None, help="pixels (default: as --height; 832 for Wan)")
+    _flag(gen, "num_frames", type=int, default=None, help="Wan: video frames, 4n + 1 (default 81)")
+    _flag(
+        gen,
+        "flow_shift",
+        type=float,
+        default=None,
+        help="Wan: UniPC sigma shift (default 5.0 at 720p, else 3.0)",
+    )
     _flag(gen, "num_inference_steps", type=int, default=None, help="alias --steps")
     gen.add_argument("--steps", dest="num_inference_steps", type=int, help=argparse.SUPPRESS)
-    _flag(gen, "guidance_scale", type=float, default=3.5, help="FLUX-dev embedded guidance; alias --guidance")
+    _flag(
+        gen,
+        "guidance_scale",
+        type=float,
+        default=None,
+        help="FLUX-dev: embedded guidance (default 3.5); Wan: classifier-free guidance scale (default 5.0); "
+        "alias --guidance",
+    )
     gen.add_argument("--guidance", dest="guidance_scale", type=float, help=argparse.SUPPRESS)
     _flag(
         gen,

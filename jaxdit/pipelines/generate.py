@@ -16,6 +16,10 @@ import numpy as np
 
 TINY = "tiny-digits"
 FLUX_PRESETS = ("flux-dev", "flux-schnell")
+#: Wan 2.1 models; --weights names the checkpoint, which must be the preset's architecture.
+WAN_PRESETS = ("wan2.1-t2v-1.3b", "wan2.1-t2v-14b", "wan2.1-i2v-14b")
+#: The arrays a Wan --prompt_embeds file may hold (I2V: CLIP image features and the condition latent).
+WAN_EMBEDDINGS = ("prompt_embeds", "negative_prompt_embeds", "image_embeds", "condition")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +32,7 @@ class GenerateRequest:
     height: int | None = None
     width: int | None = None
     num_inference_steps: int | None = None
-    guidance_scale: float = 3.5
+    guidance_scale: float | None = None  # default: 3.5 (FLUX-dev's embedded guidance), 5.0 (Wan's CFG)
     true_cfg_scale: float | None = None
     seed: int = 0
     output: str | None = None
@@ -43,6 +47,8 @@ class GenerateRequest:
     pipefusion_parallel_degree: int = 1
     num_pipeline_patch: int | None = None
     warmup_steps: int | None = None
+    num_frames: int | None = None  # Wan
+    flow_shift: float | None = None  # Wan
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -56,7 +62,23 @@ class GenerateRequest:
         return self.model == TINY and self.weights is None
 
     @property
+    def is_wan(self) -> bool:
+        return self.model in WAN_PRESETS
+
+    @property
+    def frames(self) -> int:
+        return 81 if self.num_frames is None else self.num_frames
+
+    @property
+    def guidance(self) -> float:
+        if self.guidance_scale is not None:
+            return self.guidance_scale
+        return 5.0 if self.is_wan else 3.5
+
+    @property
     def size(self) -> tuple[int, int]:
+        if self.is_wan:  # diffusers' WanPipeline defaults (480p)
+            return (480 if self.height is None else self.height, 832 if self.width is None else self.width)
         default = 16 if self.is_tiny else 1024
         pick = lambda v: default if v is None else v
         return pick(self.height), pick(self.width)
@@ -65,6 +87,8 @@ class GenerateRequest:
     def steps(self) -> int:
         if self.num_inference_steps is not None:
             return self.num_inference_steps
+        if self.is_wan:
+            return 50
         return 20 if self.is_tiny else 28
 
     @property
@@ -93,9 +117,14 @@ def check_request(r: GenerateRequest) -> None:
     """Raise ValueError naming the problem; needs no devices."""
     from jaxdit.mesh import ParallelConfig
 
-    if r.model not in (TINY, *FLUX_PRESETS) and r.weights is None:
+    if r.model not in (TINY, *FLUX_PRESETS, *WAN_PRESETS) and r.weights is None:
         raise ValueError(
-            f"unknown --model {r.model!r}; use tiny-digits, flux-dev or flux-schnell (with --weights)"
+            f"unknown --model {r.model!r}; use tiny-digits, flux-dev or flux-schnell (with --weights), "
+            f"or {', '.join(WAN_PRESETS)} (with --weights)"
+        )
+    if r.is_wan and r.weights is None:
+        raise ValueError(
+            f"--model {r.model} needs --weights (a diffusers or original Wan 2.1 folder, or a jaxdit orbax folder)"
         )
     if r.model in FLUX_PRESETS and r.weights is None:
         raise ValueError(
@@ -116,6 +145,10 @@ def check_request(r: GenerateRequest) -> None:
         if r.emulate_devices < 1:
             raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
         config.validate_devices(r.emulate_devices)
+    if r.is_wan:
+        return _check_wan(r, config)
+    if r.num_frames is not None or r.flow_shift is not None:
+        raise ValueError(f"--num_frames and --flow_shift apply to Wan models ({', '.join(WAN_PRESETS)})")
     if r.use_cfg_parallel and (r.negative is None and r.prompt_embeds is None or r.cfg_scale <= 1.0):
         raise ValueError(
             "--use_cfg_parallel needs classifier-free guidance: a --negative_prompt (or negative embeddings) and "
@@ -143,6 +176,65 @@ def check_request(r: GenerateRequest) -> None:
         raise ValueError(f"--output must end in .png (images) or .npy (latents); got {r.output}")
 
 
+def _embedding_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the arrays in a .npz / .safetensors file (numpy only: no jax)."""
+    if not Path(path).is_file():
+        raise ValueError(f"--prompt_embeds {path}: no such file")
+    if path.endswith(".npz"):
+        with np.load(path) as f:
+            return {k: f[k].shape for k in f.files}
+    from converters.safetensors_io import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    return {k: tuple(ckpt.shape(k)) for k in ckpt}
+
+
+def _check_wan(r: GenerateRequest, config) -> None:
+    """Wan's part of :func:`check_request`: the pipeline's own checks on the preset and the file's shapes."""
+    from jaxdit.models.wan import WanConfig
+    from jaxdit.pipelines.wan import check_inputs
+
+    if not Path(r.weights).exists():
+        raise ValueError(f"--weights {r.weights}: no such file or folder")
+    if r.true_cfg_scale is not None:
+        raise ValueError(
+            "--true_cfg_scale is FLUX's; Wan's classifier-free guidance scale is --guidance_scale"
+        )
+    if r.prompt is not None or r.negative_prompt is not None:
+        raise ValueError(
+            "Wan has no text encoder yet: put prompt_embeds / negative_prompt_embeds in --prompt_embeds"
+        )
+    if r.prompt_embeds is None:
+        raise ValueError(
+            "Wan needs --prompt_embeds (a .npz/.safetensors with prompt_embeds [B, 512, 4096] and, for "
+            "guidance, negative_prompt_embeds) until text encoders land"
+        )
+    if r.output is not None and Path(r.output).suffix.lower() != ".npy":
+        raise ValueError(f"Wan writes latents (.npy) until the VAE lands; got --output {r.output}")
+    shapes = _embedding_shapes(r.prompt_embeds)
+    unknown = sorted(set(shapes) - set(WAN_EMBEDDINGS))
+    if unknown or "prompt_embeds" not in shapes:
+        raise ValueError(
+            f"{r.prompt_embeds} holds {sorted(shapes)}; a Wan embeddings file holds prompt_embeds and optionally "
+            f"{', '.join(WAN_EMBEDDINGS[1:])}" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+    height, width = r.size
+    check_inputs(
+        WanConfig.preset(r.model),
+        config,
+        height=height,
+        width=width,
+        num_frames=r.frames,
+        num_inference_steps=r.steps,
+        guidance_scale=r.guidance,
+        prompt_embeds=shapes["prompt_embeds"],
+        negative_prompt_embeds=shapes.get("negative_prompt_embeds"),
+        image_embeds=shapes.get("image_embeds"),
+        condition=shapes.get("condition"),
+        flow_shift=r.flow_shift,
+    )
+
+
 def _load_embeddings(path: str) -> dict[str, np.ndarray]:
     if path.endswith(".npz"):
         with np.load(path) as f:
@@ -158,6 +250,11 @@ def _pipeline(r: GenerateRequest, mesh):
 
     from jaxdit.pipelines.flux import FluxPipeline, tiny_digits
 
+    if r.is_wan:
+        from jaxdit.pipelines.wan import WanPipeline
+
+        dtype = jnp.dtype(r.dtype) if r.dtype else None
+        return WanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
     if r.is_tiny:
         return tiny_digits(mesh)
     from jaxdit.loading import load_params
@@ -168,11 +265,24 @@ def _pipeline(r: GenerateRequest, mesh):
 
 def _call(pipe, r: GenerateRequest, output_type: str):
     height, width = r.size
+    if r.is_wan:
+        e = _load_embeddings(r.prompt_embeds)
+        return pipe(
+            **{k: e.get(k) for k in WAN_EMBEDDINGS},
+            height=height,
+            width=width,
+            num_frames=r.frames,
+            num_inference_steps=r.steps,
+            guidance_scale=r.guidance,
+            flow_shift=r.flow_shift,
+            seed=r.seed,
+            output_type=output_type,
+        )
     kwargs = dict(
         height=height,
         width=width,
         num_inference_steps=r.steps,
-        guidance_scale=r.guidance_scale,
+        guidance_scale=r.guidance,
         true_cfg_scale=r.cfg_scale,
         seed=r.seed,
         output_type=output_type,
@@ -226,7 +336,9 @@ def run(r: GenerateRequest) -> int:
         labels = np.asarray(parse_prompt(r.prompt or "0123456789"))
         if (labels != NULL_LABEL).all():
             judged = DigitJudge().predict(result.images)
-            print(f"held-out digit judge recognises {int((judged == labels).sum())} of {len(labels)} as asked")
+            print(
+                f"held-out digit judge recognises {int((judged == labels).sum())} of {len(labels)} as asked"
+            )
 
     path = Path(r.output or ("digits.png" if r.is_tiny else "latents.npy"))
     if path.suffix.lower() == ".npy" or result.images is None:
