@@ -90,13 +90,18 @@ def test_invalid_requests_are_rejected_before_anything_runs(kwargs, message):
 
 
 def test_cfg_parallel_step_exchanges_one_prediction():
-    """The compiled denoising step's only cfg communication is one permute of one prediction."""
+    """The compiled denoising step holds the model's all-to-alls and one permute of one prediction."""
     from jaxdit import hlo_stats
 
     pipe = tiny_pipeline(_mesh(dict(cfg=2, ulysses=4)))
     pipe("0123456789", **{**CALL, "num_inference_steps": 1})
     step, args = pipe.last_step
     compiled = step.lower(*args).compile()
+    stats = hlo_stats.summarize(compiled)
     permutes = [c for c in hlo_stats.collectives(compiled) if c.kind == "collective-permute"]
     # 64 image + 4 text tokens over ulysses4 -> 16 image tokens per device, 4 features, fp32, 10 images.
     assert len(permutes) == 1 and permutes[0].bytes_per_device == 10 * 16 * 4 * 4
+    attention_layers = tiny.CONFIG.depth + tiny.CONFIG.depth_single_blocks
+    assert stats["all-to-all"]["count"] == 4 * attention_layers  # Ulysses: q, k, v, out per layer
+    for kind in ("all-gather", "all-reduce", "reduce-scatter"):
+        assert stats[kind]["count"] == 0, kind

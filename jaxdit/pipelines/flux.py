@@ -28,7 +28,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
-from jaxdit.parallel.cfg import combine_branches, interleave_branches
+from jaxdit.parallel.cfg import combine_branches, interleave_branches, replicate_branches
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.samplers import flow_match_euler as euler
 from sharding_rules import logical_to_spec
@@ -120,13 +120,13 @@ class FluxPipeline:
         if key in self._steps:
             return self._steps[key]
         forward = self.forward.step(layout, names)
-        mesh, data = self.mesh, self.parallel.data
+        mesh = self.mesh
         latent_sharding = NamedSharding(mesh, logical_to_spec(LATENT_AXES, self.forward.rules))
 
         def step(state, x, cond, sigma, sigma_next, cfg_scale):
             b = x.shape[0]
             t = jnp.full((2 * b if true_cfg else b,), sigma, jnp.float32)
-            model_x = interleave_branches(x, x, data) if true_cfg else x
+            model_x = replicate_branches(x, mesh, seq_sharded=True) if true_cfg else x
             inputs = dict(cond, hidden_states=model_x.astype(self.model.dtype), timestep=t)
             v = forward(state, *(inputs[n] for n in names))
             if true_cfg:

@@ -49,7 +49,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import validate_forward
-from jaxdit.parallel.cfg import combine_branches, interleave_branches
+from jaxdit.parallel.cfg import combine_branches, interleave_branches, replicate_branches
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.flux import LATENT_AXES, GenerationOutput, _progress
@@ -212,26 +212,6 @@ def _swap_features(tokens: Any, outer: int, inner: int) -> Any:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _branch_inputs(mesh: Mesh, rules: Any) -> Callable[[jax.Array], jax.Array]:
-    """Tokens [B, N, K] (requests over data, replicated over cfg) -> the model batch [2B, N, K] in
-    ``interleave_branches``' order (data shard, branch, request), batch over (data, cfg).
-
-    Both branches denoise the same latents, so every device already holds the rows its branch needs: a
-    cfg shard passes its tokens on as they are, and with cfg=1 each device stacks them twice. Written as a
-    ``shard_map`` because XLA's partitioner, given the global ``stack`` of the tokens with themselves,
-    moves them with an all-to-all over cfg (measured: three per step) instead.
-    """
-    cfg = ParallelConfig.from_mesh(mesh).cfg
-    local = (lambda x: x) if cfg == 2 else (lambda x: jnp.concatenate([x, x], axis=0))
-    return jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=logical_to_spec(LATENT_AXES, rules),
-        out_specs=logical_to_spec(wan.FORWARD_INPUTS["hidden_states"].axes, rules),
-        check_vma=False,
-    )
-
-
 class _Loop(NamedTuple):
     """A prepared generation: ``step(params, x, sampler, schedule, context, scale) -> (x, sampler)`` and
     its first arguments (placed), the token layout and the latent token grid."""
@@ -330,13 +310,12 @@ class WanPipeline:
             return self._steps[key]
         forward = self.forward.step(layout, names)
         mesh, dtype = self.mesh, self.model.dtype
-        both_branches = _branch_inputs(mesh, self.forward.rules)
         patch, channels = math.prod(self.config.patch_size), self.config.out_channels
 
         def step(params, x, sampler, schedule, context, scale):
             # x [B, N_pad, C*P] fp32 tokens; sampler: UniPC state like x; context: placed conditioning.
             tokens = jnp.concatenate([x, context["condition"]], axis=-1) if i2v else x
-            model_x = both_branches(tokens) if cfg else tokens
+            model_x = replicate_branches(tokens, mesh, seq_sharded=True) if cfg else tokens
             t = schedule.timesteps[sampler.step_index].astype(jnp.float32)
             inputs = dict(
                 context,
