@@ -331,12 +331,15 @@ def _activation_bytes(w: Workload, c: ParallelConfig, block_weights: int) -> int
     stacked weights and XLA copies the running layer's slice out of the stack (measured on CPU; a GPU
     GEMM also needs its operand in a buffer of its own). Then the fp32 residual stream in and out of the
     block, and the larger of two phases: attention (the normed input, q/k/v before and after Ulysses'
-    exchange, ring's K/V block in flight, the kernel's fp32 output accumulator and one fp32 score tile
-    with its probabilities) and the MLP (its hidden layer in fp32 and in the model dtype, and the fp32
-    partial sum). Wan adds the embedded context and its K/V.
+    exchange, ring's K/V block in flight and its merged output, the kernel's fp32 output accumulator and
+    one fp32 score tile with its probabilities) and the MLP (its hidden layer in fp32 and in the model dtype, and the fp32
+    partial sum). Wan adds the embedded context and its K/V. Under PipeFusion a tick works on one
+    patch (1/M of the tokens); its stale K/V is :func:`_kv_cache_bytes`.
     """
     sh, a, e = _shapes(w, c), w.itemsize, w.hidden
     b, n = sh.b, sh.n
+    if c.pipefusion > 1:
+        n = math.ceil(n / pipeline_shape(w, c)[1])  # a tick works on one patch
     residual = 2 * b * n * e * 4
     gathered = n * c.ulysses
     heads = sh.h_t // c.ulysses
@@ -346,7 +349,8 @@ def _activation_bytes(w: Workload, c: ParallelConfig, block_weights: int) -> int
         b * n * e * a  # normed block input
         + qkv * (2 if c.ulysses > 1 else 1)
         + (2 * b * n * sh.e_t * a if c.ring > 1 else 0)  # the K/V block in flight
-        + b * gathered * heads * w.head_dim * 4  # fp32 output accumulator
+        # fp32 output accumulator; ring also keeps the merged output of the hops before
+        + b * gathered * heads * w.head_dim * 4 * (2 if c.ring > 1 else 1)
         + 2 * b * heads * tq * tk * 4  # one score tile and its probabilities
     )
     mlp = b * n * sh.f_t * (4 + a) + b * n * e * 4

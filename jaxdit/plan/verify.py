@@ -1,9 +1,10 @@
 """Hold the cost model against compiled programs: compile one denoising step per configuration on
 emulated CPU devices from abstract shapes (no weights allocated) and measure it with ``jaxdit.hlo_stats``.
 
-The step compiled is the pipeline's (``jaxdit.pipelines.flux``): the sharded transformer forward on
-both guidance branches, CFG's exchange (``parallel/cfg.py``) and the Euler update, latents kept in the
-padded token layout; Wan's step has the same shape. Parameters and inputs are ``jax.ShapeDtypeStruct``s
+The step compiled is the pipelines' (``jaxdit.pipelines.flux``): the two-branch batch built without
+communication (``cfg.replicate_branches``), the sharded transformer forward, CFG's exchange
+(``cfg.combine_branches``) and an Euler update, latents kept in the padded token layout; for Wan the
+same step with its inputs (its pipeline's UniPC update is elementwise too). Parameters and inputs are ``jax.ShapeDtypeStruct``s
 in the workload's dtype (bf16 as served).
 
 What is compared:
@@ -163,10 +164,10 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
     """Lower one denoising step of ``w`` on ``config`` from abstract shapes; returns (lowered, forward)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec
+    from jax.sharding import NamedSharding
 
     from jaxdit.models import flux, wan
-    from jaxdit.parallel.cfg import combine_branches, interleave_branches
+    from jaxdit.parallel.cfg import combine_branches, replicate_branches
     from sharding_rules import logical_to_spec
 
     if config.pipefusion > 1:
@@ -189,21 +190,9 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
     # FLUX takes sigma in [0, 1]; Wan the raw timestep in [0, 1000).
     time_scale = 1.0 if w.family == "flux" else 1000.0
 
-    seq = logical_to_spec(("seq",), forward.rules)[0]
-    # Both branches denoise the same latents. Duplicating them per shard moves nothing; the global
-    # ``interleave_branches(x, x, data)`` the FLUX pipeline uses makes XLA reshard the stacked copy with
-    # all-to-alls when cfg=2 (found by this verify step).
-    duplicate = jax.shard_map(
-        lambda x: x if config.cfg == 2 else interleave_branches(x, x, 1),
-        mesh=mesh,
-        in_specs=PartitionSpec("data", seq, None),
-        out_specs=PartitionSpec(("data", "cfg"), seq, None),
-        check_vma=False,
-    )
-
     def step(state, x, inputs, sigma, sigma_next, cfg_scale):
         t = jnp.full((x.shape[0] * branches,), sigma * time_scale, jnp.float32)
-        model_x = duplicate(x) if branches == 2 else x
+        model_x = replicate_branches(x, mesh, seq_sharded=True) if branches == 2 else x
         args = dict(inputs, hidden_states=model_x.astype(dtype), timestep=t)
         v = fwd(state, *(args[n] for n in names))
         if branches == 2:
