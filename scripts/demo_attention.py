@@ -37,7 +37,9 @@ BATCH, TEXT, IMAGE, HEADS, HEAD_DIM = 2, 77, 1021, 8, 64
 def main() -> int:
     rng = np.random.default_rng(0)
     groups = [
-        tuple(jnp.asarray(rng.standard_normal((BATCH, n, HEADS, HEAD_DIM)), jnp.float32) for n in (TEXT, IMAGE))
+        tuple(
+            jnp.asarray(rng.standard_normal((BATCH, n, HEADS, HEAD_DIM)), jnp.float32) for n in (TEXT, IMAGE)
+        )
         for _ in range(3)
     ]
     q, k, v = groups
@@ -58,8 +60,12 @@ def main() -> int:
         worst = max(worst, err)
         # Bytes from the program a model runs: tokens already in the padded shard layout.
         layout = SequenceLayout((TEXT, IMAGE), config.sequence_degree)
-        shapes = tuple(jax.ShapeDtypeStruct((BATCH, n, HEADS, HEAD_DIM), jnp.float32) for n in layout.padded_lengths)
-        stats = hlo_stats.summarize(jax.jit(sharded_attention(mesh, layout)).lower(shapes, shapes, shapes).compile())
+        shapes = tuple(
+            jax.ShapeDtypeStruct((BATCH, n, HEADS, HEAD_DIM), jnp.float32) for n in layout.padded_lengths
+        )
+        stats = hlo_stats.summarize(
+            jax.jit(sharded_attention(mesh, layout)).lower(shapes, shapes, shapes).compile()
+        )
         other = sum(stats[kind]["count"] for kind in ("all-reduce", "all-gather", "reduce-scatter"))
         sent = stats["total"]["bytes_sent"]
         print(

@@ -50,7 +50,9 @@ def test_product_must_equal_device_count():
 
 def test_heads_must_split_over_ulysses_times_tensor():
     ParallelConfig(ulysses=8).validate_model(num_heads=24)
-    with pytest.raises(ValueError, match=r"24 heads cannot be split over ulysses=5 x tensor=1.*1, 2, 3, 4, 6, 8"):
+    with pytest.raises(
+        ValueError, match=r"24 heads cannot be split over ulysses=5 x tensor=1.*1, 2, 3, 4, 6, 8"
+    ):
         ParallelConfig(ulysses=5).validate_model(num_heads=24)
     with pytest.raises(ValueError, match=r"40 heads cannot be split over ulysses=3 x tensor=2.*1, 2, 4, 5"):
         ParallelConfig(ulysses=3, tensor=2).validate_heads(40)

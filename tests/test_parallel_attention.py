@@ -77,7 +77,9 @@ def test_strategy_bf16(name):
     )
     sharded = _run(tuple(q), tuple(k), tuple(v), CONFIGS[name])
     assert float(jnp.abs(single - ref).max()) <= bound
-    assert float(jnp.abs(sharded - ref).max()) <= bound, f"{name}: {float(jnp.abs(sharded - ref).max())} > {bound}"
+    assert float(jnp.abs(sharded - ref).max()) <= bound, (
+        f"{name}: {float(jnp.abs(sharded - ref).max())} > {bound}"
+    )
 
 
 def test_single_group_and_user_key_mask():
