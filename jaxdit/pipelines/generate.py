@@ -132,12 +132,12 @@ def check_request(r: GenerateRequest) -> None:
         )
     degrees = r.parallel_degrees()
     config = ParallelConfig(**degrees)  # degrees >= 1
-    if config.pipefusion > 1:
+    if config.pipefusion > 1 and r.model not in (TINY, *FLUX_PRESETS):
         raise ValueError(
-            f"--pipefusion_parallel_degree {config.pipefusion}: PipeFusion is not implemented yet in jaxdit; "
-            "use --ulysses_degree / --ring_degree / --use_cfg_parallel instead"
+            f"--pipefusion_parallel_degree {config.pipefusion}: jaxdit's PipeFusion runs FLUX models "
+            "(tiny-digits, flux-dev, flux-schnell); use --ulysses_degree / --ring_degree / --use_cfg_parallel"
         )
-    if r.num_pipeline_patch is not None or r.warmup_steps is not None:
+    if config.pipefusion == 1 and (r.num_pipeline_patch is not None or r.warmup_steps is not None):
         raise ValueError(
             "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
         )
@@ -160,6 +160,9 @@ def check_request(r: GenerateRequest) -> None:
         raise ValueError(f"height and width must be positive multiples of {factor}; got {height}x{width}")
     if r.steps < 1:
         raise ValueError(f"--num_inference_steps must be >= 1, got {r.steps}")
+    if config.pipefusion > 1:
+        # A packed token covers `factor` pixels in each direction (tiny: 2x2 pixels; FLUX: 2x2 latents of 8).
+        _check_pipefusion(r, config, height // factor, width // factor)
     if r.is_tiny:
         from jaxdit.pipelines.tiny_digits import CONFIG, parse_prompt
 
@@ -174,6 +177,20 @@ def check_request(r: GenerateRequest) -> None:
         )
     if r.output is not None and Path(r.output).suffix.lower() not in (".png", ".npy"):
         raise ValueError(f"--output must end in .png (images) or .npy (latents); got {r.output}")
+
+
+def _check_pipefusion(r: GenerateRequest, config, rows: int, cols: int) -> None:
+    """PipeFusion's options against the degrees and the latent: M >= P patches of whole rows that the
+    sequence degree splits, 1 <= warmup_steps <= steps."""
+    from jaxdit.parallel.pipefusion import validate_pipefusion
+    from jaxdit.pipelines.pipefusion_flux import default_num_patches, validate_patches
+
+    patches = r.num_pipeline_patch
+    if patches is None:
+        patches = default_num_patches(config.pipefusion, rows)
+    warmup = 1 if r.warmup_steps is None else r.warmup_steps
+    validate_pipefusion(config.pipefusion, patches, warmup, r.steps)
+    validate_patches(rows, cols, patches, config.sequence_degree)
 
 
 def _embedding_shapes(path: str) -> dict[str, tuple[int, ...]]:
@@ -255,6 +272,13 @@ def _pipeline(r: GenerateRequest, mesh):
 
         dtype = jnp.dtype(r.dtype) if r.dtype else None
         return WanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
+    if r.pipefusion_parallel_degree > 1:
+        from jaxdit.pipelines import pipefusion_flux as pf
+
+        if r.is_tiny:
+            return pf.tiny_digits(mesh)
+        dtype = jnp.dtype(r.dtype) if r.dtype else None
+        return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype))
     if r.is_tiny:
         return tiny_digits(mesh)
     from jaxdit.loading import load_params
@@ -287,6 +311,8 @@ def _call(pipe, r: GenerateRequest, output_type: str):
         seed=r.seed,
         output_type=output_type,
     )
+    if r.pipefusion_parallel_degree > 1:
+        kwargs.update(num_pipeline_patch=r.num_pipeline_patch, warmup_steps=r.warmup_steps or 1)
     if r.is_tiny:
         return pipe(r.prompt or "0123456789", negative_prompt=r.negative, **kwargs)
     e = _load_embeddings(r.prompt_embeds)
