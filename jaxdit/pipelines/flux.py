@@ -48,7 +48,8 @@ class GenerationOutput:
     seconds: float  # wall time of the denoising loop (compile included on a first call)
 
 
-def _abstract(a):
+def abstract_like(a):
+    """A ShapeDtypeStruct with ``a``'s shape, dtype and sharding (to re-lower a step without data)."""
     return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
 
 
@@ -221,7 +222,7 @@ class FluxPipeline:
 
         args = (self.forward.state, x, placed, sigmas[0], sigmas[1], scale)
         #: The last step function and its abstract arguments, to inspect the compiled program.
-        self.last_step = (step, jax.tree.map(_abstract, args))
+        self.last_step = (step, jax.tree.map(abstract_like, args))
         start = time.perf_counter()
         for i in _progress(range(num_inference_steps), progress, num_inference_steps):
             x = step(self.forward.state, x, placed, sigmas[i], sigmas[i + 1], scale)

@@ -75,7 +75,7 @@ from jaxdit.parallel.pipefusion import (
     write_patch,
 )
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines.flux import Decoder, Encoder, FluxPipeline, GenerationOutput
+from jaxdit.pipelines.flux import Decoder, Encoder, FluxPipeline, GenerationOutput, abstract_like
 from jaxdit.samplers import flow_match_euler as euler
 from sharding_rules import rules_for
 
@@ -753,10 +753,6 @@ def lower(
 # --------------------------------------------------------------------------------------------------------
 
 
-def _abstract(a: Any) -> Any:
-    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None))
-
-
 class PipeFusionFluxPipeline(FluxPipeline):
     """``FluxPipeline``'s call (prompts or embeddings, true CFG, seed, output type) with PipeFusion.
 
@@ -880,14 +876,14 @@ class PipeFusionFluxPipeline(FluxPipeline):
         kv = programs.zero_buffers()
         warm = programs.warmup()
         args = (state, lat, *kv, *cond, sigmas[0], sigmas[1], scale)
-        self.last_programs = {"warmup": (warm, jax.tree.map(_abstract, args)), "pipelined": None}
+        self.last_programs = {"warmup": (warm, jax.tree.map(abstract_like, args)), "pipelined": None}
         for i in _progress(range(warmup_steps), progress, warmup_steps):
             lat, *kv = warm(state, lat, *kv, *cond, sigmas[i], sigmas[i + 1], scale)
         remaining = num_inference_steps - warmup_steps
         if remaining:
             run = programs.asynchronous(remaining)
             args = (state, lat, *kv, *cond, sigmas[warmup_steps:], scale)
-            self.last_programs["pipelined"] = (run, jax.tree.map(_abstract, args))
+            self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
             lat = run(*args)
         # Stage 0's copy is the result (the others hold what their stage last computed).
         out = np.asarray(jax.device_get(lat[0])).reshape(batch, rows * cols, -1)
