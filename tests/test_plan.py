@@ -20,6 +20,7 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models.flux import FluxConfig
 from jaxdit.models.partitioning import named_shardings
 from jaxdit.models.wan import WanConfig
+from jaxdit.parallel.pipefusion import PipeSchedule
 from jaxdit.plan.command import parse_config
 from jaxdit.plan.cost import attention_flops, step_cost
 from jaxdit.plan.latency import Hardware, timing
@@ -254,3 +255,24 @@ def test_cli_json_and_text(capsys):
         main(["plan", "--model", "flux-dev", "--devices", "8", "--verify", "--configs", "cfg2xulysses4"]) == 2
     )
     assert "distilled" in capsys.readouterr().err
+
+
+def test_verify_compiles_flux_pipefusion_and_matches_the_per_program_model():
+    """FLUX PipeFusion (pf2 x ulysses2): the runner's warm-up step and its pipelined phase (3 steps as one
+    scan, fill/drain bubbles included) send what the plan's model says for the same program (within 2%:
+    the runner pads text per patch); Wan stays modelled only."""
+    from jaxdit.plan.cost import pipefusion_programs
+    from jaxdit.plan.verify import lower_step, verify_pipefusion
+
+    w = flux_small("bfloat16")
+    c = P(pipefusion=2, ulysses=2)
+    (cmp,) = verify_pipefusion(w, [c])
+    modelled = pipefusion_programs(w, c, cpu=True)
+    assert modelled["ticks"] == PipeSchedule(2, 4, 2, w.steps - 1).ticks
+    assert cmp.warmup_measured > 0 and cmp.pipelined_measured > 0
+    assert abs(cmp.warmup_ratio - 1) < 0.02 and abs(cmp.pipelined_ratio - 1) < 0.02
+    assert not cmp.unexpected_kinds
+    # A bubble-inclusive phase is more than S-W steady steps: the comparison is per program.
+    assert modelled["pipelined"] > (w.steps - 1) * modelled["steady_step"]
+    with pytest.raises(ValueError, match="modelled only"):
+        lower_step(wan_small(), P(pipefusion=2))

@@ -75,7 +75,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Plan (and verify); prints a table or JSON. Raises ValueError on bad arguments."""
     from jaxdit.plan.latency import DEFAULT_MEMORY_GB, DEFAULT_TFLOPS, Hardware
-    from jaxdit.plan.report import format_plan, format_verify
+    from jaxdit.plan.report import format_plan, format_verify, format_verify_pipefusion
     from jaxdit.plan.search import plan
     from jaxdit.plan.workload import Workload
 
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         print(format_plan(report), flush=True)
 
     if args.verify:
-        from jaxdit.plan.verify import verify
+        from jaxdit.plan.verify import ensure_cpu_devices, verify, verify_pipefusion
 
         if args.configs:
             chosen = [report.find(parse_config(c)) for c in args.configs.split(",") if c.strip()]
@@ -113,16 +113,32 @@ def run(args: argparse.Namespace) -> int:
         else:
             chosen = list(report.plans)
         compile_now = [p for p in chosen if p.config.pipefusion == 1]
-        modelled_only = [p for p in chosen if p.config.pipefusion > 1]
+        # FLUX PipeFusion compiles the runner's two programs; Wan's has no runner (modelled only).
+        pipefusion = [p for p in chosen if p.config.pipefusion > 1 and workload.family == "flux"]
+        modelled_only = [p for p in chosen if p.config.pipefusion > 1 and workload.family != "flux"]
         say = (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if not args.json else None
-        comparisons = verify(workload, [p.config for p in compile_now], threads=args.threads, progress=say)
+        ensure_cpu_devices(max([p.config.num_devices for p in compile_now + pipefusion] + [1]))
+        comparisons = (
+            verify(workload, [p.config for p in compile_now], threads=args.threads, progress=say)
+            if compile_now
+            else []
+        )
+        pf_comparisons = verify_pipefusion(
+            workload, [p.config for p in pipefusion], threads=args.threads, progress=say
+        )
         if args.json:
-            data["verify"] = [c.to_json() for c in comparisons] + [
-                {"config": p.name, "modelled_only": True} for p in modelled_only
-            ]
+            data["verify"] = (
+                [c.to_json() for c in comparisons]
+                + [c.to_json() for c in pf_comparisons]
+                + [{"config": p.name, "modelled_only": True} for p in modelled_only]
+            )
         else:
-            print()
-            print(format_verify(workload.describe(), comparisons, modelled_only))
+            if comparisons or modelled_only:
+                print()
+                print(format_verify(workload.describe(), comparisons, modelled_only))
+            if pf_comparisons:
+                print()
+                print(format_verify_pipefusion(pf_comparisons))
     if args.json:
         print(json.dumps(data, indent=1))
     return 0

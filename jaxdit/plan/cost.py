@@ -494,7 +494,7 @@ def _collectives(
             CollectiveCost(
                 "pipefusion",
                 "collective-permute",
-                f"one patch's fp32 activations to the neighbouring stage, {passes} per tick (modelled only)",
+                f"one patch's fp32 activations to the neighbouring stage, {passes} per tick",
                 passes * patches,
                 b * math.ceil(n / patches) * e,
                 "float32",
@@ -550,3 +550,37 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
         passes=pipeline_shape(w, c)[0] if p > 1 else 1,
         patches=pipeline_shape(w, c)[1] if p > 1 else 1,
     )
+
+
+def pipefusion_programs(
+    w: Workload, c: ParallelConfig, warmup_steps: int = 1, cpu: bool = False
+) -> dict[str, float]:
+    """PipeFusion's bytes sent per device, per program, as the runner splits a generation: ``warmup``
+    (one synchronous step: the full sequence through all P stages, so every stage's Ulysses / Ring /
+    tensor collectives run P times, 2(P-1) hops of the full fp32 sequence, CFG's exchange once) and
+    ``pipelined`` (the S-W asynchronous steps as one scan of ``ticks`` ticks, bubbles included: every tick
+    runs both passes on one patch, i.e. 1/M of a step's sequence collectives, two activation hops and
+    1/M of CFG's exchange). ``steady_step`` is M ticks (what :func:`step_cost` prices per step). The
+    per-step terms are :func:`step_cost`'s; ``generation`` is W warm-up steps plus the pipelined phase."""
+    if c.pipefusion == 1:
+        raise ValueError("pipefusion_programs needs pipefusion > 1")
+    passes, patches = pipeline_shape(w, c)
+    cost = step_cost(w, c)
+    sequence = sum(x.total_sent(cpu) for x in cost.collectives if x.strategy in ("ulysses", "ring", "tensor"))
+    cfg = sum(x.total_sent(cpu) for x in cost.collectives if x.strategy == "cfg")
+    (act,) = [x.sent_bytes(cpu) for x in cost.collectives if x.strategy == "pipefusion"]  # one patch
+    p = c.pipefusion
+    rest = w.steps - warmup_steps
+    depth = passes * p
+    ticks = (rest - 1) * max(patches, depth) + patches - 1 + depth if rest > 0 else 0
+    tick = sequence / patches + passes * act + cfg / patches
+    warmup = p * sequence + passes * (p - 1) * patches * act + cfg
+    return {
+        "warmup": warmup,
+        "pipelined": ticks * tick,
+        "ticks": ticks,
+        "tick": tick,
+        "steady_step": patches * tick,
+        "patches": patches,
+        "generation": warmup_steps * warmup + ticks * tick,
+    }

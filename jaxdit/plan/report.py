@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from jaxdit.plan.search import Plan, PlanReport
-from jaxdit.plan.verify import Comparison
+from jaxdit.plan.verify import Comparison, PipeFusionComparison
 
 MIB, GB = 2**20, 1e9
 
@@ -185,5 +185,53 @@ def format_verify(
         "program sends them (bf16 widened to f32; fp32 all-reduces and predictions unchanged); model (GPU) "
         "is what a GPU moves. sum/one dev: per-device FLOPs summed over devices / the one-device step's. "
         "activ. (CPU): temp minus the CPU's fp32 copies of bf16 weights (an estimate)."
+    )
+    return "\n".join(out)
+
+
+def format_verify_pipefusion(comparisons: Sequence[PipeFusionComparison]) -> str:
+    """FLUX PipeFusion: each compiled program's collective bytes per device beside the model's."""
+    header = [
+        "configuration",
+        "M",
+        "warm-up step (CPU HLO)",
+        "model",
+        "ratio",
+        "ticks",
+        "pipelined phase (CPU HLO)",
+        "model",
+        "ratio",
+        "steady step (model)",
+        "compile",
+    ]
+    rows = []
+    for c in comparisons:
+        m = c.modelled
+        rows.append(
+            [
+                c.model.config.describe(),
+                str(m["patches"]),
+                _bytes(c.warmup_measured),
+                _bytes(m["warmup"]),
+                f"{c.warmup_ratio:.4f}",
+                str(m["ticks"]),
+                _bytes(c.pipelined_measured),
+                _bytes(m["pipelined"]),
+                f"{c.pipelined_ratio:.4f}",
+                _bytes(m["steady_step"]),
+                f"{c.compile_seconds:.0f} s",
+            ]
+        )
+    out = ["PipeFusion (FLUX runner, both programs compiled)", ""]
+    out += _table(header, rows, right=set(range(1, 11)))
+    out.append("")
+    unexpected = [(c.model.config.describe(), c.unexpected_kinds) for c in comparisons if c.unexpected_kinds]
+    out += [f"UNEXPECTED collectives in {name}: {', '.join(kinds)}" for name, kinds in unexpected]
+    steps = comparisons[0].warmup_steps
+    out.append(
+        f"warm-up step: one of the {steps} synchronous step(s) (full sequence through all P stages: sequence "
+        "collectives P times, 2(P-1) activation hops, CFG once). pipelined phase: the remaining steps as one "
+        "scan of `ticks` ticks, fill and drain bubbles included, against the model's per-tick bytes x the same "
+        "ticks (steady step = M ticks, what the plan ranks by). Bytes per device, CPU dtypes."
     )
     return "\n".join(out)

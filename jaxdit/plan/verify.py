@@ -7,6 +7,11 @@ communication (``cfg.replicate_branches``), the sharded transformer forward, CFG
 same step with its inputs (its pipeline's UniPC update is elementwise too). Parameters and inputs are ``jax.ShapeDtypeStruct``s
 in the workload's dtype (bf16 as served).
 
+FLUX PipeFusion is compiled separately (:func:`verify_pipefusion`): the runner's warm-up step and its
+pipelined phase (the remaining steps as one scan, fill/drain bubbles included), each program's collective
+bytes against ``cost.pipefusion_programs`` evaluated for that same program. Wan PipeFusion has no runner
+and stays modelled only.
+
 What is compared:
 
 - Collective bytes sent per device, loop trip counts included, against the model priced as the CPU
@@ -171,6 +176,8 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
     from sharding_rules import logical_to_spec
 
     if config.pipefusion > 1:
+        if w.family == "flux":
+            raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
         raise ValueError(f"{config.describe()}: PipeFusion is modelled only (no runner to compile yet)")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
@@ -302,6 +309,155 @@ def verify(
     """Compile ``w``'s step on every config (and on one device) and compare each with the model.
 
     Compiles run ``threads`` at a time (XLA's CPU compile is mostly single-threaded and releases the
-    GIL). Pipefusion configurations are not compiled (no runner to compile; modelled only).
+    GIL). PipeFusion configurations are not compiled here: FLUX's go through
+    :func:`verify_pipefusion` (the runner's own programs), Wan's are modelled only (no runner).
     """
     return verify_many([(w, list(configs))], threads=threads, progress=progress)[0]
+
+
+# ----------------------------------------------------------------------------------------------------
+# PipeFusion (FLUX): the runner's two programs against the model evaluated the same way
+
+
+@dataclasses.dataclass(frozen=True)
+class PipeFusionComparison:
+    """A FLUX PipeFusion configuration: collective bytes sent per device by each compiled program of
+    ``jaxdit.pipelines.pipefusion_flux`` beside :func:`jaxdit.plan.cost.pipefusion_programs` (CPU dtypes).
+
+    ``warmup``: one synchronous warm-up step. ``pipelined``: the asynchronous phase, the S-W remaining
+    steps as one scan of ``ticks`` ticks, pipeline fill and drain (bubbles) included, against the model's
+    per-tick bytes times the same ticks -- not against S-W steady-state steps."""
+
+    model: StepCost
+    modelled: dict[str, float]  # pipefusion_programs(cpu=True)
+    warmup_measured: float
+    pipelined_measured: float
+    by_kind: dict[str, dict[str, float]]  # both programs, per kind
+    warmup_steps: int
+    compile_seconds: float
+
+    @staticmethod
+    def _ratio(measured: float, modelled: float) -> float:
+        if modelled == 0:
+            return 1.0 if measured == 0 else math.inf
+        return measured / modelled
+
+    @property
+    def warmup_ratio(self) -> float:
+        return self._ratio(self.warmup_measured, self.modelled["warmup"])
+
+    @property
+    def pipelined_ratio(self) -> float:
+        return self._ratio(self.pipelined_measured, self.modelled["pipelined"])
+
+    @property
+    def unexpected_kinds(self) -> list[str]:
+        modelled = self.model.by_kind(cpu=True)
+        return sorted(k for k, v in self.by_kind.items() if v["count"] and k not in modelled)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "config": self.model.config.describe(),
+            "warmup_steps": self.warmup_steps,
+            "patches": self.modelled["patches"],
+            "ticks": self.modelled["ticks"],
+            "warmup_step_bytes_measured_cpu": self.warmup_measured,
+            "warmup_step_bytes_modelled_cpu": self.modelled["warmup"],
+            "warmup_ratio": self.warmup_ratio,
+            "pipelined_bytes_measured_cpu": self.pipelined_measured,
+            "pipelined_bytes_modelled_cpu": self.modelled["pipelined"],
+            "pipelined_ratio": self.pipelined_ratio,
+            "steady_step_bytes_modelled_cpu": self.modelled["steady_step"],
+            "collectives_measured": {k: v for k, v in self.by_kind.items() if v["count"]},
+            "unexpected_collectives": self.unexpected_kinds,
+            "compile_seconds": self.compile_seconds,
+        }
+
+
+def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1, devices=None):
+    """FLUX PipeFusion's warm-up step and pipelined phase lowered from abstract shapes (M = 2P patches,
+    as the plan models)."""
+    import jax
+    import jax.numpy as jnp
+
+    if w.family != "flux":
+        raise ValueError(f"{config.describe()}: PipeFusion is modelled only (no runner to compile yet)")
+    from jaxdit.pipelines import pipefusion_flux as pf
+    from jaxdit.plan.cost import pipeline_shape
+
+    if not 1 <= warmup_steps <= w.steps:
+        raise ValueError(f"warmup_steps={warmup_steps} for {w.steps} steps")
+    devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
+    mesh = config.make_mesh(devices)
+    height, width, _ = w.size
+    rows, cols = height // 16, width // 16
+    if rows * cols != w.tokens[1]:
+        raise ValueError(f"{w.name}: {w.tokens[1]} image tokens are not {rows} x {cols}")
+    _, patches = pipeline_shape(w, config)
+    pf.validate_patches(rows, cols, patches, config.sequence_degree)
+    model = pf.PipeFusionFlux.abstract(w.model, mesh, jnp.dtype(w.dtype))
+    g = pf.Geometry(w.tokens[0], rows, cols, patches, config.ring, config.ulysses, w.batch, w.requests)
+    return pf.lower(
+        model,
+        g,
+        steps=w.steps,
+        warmup_steps=warmup_steps,
+        true_cfg=w.branches == 2,
+        compiler_options=FAST_COMPILE,
+    )
+
+
+def verify_pipefusion(
+    w: Workload,
+    configs: Iterable[ParallelConfig],
+    *,
+    warmup_steps: int = 1,
+    threads: int = 2,
+    progress: Callable[[str], None] | None = None,
+) -> list[PipeFusionComparison]:
+    """Compile FLUX PipeFusion's two programs per config and compare their collective bytes per device
+    with :func:`jaxdit.plan.cost.pipefusion_programs` (see :class:`PipeFusionComparison`)."""
+    from jaxdit import hlo_stats
+    from jaxdit.plan.cost import pipefusion_programs
+
+    configs = list(configs)
+    ensure_cpu_devices(max([c.num_devices for c in configs] + [1]))
+    say = progress or (lambda s: None)
+
+    def compile_one(lowered, seconds):
+        start = time.perf_counter()
+        summary = hlo_stats.summarize(lowered.compile()) if lowered is not None else {}
+        return summary, seconds + time.perf_counter() - start
+
+    out = []
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        pending = []
+        for c in configs:
+            start = time.perf_counter()
+            warm, run = lower_pipefusion(w, c, warmup_steps)
+            say(f"lowered {w.name} {c.describe()} (warm-up step and pipelined phase)")
+            seconds = (time.perf_counter() - start) / 2
+            pending.append(
+                (c, pool.submit(compile_one, warm, seconds), pool.submit(compile_one, run, seconds))
+            )
+            del warm, run
+        for c, fw, fr in pending:
+            (sw, tw), (sr, tr) = fw.result(), fr.result()
+            kinds = sorted((set(sw) | set(sr)) - {"total"})
+            zero = {"count": 0, "bytes_sent": 0.0}
+            by_kind = {
+                k: {f: sw.get(k, zero)[f] + sr.get(k, zero)[f] for f in ("count", "bytes_sent")}
+                for k in kinds
+            }
+            result = PipeFusionComparison(
+                model=step_cost(w, c),
+                modelled=pipefusion_programs(w, c, warmup_steps, cpu=True),
+                warmup_measured=sw.get("total", zero)["bytes_sent"],
+                pipelined_measured=sr.get("total", zero)["bytes_sent"],
+                by_kind=by_kind,
+                warmup_steps=warmup_steps,
+                compile_seconds=tw + tr,
+            )
+            say(f"compiled {c.describe()} in {result.compile_seconds:.1f} s")
+            out.append(result)
+    return out
