@@ -40,3 +40,9 @@ def named_shardings(state: nnx.State, rules: Mapping[str, object], mesh: Mesh):
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )
+
+
+def parameter_shapes(model: nnx.Module) -> dict[str, tuple[int, ...]]:
+    """Dotted parameter path -> shape (stacked blocks with their leading layer axis); works on abstract models."""
+    state = nnx.state(model, nnx.Param)
+    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}

@@ -48,6 +48,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxdit.mesh import ParallelConfig
+from jaxdit.models import partitioning
 from jaxdit.models.layers import (
     Linear,
     apply_rope,
@@ -581,8 +582,7 @@ def abstract_model(config: WanConfig, dtype: Any = jnp.float32) -> WanTransforme
 
 def parameter_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
     """Dotted parameter path -> shape (stacked blocks with their leading layer axis)."""
-    state = nnx.state(abstract_model(config), nnx.Param)
-    return {".".join(map(str, path)): tuple(v.shape) for path, v in nnx.to_flat_state(state)}
+    return partitioning.parameter_shapes(abstract_model(config))
 
 
 # --------------------------------------------------------------------------------------------------------
