@@ -56,19 +56,58 @@ def save_image(path: str | os.PathLike, image: np.ndarray, scale: int = 1) -> Pa
 
 
 def save_video(path: str | os.PathLike, frames: Sequence[np.ndarray], fps: int = 16) -> Path:
-    """Write uint8 frames [H, W(, 3)] as an animated GIF (needs nothing beyond Pillow)."""
-    from PIL import Image
+    """Write uint8 frames [H, W(, 3)] as .mp4 (H.264 through PyAV, the ``video`` extra) or .gif (Pillow).
 
+    MP4 frames need even sides (yuv420p halves the chroma planes); odd ones are padded by one edge row or
+    column rather than resized, so no pixel changes.
+    """
     path = Path(path)
-    if path.suffix.lower() != ".gif":
-        raise ValueError(f"videos are written as .gif; got {path.name}")
-    pictures = [Image.fromarray(f) for f in frames]
-    return _atomic(
-        path,
-        lambda tmp: pictures[0].save(
-            tmp, format="GIF", save_all=True, append_images=pictures[1:], duration=int(1000 / fps), loop=0
-        ),
-    )
+    suffix = path.suffix.lower()
+    if suffix not in (".mp4", ".gif"):
+        raise ValueError(f"videos are written as .mp4 or .gif; got {path.name}")
+    frames = [np.asarray(f) for f in frames]
+    if not frames:
+        raise ValueError("no frames to write")
+    for i, f in enumerate(frames):
+        if f.dtype != np.uint8 or f.shape != frames[0].shape or f.ndim not in (2, 3):
+            raise ValueError(
+                f"frame {i} is {f.dtype} {f.shape}; every frame must be uint8 [H, W(, 3)] of the first's "
+                f"shape {frames[0].shape}"
+            )
+    if suffix == ".gif":
+        from PIL import Image
+
+        pictures = [Image.fromarray(f) for f in frames]
+        return _atomic(
+            path,
+            lambda tmp: pictures[0].save(
+                tmp, format="GIF", save_all=True, append_images=pictures[1:], duration=int(1000 / fps), loop=0
+            ),
+        )
+    try:
+        import av
+    except ImportError as e:  # checked before the file is touched
+        raise ImportError(
+            f"writing {path.name} needs PyAV: pip install 'jaxdit[video]' (or write a .gif)"
+        ) from e
+    return _atomic(path, lambda tmp: _write_mp4(av, tmp, frames, fps))
+
+
+def _write_mp4(av, tmp: str, frames: list[np.ndarray], fps: int) -> None:
+    rgb = [np.repeat(f[..., None], 3, axis=-1) if f.ndim == 2 else f for f in frames]
+    h, w = rgb[0].shape[:2]
+    pad = ((0, h % 2), (0, w % 2), (0, 0))
+    with av.open(tmp, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = w + w % 2, h + h % 2
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18"}  # visually lossless; the default (23) smears small videos
+        for f in rgb:
+            frame = av.VideoFrame.from_ndarray(
+                np.ascontiguousarray(np.pad(f, pad, mode="edge")), format="rgb24"
+            )
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())  # flush the encoder
 
 
 def save_array(path: str | os.PathLike, array: np.ndarray) -> Path:
