@@ -1,0 +1,1 @@
+"""Variational autoencoders (latents <-> pixels) with spatially sharded (patch-parallel) decoding."""
