@@ -102,13 +102,14 @@ def _add_generate(sub) -> None:
     _flag(par, "ulysses_degree", type=int, default=1)
     _flag(par, "ring_degree", type=int, default=1)
     _flag(par, "tensor_parallel_degree", type=int, default=1)
-    _flag(par, "pipefusion_parallel_degree", type=int, default=1, help="PipeFusion stages (FLUX)")
+    _flag(par, "pipefusion_parallel_degree", type=int, default=1, help="PipeFusion stages (FLUX, Wan)")
     _flag(
         par,
         "num_pipeline_patch",
         type=int,
         default=None,
-        help="PipeFusion patches M >= P, whole rows of the latent (default 2P if it divides them, else P)",
+        help="PipeFusion patches M >= P, whole rows of the latent (default: FLUX 2P if it divides them, else P; "
+        "Wan the smallest M >= P that divides the rows)",
     )
     _flag(
         par, "warmup_steps", type=int, default=None, help="PipeFusion's synchronous first steps (default 1)"

@@ -269,7 +269,12 @@ def _wan_args(embeds, *extra: str, model: str = "wan2.1-t2v-1.3b", file: str = "
         (["--true_cfg_scale", "4"], "both.npz", None, "--guidance_scale"),
         (["--output", "video.png"], "both.npz", None, ".npy"),
         (["--flow_shift", "0"], "both.npz", None, "flow_shift must be > 0"),
-        (["--pipefusion_parallel_degree", "2"], "both.npz", None, "PipeFusion"),
+        (
+            ["--pipefusion_parallel_degree", "2", "--num_pipeline_patch", "4"],
+            "both.npz",
+            None,
+            "30 latent rows",
+        ),
     ],
 )
 def test_cli_wan_errors(embeds, capsys, extra, file, model, message):

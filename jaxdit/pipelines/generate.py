@@ -132,10 +132,11 @@ def check_request(r: GenerateRequest) -> None:
         )
     degrees = r.parallel_degrees()
     config = ParallelConfig(**degrees)  # degrees >= 1
-    if config.pipefusion > 1 and r.model not in (TINY, *FLUX_PRESETS):
+    if config.pipefusion > 1 and r.model not in (TINY, *FLUX_PRESETS, *WAN_PRESETS):
         raise ValueError(
             f"--pipefusion_parallel_degree {config.pipefusion}: jaxdit's PipeFusion runs FLUX models "
-            "(tiny-digits, flux-dev, flux-schnell); use --ulysses_degree / --ring_degree / --use_cfg_parallel"
+            f"(tiny-digits, flux-dev, flux-schnell) and Wan 2.1 ({', '.join(WAN_PRESETS)}); use "
+            "--ulysses_degree / --ring_degree / --use_cfg_parallel"
         )
     if config.pipefusion == 1 and (r.num_pipeline_patch is not None or r.warmup_steps is not None):
         raise ValueError(
@@ -236,9 +237,10 @@ def _check_wan(r: GenerateRequest, config) -> None:
             f"{', '.join(WAN_EMBEDDINGS[1:])}" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
         )
     height, width = r.size
-    check_inputs(
-        WanConfig.preset(r.model),
-        config,
+    model = WanConfig.preset(r.model)
+    plan = check_inputs(
+        model,
+        dataclasses.replace(config, pipefusion=1),  # PipeFusion's split of the blocks is checked below
         height=height,
         width=width,
         num_frames=r.frames,
@@ -250,6 +252,29 @@ def _check_wan(r: GenerateRequest, config) -> None:
         condition=shapes.get("condition"),
         flow_shift=r.flow_shift,
     )
+    if config.pipefusion > 1:
+        _check_pipefusion_wan(r, config, model, plan.latent_shape)
+
+
+def _check_pipefusion_wan(r: GenerateRequest, config, model, latent_shape) -> None:
+    """Wan PipeFusion: M >= P patches of whole latent rows (after patchify) that ring x ulysses splits,
+    blocks to split over the stages, 1 <= warmup_steps <= steps."""
+    from jaxdit.models.wan import latent_grid
+    from jaxdit.parallel.pipefusion import validate_pipefusion
+    from jaxdit.pipelines.pipefusion_wan import default_num_patches, validate_patches
+
+    if model.num_layers < config.pipefusion:
+        raise ValueError(
+            f"--pipefusion_parallel_degree {config.pipefusion} exceeds the model's {model.num_layers} blocks: "
+            "every stage needs at least one block"
+        )
+    grid = latent_grid(latent_shape, model.patch_size)
+    patches = r.num_pipeline_patch
+    if patches is None:
+        patches = default_num_patches(config.pipefusion, grid, config.sequence_degree)
+    warmup = 1 if r.warmup_steps is None else r.warmup_steps
+    validate_pipefusion(config.pipefusion, patches, warmup, r.steps)
+    validate_patches(grid, patches, config.sequence_degree)
 
 
 def _load_embeddings(path: str) -> dict[str, np.ndarray]:
@@ -268,9 +293,13 @@ def _pipeline(r: GenerateRequest, mesh):
     from jaxdit.pipelines.flux import FluxPipeline, tiny_digits
 
     if r.is_wan:
+        dtype = jnp.dtype(r.dtype) if r.dtype else None
+        if r.pipefusion_parallel_degree > 1:
+            from jaxdit.pipelines.pipefusion_wan import PipeFusionWanPipeline
+
+            return PipeFusionWanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
         from jaxdit.pipelines.wan import WanPipeline
 
-        dtype = jnp.dtype(r.dtype) if r.dtype else None
         return WanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
     if r.pipefusion_parallel_degree > 1:
         from jaxdit.pipelines import pipefusion_flux as pf
@@ -291,8 +320,12 @@ def _call(pipe, r: GenerateRequest, output_type: str):
     height, width = r.size
     if r.is_wan:
         e = _load_embeddings(r.prompt_embeds)
+        pipefusion = {}
+        if r.pipefusion_parallel_degree > 1:
+            pipefusion = dict(num_pipeline_patch=r.num_pipeline_patch, warmup_steps=r.warmup_steps or 1)
         return pipe(
             **{k: e.get(k) for k in WAN_EMBEDDINGS},
+            **pipefusion,
             height=height,
             width=width,
             num_frames=r.frames,
