@@ -288,7 +288,12 @@ class T5Checkpoint:
 
 
 def _open_hf(folder: Path, config: T5Config | None) -> T5Checkpoint:
-    cfg = config or T5Config.from_hf_config(folder / "config.json")
+    if config is None:
+        try:
+            config = T5Config.from_hf_config(folder / "config.json")
+        except (ValueError, KeyError, OSError) as e:
+            raise CheckpointError(f"{folder / 'config.json'}: not a T5 encoder config: {e}") from None
+    cfg = config
     files = open_checkpoint(folder)
     keys = set(files.keys())
     if HF_EMBED in keys and HF_EMBED_ALIAS in keys:

@@ -40,6 +40,8 @@ from jaxdit.text_encoders.t5 import abstract_model as abstract_t5
 from jaxdit.text_encoders.t5 import relative_position_buckets
 
 TOL = 1e-4
+#: A CLIP text config whose eos_token_id is neither 2 nor the largest id: pooling must find the first one.
+MID_EOS = 300
 FAST = {"xla_backend_optimization_level": 0}
 PROMPTS = [
     "a photo of a cat on the mat",
@@ -60,7 +62,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("text_encoders")
     ttm.save_tiny_flux_text(root / "flux")
     ttm.save_tiny_wan_text(root / "wan", i2v=True)
-    ttm.save_tiny_clip_text(root / "clip_eos", legacy_eos=False)
+    ttm.save_tiny_clip_text(root / "clip_eos", legacy_eos=False, eos_token_id=MID_EOS)
     return root
 
 
@@ -110,12 +112,34 @@ def test_full_size_parameter_counts_and_tables():
     )
 
 
+@pytest.mark.parametrize("name", ["umt5-xxl", "clip-vit-huge-14"])
+def test_full_size_lowers_with_one_scanned_block(name):
+    """Full-size encoders (bf16, abstract: nothing allocated) lower to a program with ONE block in a loop,
+    whatever the depth, and give the real output shapes."""
+    from flax import nnx
+
+    if name == "umt5-xxl":
+        model = abstract_t5(T5Config.preset(name), jnp.bfloat16)
+        arg = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+        fn, want = (lambda m, i: m(i, i)), (1, 512, 4096)
+    else:
+        model = abstract_vision_model(CLIPVisionConfig.preset(name), jnp.bfloat16)
+        arg = jax.ShapeDtypeStruct((1, 3, 224, 224), jnp.float32)
+        fn, want = (lambda m, x: m(x, hidden_layer=-2)), (1, 257, 1280)
+    graphdef, state = nnx.split(model)
+    lowered = jax.jit(lambda st, x: fn(nnx.merge(graphdef, st), x)).lower(state, arg)
+    assert lowered.out_info.shape == want
+    assert lowered.as_text().count("stablehlo.while") == 1
+
+
 def test_relative_position_buckets_match_transformers():
     from transformers.models.t5.modeling_t5 import T5Attention
 
+    # Buckets depend on key - query only: the first row and column cover every distance up to 599.
     for nb, md in ((32, 128), (8, 20)):
-        ours = relative_position_buckets(600, nb, md)
-        rel = torch.arange(600)[None, :] - torch.arange(600)[:, None]
+        grid = relative_position_buckets(600, nb, md)
+        ours = np.concatenate([grid[:0:-1, 0], grid[0]])  # distances -599 .. 599
+        rel = torch.arange(-599, 600)
         ref = T5Attention._relative_position_bucket(rel, bidirectional=True, num_buckets=nb, max_distance=md)
         np.testing.assert_array_equal(ours, ref.numpy())
 
@@ -148,16 +172,18 @@ def test_t5_matches_transformers(root, kind):
 @pytest.mark.parametrize("legacy", [True, False])
 def test_clip_text_matches_transformers(root, legacy):
     folder = root / ("flux/text_encoder" if legacy else "clip_eos")
-    ref_model = ttm.tiny_clip_text(legacy_eos=legacy)
+    ref_model = ttm.tiny_clip_text(legacy_eos=legacy, **({} if legacy else {"eos_token_id": MID_EOS}))
     ours = load_clip_text(folder)
-    eos = ttm.clip_tokenizer().eos_token_id
-    assert ours.config.eos_token_id == (2 if legacy else eos)
+    assert ours.config.eos_token_id == (2 if legacy else MID_EOS)
     rng = np.random.default_rng(1)
-    ids = rng.integers(0, eos, (3, 77))  # no end-of-text token: argmax of the ids picks the position
-    if not legacy:  # the first end-of-text token, even with larger ids elsewhere... (eos is the largest)
-        ids[0, [5, 9]] = eos
-        ids[1, 70] = eos
-        ids[2, 0] = eos
+    ids = rng.integers(0, ttm.clip_tokenizer().eos_token_id, (3, 77))
+    ids[ids == MID_EOS] = 0
+    if not legacy:
+        # The first MID_EOS, wherever the largest id is (legacy argmax would pick another position).
+        ids[0, [5, 9]] = MID_EOS
+        ids[1, 70] = MID_EOS
+        ids[2, 0] = MID_EOS
+        assert not np.array_equal(np.argmax(ids, -1), np.argmax(ids == MID_EOS, -1))
     fwd = jit_forward(ours, lambda m, i: m(i), FAST)
     hidden, pooled = fwd(jnp.asarray(ids))
     with torch.no_grad():
@@ -339,6 +365,29 @@ def test_tied_embedding_keys(tmp_path, root):
     save_file({**sd, "encoder.embed_tokens.weight": other}, str(untied / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"encoder\.embed_tokens\.weight.*differs"):
         open_t5(untied)
+
+
+def test_sharded_t5_folder_and_bf16_weights(tmp_path, root):
+    """A sharded transformers folder (index + shards) loads the same weights; dtype= casts them."""
+    ttm.tiny_t5().save_pretrained(tmp_path / "sharded", max_shard_size="20KB")
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    cfg = open_t5(tmp_path / "sharded").config
+    shapes = parameter_shapes(abstract_t5(cfg))
+    single = open_t5(root / "flux/text_encoder_2").resolve(shapes)
+    for path, t in open_t5(tmp_path / "sharded").resolve(shapes).items():
+        np.testing.assert_array_equal(np.asarray(t), np.asarray(single[path]))
+
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (1, 30)))
+    f32 = load_t5(tmp_path / "sharded")
+    bf16 = load_t5(tmp_path / "sharded", dtype=jnp.bfloat16)
+    assert f32.blocks.q.kernel[...].dtype == jnp.float32 and bf16.blocks.q.kernel[...].dtype == jnp.bfloat16
+    assert f32.embed[...].devices() == {jax.local_devices()[0]}  # the default device
+    ref = jit_forward(f32, lambda m, i: m(i), FAST)(ids)
+    out = jit_forward(bf16, lambda m, i: m(i), FAST)(ids)
+    assert out.dtype == jnp.float32  # the residual stream and final norm stay fp32
+    rel = _err(out, ref) / float(jnp.max(jnp.abs(ref)))
+    print(f"T5 bf16 weights vs fp32: max |err| / max |ref| = {rel:.2e}")
+    assert rel < 5e-2
 
 
 def test_transformers4_clip_layout_with_prefix_and_position_ids(tmp_path, root):

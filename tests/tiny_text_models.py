@@ -198,21 +198,22 @@ def tiny_umt5(seed: int = 1, **overrides: Any) -> Any:
 
 def tiny_clip_text(seed: int = 2, *, legacy_eos: bool = True, **overrides: Any) -> Any:
     """A tiny random ``CLIPTextModel``. ``legacy_eos``: the config's eos_token_id is 2, as in FLUX's (the
-    pooled token is then found by argmax of the ids); otherwise the tokenizer's real <|endoftext|> id."""
+    pooled token is then found by argmax of the ids); otherwise the tokenizer's real <|endoftext|> id
+    (``eos_token_id=`` in ``overrides`` sets any other)."""
     from transformers import CLIPTextConfig, CLIPTextModel
 
     tok = clip_tokenizer()
-    cfg = CLIPTextConfig(
+    fields = dict(
         vocab_size=len(tok),
         max_position_embeddings=CLIP_MAX_LENGTH,
         hidden_act="quick_gelu",
         bos_token_id=tok.bos_token_id,
         pad_token_id=tok.pad_token_id,
         eos_token_id=2 if legacy_eos else tok.eos_token_id,
-        **{**CLIP_TEXT_DEFAULTS, **overrides},
+        **CLIP_TEXT_DEFAULTS,
     )
     torch.manual_seed(seed)
-    return _perturb(CLIPTextModel(cfg), seed)
+    return _perturb(CLIPTextModel(CLIPTextConfig(**{**fields, **overrides})), seed)
 
 
 def tiny_clip_vision(seed: int = 3, **overrides: Any) -> Any:
