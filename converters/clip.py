@@ -4,7 +4,9 @@ Layout: a transformers ``CLIPTextModel`` / ``CLIPVisionModel`` folder, ``config.
 (single or sharded with an index), e.g. FLUX's ``text_encoder/`` and Wan I2V's ``image_encoder/``. Files
 written by transformers 4 prefix every key with ``text_model.`` / ``vision_model.``; transformers 5 writes
 them without; both are read. Older files also hold the ``embeddings.position_ids`` buffer: it must be
-``arange(positions)`` and is then consumed.
+``arange(positions)`` and is then consumed. A folder whose config declares ``CLIPTextModelWithProjection``
+/ ``CLIPVisionModelWithProjection`` also holds the projection head, which these encoders do not use: its
+shape is checked and it is consumed.
 
 Hooks: linear weights are transposed to [in, out] kernels; the patch convolution's weight [E, C, p, p] is
 permuted to the matmul kernel [C, p, p, E] (:func:`patch_conv`). Every source key is consumed; a missing,
@@ -14,6 +16,7 @@ extra or mis-shaped tensor raises :class:`CheckpointError` naming the key and th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -151,6 +154,21 @@ def _check_position_ids(ckpt: Any, key: str) -> None:
         )
 
 
+def _projection_head(folder: Path, what: str) -> str | None:
+    """The projection weight a ``CLIP*ModelWithProjection`` checkpoint adds, if its config declares that
+    class: the encoders here return hidden states and the pooled output before it, so it is consumed
+    unused (only its shape is checked). Any other stray tensor is still an error."""
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        return None
+    try:
+        architectures = json.loads(cfg_path.read_text(encoding="utf-8")).get("architectures") or []
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{cfg_path}: cannot read the config: {e}") from e
+    head = {"CLIPTextModel": "text_projection.weight", "CLIPVisionModel": "visual_projection.weight"}[what]
+    return head if f"{what}WithProjection" in architectures else None
+
+
 def _open(
     path: str | os.PathLike[str], config: Any, prefix: str, make_config: Any, make_table: Any, what: str
 ) -> ClipCheckpoint:
@@ -167,10 +185,20 @@ def _open(
     files = open_checkpoint(folder)
     keys = list(files.keys())
     use = prefix if any(k.startswith(prefix) for k in keys) else ""
-    ckpt: Any = files
+    unused: set[str] = set()
     if use + POSITION_IDS in keys:
         _check_position_ids(files, use + POSITION_IDS)
-        ckpt = Without(files, {use + POSITION_IDS})
+        unused.add(use + POSITION_IDS)
+    head = _projection_head(folder, what)
+    if head is not None and head in keys:
+        shape = tuple(files.shape(head))
+        if len(shape) != 2 or shape[1] != config.hidden_size:
+            raise CheckpointError(
+                f"{files.file_of(head)}: tensor {head!r} has shape {shape}; a projection of the "
+                f"{config.hidden_size}-wide pooled output should be [projection_dim, {config.hidden_size}]"
+            )
+        unused.add(head)
+    ckpt: Any = Without(files, unused) if unused else files
     return ClipCheckpoint(ckpt, use, config, make_table(config, use))
 
 

@@ -7,6 +7,7 @@ repository's PyTorch-equivalence policy). Measured errors are printed (``pytest 
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import jax
@@ -410,6 +411,30 @@ def test_transformers4_clip_layout_with_prefix_and_position_ids(tmp_path, root):
     save_file(old, str(folder / "model.safetensors"))
     with pytest.raises(CheckpointError, match="position_ids"):
         open_clip_text(folder)
+
+
+def test_with_projection_checkpoint_consumes_its_head(tmp_path, root):
+    """A CLIPVisionModelWithProjection folder (projection head included) loads the vision tower; the
+    same tensor in a plain CLIPVisionModel folder is an unused key."""
+    from safetensors.numpy import load_file
+
+    src = root / "wan/image_encoder"
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["visual_projection.weight"] = np.zeros((12, 24), np.float32)
+    folder = tmp_path / "with_projection"
+    folder.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**config, "architectures": ["CLIPVisionModelWithProjection"]})
+    )
+    save_file(tensors, str(folder / "model.safetensors"))
+    shapes = parameter_shapes(abstract_vision_model(open_clip_vision(src).config))
+    plain = open_clip_vision(src).resolve(shapes)
+    for path, t in open_clip_vision(folder).resolve(shapes).items():
+        np.testing.assert_array_equal(np.asarray(t), np.asarray(plain[path]))
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="visual_projection.weight"):
+        open_clip_vision(folder).resolve(shapes)
 
 
 def _corrupt(folder, src, edit):
