@@ -97,6 +97,35 @@ class FluxPipeline:
         self.latent_channels = latent_channels
         self.vae_scale_factor = vae_scale_factor
         self._steps: dict[tuple, Callable] = {}
+        self._text_options: dict[str, int] = {}  # per call: the encoder's max_sequence_length, when given
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str,
+        parallel: ParallelConfig | Mesh | None = None,
+        dtype: Any = None,
+        *,
+        encoder_device: jax.Device | None = None,
+        kernel: dict[str, int] | None = None,
+        compiler_options: dict[str, Any] | None = None,
+    ) -> FluxPipeline:
+        """A downloaded FLUX.1 diffusers pipeline folder (``model_index.json``, ``transformer/``, ``vae/``,
+        ``text_encoder{,_2}/``, ``tokenizer{,_2}/``, ``scheduler/``) on the mesh of ``parallel``.
+
+        The transformer is sharded over the mesh; the text encoders run on ``encoder_device`` (default: the
+        first local device); the VAE decodes patch-parallel over the mesh. See :mod:`jaxdit.pipelines.assemble`.
+        """
+        from jaxdit.pipelines.assemble import flux_pipeline
+
+        return flux_pipeline(
+            path,
+            parallel,
+            dtype,
+            encoder_device=encoder_device,
+            kernel=kernel,
+            compiler_options=compiler_options,
+        )
 
     # ------------------------------------------------------------ validation
     def _latent_size(self, height: int, width: int) -> tuple[int, int]:
@@ -155,17 +184,22 @@ class FluxPipeline:
         guidance_scale: float = 3.5,
         true_cfg_scale: float = 1.0,
         seed: int = 0,
+        max_sequence_length: int | None = None,
         output_type: str = "np",
         progress: bool = True,
     ) -> GenerationOutput:
         """Generate images. ``guidance_scale`` feeds FLUX-dev's guidance embedding (ignored by models
-        without one); ``true_cfg_scale`` > 1 with negative conditioning runs classifier-free guidance."""
+        without one); ``true_cfg_scale`` > 1 with negative conditioning runs classifier-free guidance.
+        ``max_sequence_length``: T5's token count (default: the text encoder's, 512 for FLUX)."""
         if output_type not in ("np", "latent"):
             raise ValueError(f"output_type must be 'np' or 'latent', got {output_type!r}")
         if output_type == "np" and self.decode is None:
             raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
+        self._text_options = (
+            {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+        )
         txt, pooled = self._conditioning(prompt, prompt_embeds, pooled_prompt_embeds)
         has_negative = negative_prompt is not None or negative_prompt_embeds is not None
         true_cfg = has_negative and true_cfg_scale > 1.0
@@ -203,7 +237,12 @@ class FluxPipeline:
         layout = self.forward.layout(shapes)  # checks batch, heads, lengths before compiling
         names = tuple(n for n in flux.FORWARD_INPUTS if n in shapes)
 
-        mu = euler.flux_mu(x.shape[1]) if self.scheduler.use_dynamic_shifting else None
+        s = self.scheduler
+        mu = (
+            euler.flux_mu(x.shape[1], s.base_image_seq_len, s.max_image_seq_len, s.base_shift, s.max_shift)
+            if s.use_dynamic_shifting
+            else None
+        )
         schedule = euler.set_timesteps(self.scheduler, sigmas=euler.flux_sigmas(num_inference_steps), mu=mu)
         placed = {}
         for name, value in cond.items():
@@ -245,7 +284,7 @@ class FluxPipeline:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             if batch is not None and len(prompts) == 1:
                 prompts = prompts * batch
-            embeds, pooled = self.encode(prompts)
+            embeds, pooled = self.encode(prompts, **self._text_options)
         if embeds is None or pooled is None:
             raise ValueError("pass a prompt, or both prompt_embeds [B, T, C] and pooled_prompt_embeds [B, P]")
         embeds, pooled = np.asarray(embeds, np.float32), np.asarray(pooled, np.float32)

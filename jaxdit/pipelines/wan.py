@@ -265,6 +265,7 @@ class WanPipeline:
         self.latent_sharding = NamedSharding(mesh, logical_to_spec(LATENT_AXES, self.forward.rules))
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._steps: dict[tuple, Callable] = {}
+        self._text_options: dict[str, int] = {}  # per call: the encoder's max_sequence_length, when given
 
     @classmethod
     def from_checkpoint(
@@ -302,6 +303,34 @@ class WanPipeline:
 
         _, model = load_params(path, mesh, dtype, check=check)
         return cls(model, mesh, kernel=kernel, compiler_options=compiler_options, **kwargs)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str],
+        parallel: ParallelConfig | Mesh | None = None,
+        dtype: Any = None,
+        *,
+        encoder_device: jax.Device | None = None,
+        kernel: dict[str, int] | None = None,
+        compiler_options: dict[str, Any] | None = None,
+    ) -> WanPipeline:
+        """A downloaded Wan 2.1 folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or
+        Wan's original T2V release -- with its umT5 text encoder, VAE (and CLIP image encoder for I2V).
+
+        The transformer is sharded over the mesh; the encoders run on ``encoder_device`` (default: the first
+        local device); the VAE decodes patch-parallel over the mesh. See :mod:`jaxdit.pipelines.assemble`.
+        """
+        from jaxdit.pipelines.assemble import wan_pipeline
+
+        return wan_pipeline(
+            path,
+            parallel,
+            dtype,
+            encoder_device=encoder_device,
+            kernel=kernel,
+            compiler_options=compiler_options,
+        )
 
     # ------------------------------------------------------------------ step
     def _step_fn(self, layout, names: tuple[str, ...], cfg: bool, i2v: bool) -> Callable:
@@ -355,6 +384,7 @@ class WanPipeline:
         flow_shift: float | None = None,
         seed: int = 0,
         latents: np.ndarray | None = None,
+        max_sequence_length: int | None = None,
         output_type: str = "np",
         progress: bool = True,
     ) -> GenerationOutput:
@@ -365,6 +395,7 @@ class WanPipeline:
         encoder, ``negative_prompt`` defaults to "" as in diffusers). ``flow_shift``: UniPC's sigma shift
         (default: the scheduler's, else 5.0 at 720p / 3.0 at 480p). ``latents``: initial noise instead of
         the seed's. I2V: ``image`` (with an image encoder) or ``image_embeds`` and ``condition``.
+        ``max_sequence_length``: the text encoder's token count (default: the encoder's, 512 for umT5).
         """
         if output_type not in ("np", "latent"):
             raise ValueError(f"output_type must be 'np' or 'latent', got {output_type!r}")
@@ -386,6 +417,7 @@ class WanPipeline:
             flow_shift=flow_shift,
             seed=seed,
             latents=latents,
+            max_sequence_length=max_sequence_length,
         )
         x, sampler, *rest = loop.args
         start = time.perf_counter()
@@ -424,8 +456,12 @@ class WanPipeline:
         flow_shift: float | None = None,
         seed: int = 0,
         latents: np.ndarray | None = None,
+        max_sequence_length: int | None = None,
     ) -> _Loop:
         """Everything before the loop: conditioning, checks, noise, tokens placed once, the step."""
+        self._text_options = (
+            {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+        )
         txt = self._embed(prompt, prompt_embeds, "prompt")
         neg = None
         if guidance_scale > 1.0:
@@ -515,7 +551,7 @@ class WanPipeline:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             if batch is not None and len(prompts) == 1:
                 prompts = prompts * batch
-            embeds = self.encode(prompts)
+            embeds = self.encode(prompts, **self._text_options)
         if embeds is None:
             if name == "negative_prompt":
                 return None  # check_inputs says what is missing
