@@ -1,0 +1,427 @@
+"""Wan 2.1 VAE checkpoints -> jaxdit parameters: diffusers and original key tables, detection, export.
+
+Layouts:
+
+- diffusers ``AutoencoderKLWan``: ``vae/config.json`` + ``vae/diffusion_pytorch_model.safetensors``.
+- Wan's original ``Wan2.1_VAE.pth`` (``WanVAE_`` of ``wan/modules/vae.py``), a torch zip archive read
+  only through ``torch.load(..., weights_only=True, mmap=True)`` (no arbitrary unpickling), or the same
+  keys in a ``.safetensors`` (as ComfyUI ships it).
+
+The two are renamings of each other (diffusers' ``scripts/convert_wan_to_diffusers.py`` renames one into
+the other): the original keeps the residual blocks as ``residual.{0,2,3,6}`` of an ``nn.Sequential``
+(norm, SiLU, conv, norm, SiLU, dropout, conv), the mid-block as ``middle.{0,1,2}``, the decoder's levels
+as one flat ``upsamples.{k}`` list, the output as ``head.{0,2}``, and the quant convs as ``conv1``/``conv2``.
+jaxdit stores convolution kernels channels last ([kt, kh, kw, I, O], hook :class:`ConvKernel`) and the
+RMS_norm gammas ``[C, 1, 1(, 1)]`` as ``[C]`` (hook :class:`NormScale`).
+
+:func:`write_original_pth` inverts the original table and writes a ``.pth`` with ``torch.save``; the tests
+make their original-layout files that way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import secrets
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar
+
+import ml_dtypes
+import numpy as np
+
+from converters.errors import CheckpointError
+from converters.keymap import Hook, KeyRule, KeyTable, StateDict, invert, resolve
+from converters.safetensors_io import LazyTensor, open_checkpoint, transpose
+from jaxdit.vae.wan_vae import WanVAEConfig, parameter_shapes
+
+__all__ = [
+    "ConvKernel",
+    "NormScale",
+    "WanVAECheckpoint",
+    "detect",
+    "diffusers_table",
+    "diffusers_to_params",
+    "original_table",
+    "read_pth",
+    "write_original_pth",
+]
+
+DIFFUSERS_CLASS = "AutoencoderKLWan"
+#: A key only each layout has.
+ORIGINAL_MARKER = "decoder.conv1.weight"
+DIFFUSERS_MARKER = "decoder.conv_in.weight"
+ORIGINAL_FILE = "Wan2.1_VAE.pth"
+
+
+# --------------------------------------------------------------------------------------------------------
+# Named hooks
+# --------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvKernel(Hook):
+    """A torch conv weight [O, I, *k] as a channels-last kernel [*k, I, O] (``spatial`` = len(k))."""
+
+    spatial: int
+    name: ClassVar[str] = "conv_kernel"
+
+    def apply(self, sources: Sequence[LazyTensor]) -> LazyTensor:
+        src = sources[0]
+        if src.ndim != self.spatial + 2:
+            raise ValueError(f"expects a {self.spatial}-D conv weight [O, I, *k], got {tuple(src.shape)}")
+        return transpose(src, (*range(2, self.spatial + 2), 1, 0))
+
+    def invert(self, target: np.ndarray):
+        n = self.spatial
+        src = np.ascontiguousarray(np.transpose(target, (n + 1, n, *range(n))))
+        return [(0, tuple((0, d) for d in src.shape), src)]
+
+
+class _TrailingUnits(LazyTensor):
+    """Lazy ``source.reshape(source.shape[:-units])`` for trailing axes of size 1."""
+
+    def __init__(self, source: LazyTensor, units: int) -> None:
+        self._source = source
+        self._units = units
+        self.shape = tuple(source.shape[: source.ndim - units])
+        self.dtype = source.dtype
+
+    def _read(self, box):
+        block = self._source._read(tuple(box) + ((0, 1),) * self._units)
+        return block.reshape(block.shape[: block.ndim - self._units])
+
+    def __repr__(self) -> str:
+        return f"drop_trailing_units({self._source!r}, {self._units})"
+
+
+@dataclasses.dataclass(frozen=True)
+class NormScale(Hook):
+    """An RMS_norm gamma [C, 1, 1] (images) or [C, 1, 1, 1] (video) as a scale [C]."""
+
+    units: int
+    name: ClassVar[str] = "norm_scale"
+
+    def apply(self, sources: Sequence[LazyTensor]) -> LazyTensor:
+        src = sources[0]
+        if src.ndim != 1 + self.units or any(d != 1 for d in src.shape[1:]):
+            raise ValueError(f"expects a gamma [C{', 1' * self.units}], got {tuple(src.shape)}")
+        return _TrailingUnits(src, self.units)
+
+    def invert(self, target: np.ndarray):
+        src = np.asarray(target).reshape(target.shape + (1,) * self.units)
+        return [(0, tuple((0, d) for d in src.shape), src)]
+
+
+CONV3D, CONV2D = ConvKernel(3), ConvKernel(2)
+VIDEO_NORM, IMAGE_NORM = NormScale(3), NormScale(2)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Tables
+# --------------------------------------------------------------------------------------------------------
+
+
+def _conv(target: str, source: str, hook: Hook = CONV3D) -> list[KeyRule]:
+    return [
+        KeyRule(f"{target}.kernel", f"{source}.weight", hook),
+        KeyRule(f"{target}.bias", f"{source}.bias"),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Names:
+    """How one layout names the parts of a block (everything else is the same module tree)."""
+
+    res: Callable[[str], dict[str, str]]  # block prefix -> {norm1, conv1, norm2, conv2, shortcut}
+    mid: tuple[str, str, str]  # res0, attn, res1
+    conv_in: str
+    head: tuple[str, str]  # norm, conv
+    quant: tuple[str, str]  # quant conv, post-quant conv
+    encoder_down: str
+    decoder_up: Callable[[int, int | None], str]  # (level, resnet j or None for the upsampler) -> prefix
+
+
+def _resblock(target: str, source: str, c_in: int, c_out: int, names: _Names) -> list[KeyRule]:
+    n = names.res(source)
+    rules = [KeyRule(f"{target}.norm1.scale", f"{n['norm1']}.gamma", VIDEO_NORM)]
+    rules += _conv(f"{target}.conv1", n["conv1"])
+    rules += [KeyRule(f"{target}.norm2.scale", f"{n['norm2']}.gamma", VIDEO_NORM)]
+    rules += _conv(f"{target}.conv2", n["conv2"])
+    if c_in != c_out:
+        rules += _conv(f"{target}.shortcut", n["shortcut"])
+    return rules
+
+
+def _mid(target: str, source: str, dim: int, names: _Names) -> list[KeyRule]:
+    res0, attn, res1 = (f"{source}.{m}" for m in names.mid)
+    rules = _resblock(f"{target}.res0", res0, dim, dim, names)
+    rules.append(KeyRule(f"{target}.attn.norm.scale", f"{attn}.norm.gamma", IMAGE_NORM))
+    rules += _conv(f"{target}.attn.qkv", f"{attn}.to_qkv", CONV2D)
+    rules += _conv(f"{target}.attn.proj", f"{attn}.proj", CONV2D)
+    return rules + _resblock(f"{target}.res1", res1, dim, dim, names)
+
+
+def _resample(target: str, source: str, mode: str) -> list[KeyRule]:
+    rules = _conv(f"{target}.conv", f"{source}.resample.1", CONV2D)
+    if mode.endswith("3d"):
+        rules += _conv(f"{target}.time_conv", f"{source}.time_conv")
+    return rules
+
+
+def _table(cfg: WanVAEConfig, layout: str, names: _Names) -> KeyTable:
+    rules: list[KeyRule] = []
+    levels = len(cfg.dim_mult)
+
+    # Encoder: one flat list of residual blocks and resamplers in both layouts and in jaxdit.
+    dims = cfg.encoder_dims()
+    rules += _conv("encoder.conv_in", f"encoder.{names.conv_in}")
+    k = 0
+    for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        for _ in range(cfg.num_res_blocks):
+            rules += _resblock(f"encoder.down.{k}", f"encoder.{names.encoder_down}.{k}", c_in, c_out, names)
+            c_in, k = c_out, k + 1
+        if i != levels - 1:
+            mode = "downsample3d" if cfg.temperal_downsample[i] else "downsample2d"
+            rules += _resample(f"encoder.down.{k}", f"encoder.{names.encoder_down}.{k}", mode)
+            k += 1
+    rules += _mid("encoder.mid", "encoder", dims[-1], names)
+    rules.append(KeyRule("encoder.norm_out.scale", f"encoder.{names.head[0]}.gamma", VIDEO_NORM))
+    rules += _conv("encoder.conv_out", f"encoder.{names.head[1]}")
+
+    rules += _conv("quant_conv", names.quant[0]) + _conv("post_quant_conv", names.quant[1])
+
+    # Decoder: levels of num_res_blocks + 1 residual blocks, then an upsampler (all but the last).
+    dims = cfg.decoder_dims()
+    temporal_up = cfg.temperal_downsample[::-1]
+    rules += _conv("decoder.conv_in", f"decoder.{names.conv_in}")
+    rules += _mid("decoder.mid", "decoder", dims[0], names)
+    for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        c_in = c_in // 2 if i > 0 else c_in
+        for j in range(cfg.num_res_blocks + 1):
+            rules += _resblock(f"decoder.up.{i}.resnets.{j}", names.decoder_up(i, j), c_in, c_out, names)
+            c_in = c_out
+        if i != levels - 1:
+            mode = "upsample3d" if temporal_up[i] else "upsample2d"
+            rules += _resample(f"decoder.up.{i}.upsample", names.decoder_up(i, None), mode)
+    rules.append(KeyRule("decoder.norm_out.scale", f"decoder.{names.head[0]}.gamma", VIDEO_NORM))
+    rules += _conv("decoder.conv_out", f"decoder.{names.head[1]}")
+    return KeyTable(f"Wan VAE {layout}", tuple(rules))
+
+
+def diffusers_table(cfg: WanVAEConfig) -> KeyTable:
+    """diffusers ``AutoencoderKLWan`` state dict -> jaxdit parameters."""
+
+    def up(i: int, j: int | None) -> str:
+        return f"decoder.up_blocks.{i}." + (f"resnets.{j}" if j is not None else "upsamplers.0")
+
+    names = _Names(
+        res=lambda p: {
+            "norm1": f"{p}.norm1",
+            "conv1": f"{p}.conv1",
+            "norm2": f"{p}.norm2",
+            "conv2": f"{p}.conv2",
+            "shortcut": f"{p}.conv_shortcut",
+        },
+        mid=("mid_block.resnets.0", "mid_block.attentions.0", "mid_block.resnets.1"),
+        conv_in="conv_in",
+        head=("norm_out", "conv_out"),
+        quant=("quant_conv", "post_quant_conv"),
+        encoder_down="down_blocks",
+        decoder_up=up,
+    )
+    return _table(cfg, "diffusers", names)
+
+
+def original_table(cfg: WanVAEConfig) -> KeyTable:
+    """Wan's original ``WanVAE_`` state dict (``Wan2.1_VAE.pth``) -> jaxdit parameters."""
+    per_level = cfg.num_res_blocks + 2  # residual blocks, then the upsampler
+
+    def up(i: int, j: int | None) -> str:
+        return f"decoder.upsamples.{i * per_level + (j if j is not None else cfg.num_res_blocks + 1)}"
+
+    names = _Names(
+        # nn.Sequential(RMS_norm, SiLU, conv, RMS_norm, SiLU, Dropout, conv): parameters at 0, 2, 3, 6.
+        res=lambda p: {
+            "norm1": f"{p}.residual.0",
+            "conv1": f"{p}.residual.2",
+            "norm2": f"{p}.residual.3",
+            "conv2": f"{p}.residual.6",
+            "shortcut": f"{p}.shortcut",
+        },
+        mid=("middle.0", "middle.1", "middle.2"),
+        conv_in="conv1",
+        head=("head.0", "head.2"),
+        quant=("conv1", "conv2"),
+        encoder_down="downsamples",
+        decoder_up=up,
+    )
+    return _table(cfg, "original", names)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------------
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(
+            "reading Wan's original .pth VAE needs PyTorch (pip install torch); the diffusers layout "
+            "(vae/diffusion_pytorch_model.safetensors) does not"
+        ) from None
+    return torch
+
+
+def _to_numpy(torch: Any, t: Any) -> np.ndarray:
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+def read_pth(path: str | os.PathLike[str]) -> StateDict:
+    """A ``.pth`` state dict as a checkpoint, memory-mapped; ``weights_only=True``: tensors and plain
+    containers only, nothing else is unpickled."""
+    torch = _torch()
+    path = Path(path)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # torch raises many types for a damaged or unsafe file
+        raise CheckpointError(f"{path}: cannot read as a weights-only torch checkpoint: {e}") from None
+    if not isinstance(data, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
+    ):
+        raise CheckpointError(f"{path}: not a state dict of tensors (got {type(data).__name__})")
+    return StateDict({k: _to_numpy(torch, v) for k, v in data.items()}, name=str(path))
+
+
+@dataclasses.dataclass
+class WanVAECheckpoint:
+    """An opened Wan VAE checkpoint: its tensors, layout and config."""
+
+    files: Any  # CheckpointFiles or StateDict
+    layout: str  # "original" or "diffusers"
+    config: WanVAEConfig
+    where: str
+
+    @property
+    def table(self) -> KeyTable:
+        return original_table(self.config) if self.layout == "original" else diffusers_table(self.config)
+
+    @property
+    def dtype(self) -> np.dtype:
+        key = ORIGINAL_MARKER if self.layout == "original" else DIFFUSERS_MARKER
+        return np.dtype(self.files.tensor(key).dtype)
+
+    def resolve(self, expected: Mapping[str, tuple[int, ...]]) -> dict[str, LazyTensor]:
+        return resolve(self.table, self.files, expected)
+
+
+def _find(path: Path) -> tuple[Path, Path | None]:
+    """(weights file or folder, config.json or None) for any accepted ``path``."""
+    if path.is_file():
+        config = path.parent / "config.json"
+        return path, config if config.is_file() and path.suffix == ".safetensors" else None
+    for folder in (path, path / "vae"):
+        config = folder / "config.json"
+        if config.is_file() and list(folder.glob("diffusion_pytorch_model*.safetensors")):
+            return folder, config
+    for candidate in (path / ORIGINAL_FILE, *sorted(path.glob("*.pth"))):
+        if candidate.is_file():
+            return candidate, None
+    raise CheckpointError(
+        f"{path}: no Wan VAE here (expected a diffusers vae/ folder with config.json and "
+        f"diffusion_pytorch_model.safetensors, or {ORIGINAL_FILE})"
+    )
+
+
+def _infer_config(files: Any, layout: str, where: str) -> WanVAEConfig:
+    """A file without a config: the Wan 2.1 preset with base_dim and z_dim read from the tensors."""
+    conv_in = "encoder.conv1.weight" if layout == "original" else "encoder.conv_in.weight"
+    post = "conv2.weight" if layout == "original" else "post_quant_conv.weight"
+    for key in (conv_in, post):
+        if key not in files:
+            raise CheckpointError(f"{where}: missing tensor {key!r} for the {layout} Wan VAE layout")
+    base, z = int(files.tensor(conv_in).shape[0]), int(files.tensor(post).shape[0])
+    preset = WanVAEConfig.preset()
+    if z == preset.z_dim:
+        return dataclasses.replace(preset, base_dim=base)
+    return dataclasses.replace(
+        preset, base_dim=base, z_dim=z, latents_mean=(0.0,) * z, latents_std=(1.0,) * z
+    )
+
+
+def detect(
+    path: str | os.PathLike[str], config: WanVAEConfig | Mapping[str, Any] | None = None
+) -> WanVAECheckpoint:
+    """Open a Wan 2.1 VAE of either layout (see the module docstring) and work out its config."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    weights, config_file = _find(path)
+    if weights.is_file() and weights.suffix in (".pth", ".pt", ".ckpt"):
+        files: Any = read_pth(weights)
+    else:
+        files = open_checkpoint(weights)
+        files = files if not weights.is_dir() else _diffusers_files(weights)
+    where = str(weights)
+    if DIFFUSERS_MARKER in files:
+        layout = "diffusers"
+    elif ORIGINAL_MARKER in files:
+        layout = "original"
+    else:
+        raise CheckpointError(f"{where}: not a Wan 2.1 VAE (no {DIFFUSERS_MARKER!r} or {ORIGINAL_MARKER!r})")
+    if isinstance(config, Mapping):
+        config = WanVAEConfig.from_diffusers(config)
+    if config is None and config_file is not None:
+        try:
+            data = json.loads(config_file.read_text(encoding="utf-8"))
+            config = WanVAEConfig.from_diffusers(data)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{config_file}: {e}") from None
+    if config is None:
+        config = _infer_config(files, layout, where)
+    return WanVAECheckpoint(files, layout, config, where)
+
+
+def _diffusers_files(folder: Path) -> Any:
+    from converters.safetensors_io import CheckpointFiles
+
+    indexes = sorted(folder.glob("diffusion_pytorch_model*.safetensors.index.json"))
+    if len(indexes) == 1:
+        return CheckpointFiles.from_index(indexes[0])
+    return CheckpointFiles(sorted(folder.glob("diffusion_pytorch_model*.safetensors")))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Export
+# --------------------------------------------------------------------------------------------------------
+
+
+def diffusers_to_params(cfg: WanVAEConfig, state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """A diffusers state dict (numpy-convertible values) -> jaxdit parameter arrays, by dotted path."""
+    lazies = resolve(diffusers_table(cfg), StateDict(state_dict), parameter_shapes(cfg))
+    return {path: np.asarray(t) for path, t in lazies.items()}
+
+
+def write_original_pth(cfg: WanVAEConfig, params: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """jaxdit parameters -> Wan's original ``.pth`` (``torch.save`` of the state dict), written atomically."""
+    torch = _torch()
+    path = Path(path)
+    tensors = invert(original_table(cfg), params)
+    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    return path
