@@ -14,21 +14,25 @@ it), every later chunk runs the scan body. The compiled program does not grow wi
 and live activations are one chunk's.
 
 Row parallelism (``decode(z, mesh=...)``). Rows are split over all devices of the mesh, viewed as one
-axis, inside ``shard_map``. What each layer needs from the other tiles:
+``tiles`` axis (:func:`jaxdit.vae.spatial.tile_mesh`), inside ``shard_map``, with the primitives of
+:mod:`jaxdit.vae.spatial` (shared with the FLUX VAE). What each layer needs from the other tiles:
 
-- convolutions with a 3x3 spatial kernel: one halo row above and below, by ``ppermute``
-  (:func:`jaxdit.vae.spatial.halo_rows`); the cached past frames are per tile and never move;
-- RMS_norm, SiLU, 1x1 convolutions, the temporal convolutions, nearest upsampling: per pixel, nothing;
-- the mid-block attention (per frame, over all h*w positions of the frame at the lowest resolution):
-  keys and values are all-gathered over the tiles. At that resolution a frame's K and V are small (480p:
-  60x104 tokens x 384 channels, 19 MB in fp32 for both), so one all-gather costs less than the P-1
-  dependent hops of a ring and the gathered copy is a fraction of one decoder activation; queries stay
-  local, so the score matrix is split P ways.
+- convolutions with a 3x3 spatial kernel: one halo row above and below (``spatial.halo``: two
+  ``ppermute``s); the cached past frames belong to the tile and never move;
+- RMS_norm, SiLU, 1x1 convolutions, the temporal (3,1,1) convolutions, nearest upsampling: nothing
+  (per pixel or per row);
+- the mid-block attention (per frame, over all h*w positions of the frame, at the latent resolution):
+  ring attention over the tiles (``spatial.attention``), not an all-gather of K/V. Both would do at this
+  size (480p: 60x104 tokens x 384 channels, a frame's K and V are 19 MB in fp32), and the attention is a
+  sliver of the decode's time next to the full-resolution convolutions, so the P-1 dependent hops cost
+  little; in exchange each device holds 1/P of K/V and of the score matrix, the program has permutes
+  only (no all-gather, the DESIGN rule), and FLUX's VAE and this one share one tested implementation.
 
-Heights the device count does not divide are padded with rows at the end. A locally computed mask marks
-the valid rows (the valid region doubles exactly with each 2x upsampling); padded rows are zeroed before
-every spatial convolution (so a halo or in-tile neighbour read of one is the zero padding the unsharded
-model sees) and padded keys are masked in attention, so the result is exact.
+Heights the device count does not divide are padded with rows at the end (``spatial.Rows``); every tile
+computes its valid-row mask locally (the valid region doubles exactly with each 2x upsampling); padded
+rows are zeroed before every spatial convolution (so a halo or in-tile neighbour read of one is the zero
+padding the unsharded model sees) and padded keys are masked in attention, so the result is exact.
+Without a mesh the same program runs on one tile (no collectives).
 """
 
 from __future__ import annotations

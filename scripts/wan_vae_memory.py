@@ -1,0 +1,67 @@
+"""Per-device memory of the Wan 2.1 VAE's row-parallel decode, from compiled programs on abstract shapes.
+
+No weights are needed: the real VAE (``WanVAEConfig.preset()``) is built abstract and its decode is
+compiled for 1, 2, 4 and 8 devices (emulated CPU devices unless real ones are present); XLA's
+``memory_analysis()`` gives each device's temporary (activation) bytes, plus arguments (the replicated
+weights and the latents) and outputs (its rows of the video).
+
+    .venv/bin/python scripts/wan_vae_memory.py --resolution 480p --frames 81
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+RESOLUTIONS = {"480p": (480, 832), "720p": (720, 1280)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--resolution", choices=sorted(RESOLUTIONS), default="480p")
+    parser.add_argument("--frames", type=int, default=81, help="video frames (4n+1)")
+    parser.add_argument("--devices", default="1,2,4,8", help="comma-separated device counts")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = parser.parse_args(argv)
+    counts = [int(c) for c in args.devices.split(",")]
+    if "jax" not in sys.modules:
+        os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={max(counts)}")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxdit.mesh import ParallelConfig
+    from jaxdit.vae.wan_vae import WanVAE, WanVAEConfig, abstract_model
+
+    if (args.frames - 1) % 4:
+        parser.error(f"--frames must be 4n+1, got {args.frames}")
+    cfg = WanVAEConfig.preset()
+    height, width = RESOLUTIONS[args.resolution]
+    dtype = jnp.dtype(args.dtype)
+    shape = (1, cfg.z_dim, (args.frames - 1) // 4 + 1, height // 8, width // 8)
+    vae = WanVAE(abstract_model(cfg, dtype))
+    print(
+        f"Wan 2.1 VAE decode, latents {shape} -> video (1, 3, {args.frames}, {height}, {width}), {dtype.name}"
+    )
+    print(
+        f"{'devices':>7} {'rows/tile':>9} {'temp MiB':>9} {'args MiB':>9} {'output MiB':>10} {'compile s':>9}"
+    )
+    mib = 2.0**20
+    for n in counts:
+        mesh = ParallelConfig(ring=n).make_mesh(jax.devices()[:n])
+        start = time.perf_counter()
+        stats = vae.compiled_decode(shape, mesh if n > 1 else None, dtype).memory_analysis()
+        took = time.perf_counter() - start
+        rows = -(-shape[3] // n)
+        print(
+            f"{n:>7} {rows:>9} {stats.temp_size_in_bytes / mib:>9.1f} "
+            f"{stats.argument_size_in_bytes / mib:>9.1f} {stats.output_size_in_bytes / mib:>10.1f} {took:>9.1f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
