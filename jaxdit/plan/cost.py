@@ -19,8 +19,9 @@ which code it models), so that ``jaxdit plan --verify`` can hold it against the 
   blocks is split over the P stages (ceil(L/P) blocks of every stack per device) and the latent into M
   patches; a patch makes V passes over the stages (FLUX: double blocks up, single blocks back down, V=2;
   Wan: V=1), so per tick each device sends V collective-permutes of one patch's fp32 residual stream,
-  overlapped with the tick's compute. M = V x P keeps the pipeline full. Stale K/V never leaves its
-  device but costs memory.
+  overlapped with the tick's compute; Wan's pass ends on the last stage, which also sends the updated
+  fp32 latent patch back to stage 0 each tick (``pipelines/pipefusion_wan.py``). M = V x P keeps the
+  pipeline full. Stale K/V never leaves its device but costs memory.
 - Data: nothing.
 
 Bytes follow ``jaxdit.hlo_stats`` conventions (``bytes_sent``: all-to-all (P-1)/P of the operand,
@@ -502,6 +503,21 @@ def _collectives(
                 overlap_flops=device_flops / (patches * passes),  # the tick's compute
             )
         )
+        if w.family == "wan":
+            # Wan's one pass ends on the last stage, which runs the sampler: the updated latent patch
+            # (fp32, one per request, no CFG branches) goes back to stage 0 once per tick.
+            out.append(
+                CollectiveCost(
+                    "pipefusion",
+                    "collective-permute",
+                    "the updated fp32 latent patch from the last stage to stage 0, one per tick",
+                    patches,
+                    w.requests // c.data * math.ceil(n / patches) * w.output_features,
+                    "float32",
+                    c.pipefusion,
+                    overlap_flops=device_flops / patches,
+                )
+            )
     return out
 
 
@@ -568,13 +584,14 @@ def pipefusion_programs(
     cost = step_cost(w, c)
     sequence = sum(x.total_sent(cpu) for x in cost.collectives if x.strategy in ("ulysses", "ring", "tensor"))
     cfg = sum(x.total_sent(cpu) for x in cost.collectives if x.strategy == "cfg")
-    (act,) = [x.sent_bytes(cpu) for x in cost.collectives if x.strategy == "pipefusion"]  # one patch
+    act, *latent = [x.sent_bytes(cpu) for x in cost.collectives if x.strategy == "pipefusion"]  # one patch
+    latent = sum(latent)  # Wan: the latent patch back to stage 0 (FLUX's V shape ends on stage 0)
     p = c.pipefusion
     rest = w.steps - warmup_steps
     depth = passes * p
     ticks = (rest - 1) * max(patches, depth) + patches - 1 + depth if rest > 0 else 0
-    tick = sequence / patches + passes * act + cfg / patches
-    warmup = p * sequence + passes * (p - 1) * patches * act + cfg
+    tick = sequence / patches + passes * act + latent + cfg / patches
+    warmup = p * sequence + passes * (p - 1) * patches * act + patches * latent + cfg
     return {
         "warmup": warmup,
         "pipelined": ticks * tick,
