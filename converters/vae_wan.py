@@ -322,21 +322,36 @@ class WanVAECheckpoint:
         return resolve(self.table, self.files, expected)
 
 
+def _is_vae_config(file: Path) -> bool:
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot read the config: {e}") from None
+    return isinstance(data, dict) and data.get("_class_name") == DIFFUSERS_CLASS
+
+
 def _find(path: Path) -> tuple[Path, Path | None]:
-    """(weights file or folder, config.json or None) for any accepted ``path``."""
+    """(weights file or folder, diffusers config.json or None) for any accepted ``path``.
+
+    A folder is a diffusers ``vae/`` folder (its config.json names ``AutoencoderKLWan``), a pipeline
+    folder holding one in ``vae/``, or a folder holding ``Wan2.1_VAE.pth`` (Wan's original release,
+    whose other ``.pth`` files are the text and image encoders).
+    """
     if path.is_file():
         config = path.parent / "config.json"
-        return path, config if config.is_file() and path.suffix == ".safetensors" else None
+        is_vae = path.suffix == ".safetensors" and config.is_file() and _is_vae_config(config)
+        return path, config if is_vae else None
     for folder in (path, path / "vae"):
         config = folder / "config.json"
-        if config.is_file() and list(folder.glob("diffusion_pytorch_model*.safetensors")):
+        if config.is_file() and _is_vae_config(config):
             return folder, config
-    for candidate in (path / ORIGINAL_FILE, *sorted(path.glob("*.pth"))):
+    candidates = [path / ORIGINAL_FILE] + sorted(p for p in path.glob("*.pth") if "vae" in p.name.lower())
+    for candidate in candidates:
         if candidate.is_file():
             return candidate, None
     raise CheckpointError(
-        f"{path}: no Wan VAE here (expected a diffusers vae/ folder with config.json and "
-        f"diffusion_pytorch_model.safetensors, or {ORIGINAL_FILE})"
+        f"{path}: no Wan VAE here (expected a diffusers vae/ folder whose config.json names "
+        f"{DIFFUSERS_CLASS}, or {ORIGINAL_FILE})"
     )
 
 
@@ -364,11 +379,12 @@ def detect(
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
     weights, config_file = _find(path)
-    if weights.is_file() and weights.suffix in (".pth", ".pt", ".ckpt"):
-        files: Any = read_pth(weights)
+    if weights.is_dir():
+        files: Any = _diffusers_files(weights)
+    elif weights.suffix in (".pth", ".pt", ".ckpt"):
+        files = read_pth(weights)
     else:
         files = open_checkpoint(weights)
-        files = files if not weights.is_dir() else _diffusers_files(weights)
     where = str(weights)
     if DIFFUSERS_MARKER in files:
         layout = "diffusers"

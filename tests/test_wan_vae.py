@@ -154,7 +154,10 @@ def test_original_pth_round_trip(reference, vae, tmp_path):
     assert original["decoder.middle.1.norm.gamma"].shape == (4, 1, 1)
     assert "decoder.upsamples.2.resample.1.weight" in original  # level 0: 2 residual blocks, then this
     assert "encoder.downsamples.3.time_conv.weight" in original
-    # Loaded by jaxdit (the file, or a folder holding it): bit-identical parameters.
+    # Loaded by jaxdit (the file, or a folder like Wan's release: the transformer's config.json and the
+    # text encoder's .pth beside it): bit-identical parameters.
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": 1536}))
+    torch.save({"shared.weight": torch.zeros(2, 2)}, tmp_path / "models_t5_umt5-xxl-enc-bf16.pth")
     for source in (path, tmp_path):
         loaded = WanVAE.from_folder(source, config=cfg)
         assert jax.tree.structure(loaded.state) == jax.tree.structure(vae.state)
