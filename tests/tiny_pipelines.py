@@ -4,7 +4,8 @@ Each folder is what ``save_pretrained`` writes: ``model_index.json`` plus one su
 The text encoders and tokenizers come from :mod:`tests.tiny_text_models` (built locally, no download);
 the transformer and VAE are random diffusers models with every weight perturbed away from its initial
 value (so zero-initialised layers are not zero and norm scales are not all ones). Built once per test
-session (cached) into a temporary folder.
+session (cached) into a temporary folder. The in-memory diffusers pipeline is kept beside the folder as the
+reference (reloading it would need ``accelerate`` for Wan's fp32-kept modules).
 
 FLUX: 2 heads of 16 (RoPE 4/4/8), one double and one single block, guidance embedding (dev); a 2-level
 AutoencoderKL (factor 2, 4 latent channels, so 16 packed channels). Wan: 2 heads of 12, 2 blocks; the
@@ -44,8 +45,17 @@ def _text_components(staging: Path, write, models: dict) -> dict:
     return loaded
 
 
-@functools.cache
 def flux_folder() -> Path:
+    return flux()[0]
+
+
+def wan_folder() -> Path:
+    return wan()[0]
+
+
+@functools.cache
+def flux():
+    """(folder, the diffusers FluxPipeline object it was saved from)."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextModel, T5EncoderModel
 
@@ -94,11 +104,12 @@ def flux_folder() -> Path:
     )
     folder = root / "FLUX.1-tiny"
     pipe.save_pretrained(folder)
-    return folder
+    return folder, pipe
 
 
 @functools.cache
-def wan_folder() -> Path:
+def wan():
+    """(folder, the diffusers WanPipeline object it was saved from)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5EncoderModel
 
@@ -121,7 +132,7 @@ def wan_folder() -> Path:
         rope_max_seq_len=32,
     )
     vae = AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+        base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
     )
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
@@ -134,4 +145,4 @@ def wan_folder() -> Path:
     )
     folder = root / "Wan2.1-tiny"
     pipe.save_pretrained(folder)
-    return folder
+    return folder, pipe

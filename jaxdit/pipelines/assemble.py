@@ -68,8 +68,10 @@ def flux_pipeline(
     config = _transformer_config(folder, mesh)
     scheduler = FlowMatchEulerConfig.from_diffusers(folder.scheduler_config)
     dtype = _dtype(dtype)
-    encoders = FluxTextEncoders.from_folder(folder.root, dtype=dtype, device=encoder_device)
-    vae = FluxVAE.from_folder(folder["vae"], dtype=dtype)
+    encoders = FluxTextEncoders.from_folder(
+        folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+    )
+    vae = FluxVAE.from_folder(folder["vae"], dtype=dtype, compiler_options=compiler_options)
     _, model = load_params(folder["transformer"], mesh, dtype)
     factor = 2 ** (len(vae.config.block_out_channels) - 1)
     return FluxPipeline(
@@ -109,14 +111,18 @@ def wan_pipeline(
     _transformer_config(folder, mesh)
     scheduler = UniPCConfig.from_diffusers(folder.scheduler_config) if folder.scheduler_config else None
     dtype = _dtype(dtype)
-    text = WanTextEncoder.from_folder(folder.root, dtype=dtype, device=encoder_device)
-    vae = WanVAE.from_folder(folder["vae"], dtype=dtype)
+    text = WanTextEncoder.from_folder(
+        folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+    )
+    vae = WanVAE.from_folder(folder["vae"], dtype=dtype, compiler_options=compiler_options)
     encode_image = None
     if folder.kind == WAN_I2V:
         from jaxdit.pipelines.wan_image import ImageCondition
         from jaxdit.text_encoders import WanImageEncoder
 
-        image_encoder = WanImageEncoder.from_folder(folder.root, dtype=dtype, device=encoder_device)
+        image_encoder = WanImageEncoder.from_folder(
+            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+        )
         encode_image = ImageCondition(image_encoder, vae)
     _, model = load_params(folder["transformer"], mesh, dtype)
 
