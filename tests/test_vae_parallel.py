@@ -40,10 +40,10 @@ def _latents(h: int) -> jax.Array:
 
 @pytest.fixture(scope="module")
 def reference(vae):
-    return {h: np.asarray(vae.decode(_latents(h))) for h in (5, 7, 9)}
+    return {h: np.asarray(vae.decode(_latents(h))) for h in (5, 7)}
 
 
-@pytest.mark.parametrize(("devices", "height"), [(2, 7), (4, 5), (8, 5), (8, 9)])
+@pytest.mark.parametrize(("devices", "height"), [(2, 7), (4, 5), (8, 5)])
 def test_sharded_decode_equals_unsharded(vae, reference, devices, height):
     rows = spatial.Rows.split(height, devices)
     empty = [t for t in range(devices) if rows.valid_rows_of(t) == 0]

@@ -18,6 +18,7 @@ attention softmax in fp32.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -315,8 +316,13 @@ def abstract_model(config: VAEConfig, dtype: Any = jnp.float32) -> AutoencoderKL
 
 def parameter_shapes(config: VAEConfig) -> dict[str, tuple[int, ...]]:
     """Dotted parameter path -> shape."""
+    return dict(_parameter_shapes(config))
+
+
+@functools.lru_cache(maxsize=32)
+def _parameter_shapes(config: VAEConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     state = nnx.state(abstract_model(config), nnx.Param)
-    return {".".join(map(str, p)): tuple(v.shape) for p, v in nnx.to_flat_state(state)}
+    return tuple((".".join(map(str, p)), tuple(v.shape)) for p, v in nnx.to_flat_state(state))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -366,8 +372,8 @@ class FluxVAE:
         dtype = jnp.dtype(dtype or ckpt.dtype)
         model = abstract_model(ckpt.config, dtype)
         graphdef, abstract = nnx.split(model)
-        lazies = ckpt.resolve(parameter_shapes(ckpt.config))
         flat = nnx.to_flat_state(abstract)
+        lazies = ckpt.resolve({".".join(map(str, p)): tuple(v.shape) for p, v in flat})
         filled = [
             (p, v.replace(jnp.asarray(np.asarray(lazies[".".join(map(str, p))]), dtype))) for p, v in flat
         ]
@@ -449,21 +455,28 @@ class FluxVAE:
             raise ValueError(f"image height {height} is not a multiple of {f} (the AE's downsampling)")
         return Rows.split(height, tiles, multiple=f)
 
+    def _lower(self, kind: str, shape: Sequence[int], mesh: Mesh | None, dtype: Any):
+        b, c, h, w = shape
+        rows = self._rows(kind, h, mesh)
+        x_sharding = p_sharding = None
+        if mesh is not None:  # the shardings a real call has, so a later call reuses the compile
+            tmesh = spatial.tile_mesh(mesh)
+            x_sharding = NamedSharding(tmesh, spatial.row_spec(4))
+            p_sharding = NamedSharding(tmesh, PartitionSpec())
+        x = jax.ShapeDtypeStruct((b, rows.padded, w, c), jnp.dtype(dtype or self.dtype), sharding=x_sharding)
+        state = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=p_sharding), self.state
+        )
+        return self._program(kind, rows, mesh).lower(state, x)
+
     def lower_decode(self, latent_shape: Sequence[int], mesh: Mesh | None = None, dtype: Any = None):
-        """``jax.stages.Lowered`` of the decode program for NCHW latents of ``latent_shape`` (abstract)."""
-        b, c, h, w = latent_shape
-        rows = self._rows("decode", h, mesh)
-        x = jax.ShapeDtypeStruct((b, rows.padded, w, c), jnp.dtype(dtype or self.dtype))
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.state)
-        return self._program("decode", rows, mesh).lower(state, x)
+        """``jax.stages.Lowered`` of the core decode program (padded NHWC band in and out; the program
+        the mesh runs) for NCHW latents of ``latent_shape``; parameters may be abstract."""
+        return self._lower("decode", latent_shape, mesh, dtype)
 
     def lower_encode(self, image_shape: Sequence[int], mesh: Mesh | None = None, dtype: Any = None):
-        """``jax.stages.Lowered`` of the encode program for NCHW images of ``image_shape`` (abstract)."""
-        b, c, h, w = image_shape
-        rows = self._rows("encode", h, mesh)
-        x = jax.ShapeDtypeStruct((b, rows.padded, w, c), jnp.dtype(dtype or self.dtype))
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), self.state)
-        return self._program("encode", rows, mesh).lower(state, x)
+        """``jax.stages.Lowered`` of the core encode program for NCHW images of ``image_shape``."""
+        return self._lower("encode", image_shape, mesh, dtype)
 
     def _runner(self, kind: str, rows: Rows, mesh: Mesh | None):
         """NCHW in -> NCHW out around the core program: transpose and row padding before it, unpadding
