@@ -484,3 +484,45 @@ def test_cli_generates_wan_latents_with_pipefusion(tmp_path, monkeypatch, capsys
     argv += ["--flow_shift", str(SHIFT), "--pipefusion_parallel_degree", "2", "--warmup_steps", str(STEPS)]
     assert cli.main(argv) == 0, capsys.readouterr().err
     assert float(np.abs(np.load(out) - _serial()).max()) < TOL
+
+
+# --------------------------------------------------------------------------------------------------------
+# Full size, from abstract shapes
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("degrees", [dict(pipefusion=8), dict(cfg=2, pipefusion=2, ulysses=2)])
+def test_wan14b_480p_programs_move_what_the_cost_model_says(degrees):
+    """wan2.1-t2v-14b, 832x480, 81 frames (a 21 x 30 x 52 grid, 32,760 tokens), bf16, 50 steps, M = the
+    default (P = 8: 10 patches of 3 rows; P = 2: 2 of 15): the compiled warm-up step and pipelined
+    phase send exactly the modelled permute (and all-to-all) bytes."""
+    from jaxdit.plan.cost import pipefusion_programs
+    from jaxdit.plan.workload import Workload
+
+    parallel = ParallelConfig(**degrees)
+    config = wan.WanConfig.preset("wan2.1-t2v-14b")
+    model = pw.PipeFusionWan.abstract(config, _mesh(**degrees), jnp.bfloat16)
+    grid = (21, 30, 52)
+    patches = pw.default_num_patches(parallel.pipefusion, grid, parallel.sequence_degree)
+    g = pw.Geometry(grid, patches, parallel.ring, parallel.ulysses, 2, 1, 512)
+    warm, run = pw.lower(model, g, steps=50, cfg=True, compiler_options=FAST)
+    cost = pw.collective_bytes(g, parallel, config, True)
+    ticks = pw.PipeSchedule(parallel.pipefusion, patches, pw.PASSES, 49).ticks
+    warm_seen, run_seen = _collectives((warm, ())), _collectives((run, ()))
+    permutes = 1 + (parallel.pipefusion > 1) + (parallel.cfg == 2)
+    assert run_seen["collective-permute"] == (permutes * ticks, ticks * cost["tick"])
+    assert warm_seen["collective-permute"] == (parallel.pipefusion - 1 + permutes - 1, cost["warmup_step"])
+    assert set(run_seen) == {"collective-permute"} | ({"all-to-all"} if parallel.ulysses > 1 else set())
+    if patches == parallel.pipefusion:  # the plan's M = P: its model holds for every collective
+        w = Workload.create("wan2.1-t2v-14b", height=480, width=832)
+        modelled = pipefusion_programs(w, parallel, 1, cpu=True)
+        assert sum(b for _, b in run_seen.values()) == pytest.approx(modelled["pipelined"], rel=1e-9)
+        assert sum(b for _, b in warm_seen.values()) == pytest.approx(modelled["warmup"], rel=1e-9)
+    kv = 2 * math.prod(pw._Programs(model, g, True, (), None).kv_shape()) * 2  # bf16 K and V
+    kv_per_device = kv // (parallel.num_devices // parallel.ring)
+    print(
+        f"\n{parallel.describe()}, M={patches}: {model.param_bytes_per_device() / 2**30:.2f} GiB parameters and "
+        f"{kv_per_device / 2**30:.2f} GiB stale K/V per device; warm-up step {cost['warmup_step'] / 2**20:.0f} "
+        f"MiB, pipelined step {cost['step'] / 2**20:.1f} MiB sent per device ({ticks} ticks for 49 steps)"
+    )
