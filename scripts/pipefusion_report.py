@@ -1,9 +1,10 @@
-"""PipeFusion's figures: flux-dev parameters per device, bytes sent (compiled vs modelled), quality.
+"""PipeFusion's figures: flux-dev and wan-14b parameters per device, bytes sent (compiled vs modelled), quality.
 
     python scripts/pipefusion_report.py [--devices 8] [--images 100] [--skip-fullsize]
 
 1. flux-dev (bf16) parameters per device at P = 2, 4, 8 from abstract shapes, with the stale K/V a stage
-   keeps at 1024x1024 (M = 2P), against xDiT's split of the 57 blocks by count.
+   keeps at 1024x1024 (M = 2P), against xDiT's split of the 57 blocks by count; wan2.1-t2v-14b likewise
+   (its full-size programs and tiny-model figures are in tests/test_pipefusion_wan.py).
 2. flux-dev at 1024x1024 compiled from abstract shapes (no weights): collective-permute bytes per device of
    the warm-up step and of the pipelined phase (27 steps), measured in the HLO (``jaxdit.hlo_stats``) and
    from ``collective_bytes``.
@@ -72,6 +73,22 @@ def main(argv: list[str] | None = None) -> int:
         g = pf.Geometry(512, 64, 64, 2 * p, 1, 1, 1, 1)
         kv = slots * 2 * g.patches * g.piece * config.hidden_size * 2
         print(f"{p}  {gib(per):>10}  {per / total:.3f}  {1 / p:.3f}  {gib(xdit):>16}   {gib(kv)}")
+
+    # 1b. wan2.1-t2v-14b parameters per device (blocks over the stages; embeddings and head replicated).
+    from jaxdit.models import wan
+    from jaxdit.pipelines import pipefusion_wan as pw
+
+    wconfig = wan.WanConfig.preset("wan2.1-t2v-14b")
+    full = pw.PipeFusionWan.abstract(wconfig, mesh(), jnp.bfloat16).param_bytes_per_device()
+    print(f"\nwan2.1-t2v-14b bf16: {gib(full)}")
+    print("P  per device   share   1/P    stale K/V per device (480p x 81 frames, default M, CFG batch 2)")
+    for p in (2, 4, 8):
+        model = pw.PipeFusionWan.abstract(wconfig, mesh(pipefusion=p), jnp.bfloat16)
+        per = model.param_bytes_per_device()
+        grid = (21, 30, 52)
+        g = pw.Geometry(grid, pw.default_num_patches(p, grid), 1, 1, 2, 1, 512)
+        kv = math.ceil(wconfig.num_layers / p) * 2 * g.batch * g.tokens * wconfig.dim * 2
+        print(f"{p}  {gib(per):>10}  {per / full:.3f}  {1 / p:.3f}  {gib(kv)} (M={g.patches})")
 
     # 2. Full-size programs: bytes measured vs modelled.
     if not args.skip_fullsize:
