@@ -110,18 +110,44 @@ def flux():
 @functools.cache
 def wan():
     """(folder, the diffusers WanPipeline object it was saved from)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5EncoderModel
+    return _wan(i2v=False)
+
+
+@functools.cache
+def wan_i2v():
+    """(folder, the diffusers WanImageToVideoPipeline object it was saved from). The transformer reads 36
+    channels (noise + 4 mask + 16 condition latent) and has the real image path (image_dim, added K/V)."""
+    return _wan(i2v=True)
+
+
+def _wan(i2v: bool):
+    from diffusers import (
+        AutoencoderKLWan,
+        UniPCMultistepScheduler,
+        WanImageToVideoPipeline,
+        WanPipeline,
+        WanTransformer3DModel,
+    )
+    from transformers import CLIPVisionModel, UMT5EncoderModel
 
     root = Path(tempfile.mkdtemp(prefix="jaxdit-tiny-wan-"))
     staging = root / "staging"
-    text = _text_components(staging, text_models.save_tiny_wan_text, {"text_encoder": UMT5EncoderModel})
+    models = {"text_encoder": UMT5EncoderModel}
+    if i2v:
+        models["image_encoder"] = CLIPVisionModel
+    text = _text_components(staging, lambda f: text_models.save_tiny_wan_text(f, i2v=i2v), models)
     torch.manual_seed(41)
+    heads, head_dim = 2, 12
+    image = (
+        dict(image_dim=text["image_encoder"].config.hidden_size, added_kv_proj_dim=heads * head_dim)
+        if i2v
+        else {}
+    )
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=16,
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=36 if i2v else 16,
         out_channels=16,
         text_dim=text["text_encoder"].config.d_model,
         freq_dim=256,
@@ -130,6 +156,7 @@ def wan():
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
+        **image,
     )
     vae = AutoencoderKLWan(
         base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
@@ -137,12 +164,13 @@ def wan():
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
     )
-    pipe = WanPipeline(
+    cls = WanImageToVideoPipeline if i2v else WanPipeline
+    pipe = cls(
         scheduler=scheduler,
         vae=_perturb(vae, 42, 0.05),
-        transformer=_perturb(transformer, 43),
+        transformer=_perturb(transformer, 44 if i2v else 43),
         **text,
     )
-    folder = root / "Wan2.1-tiny"
+    folder = root / ("Wan2.1-I2V-tiny" if i2v else "Wan2.1-tiny")
     pipe.save_pretrained(folder)
     return folder, pipe
