@@ -644,10 +644,10 @@ class WanVAE:
 
     def decode_latents(self, z: Any, mesh: Mesh | None = None) -> jax.Array:
         """Normalized latents (what the denoiser sees) -> video: ``z * latents_std + latents_mean`` first."""
-        z = np.asarray(z, np.float32)
+        z = jnp.asarray(z, jnp.float32)
         shape = (1, -1, 1, 1, 1)
-        std = np.asarray(self.config.latents_std, np.float32).reshape(shape)
-        mean = np.asarray(self.config.latents_mean, np.float32).reshape(shape)
+        std = jnp.asarray(self.config.latents_std, jnp.float32).reshape(shape)
+        mean = jnp.asarray(self.config.latents_mean, jnp.float32).reshape(shape)
         return self.decode(z * std + mean, mesh)
 
     def encode(self, x: Any) -> tuple[jax.Array, jax.Array]:
