@@ -6,23 +6,23 @@ permute); this module is Wan's stage glue and the pipeline around it (``pipefusi
 Stages. Wan has one stack of identical blocks: its stacked layer axis is split over ``pipefusion`` by
 the ``PIPEFUSION`` rule, ceil(L/P) slots per device (padded slots hold zeros; a zero Wan block adds
 exactly zero to the residual stream, its projections being zero). A patch makes one pass up the stages
-(V = 1): stage 0 embeds it, stage P-1 runs the head, CFG and the UniPC step and sends the updated latent
-patch back to stage 0 (a collective-permute of the patch's [b, n, 64] fp32 tokens, 1.25% of the
-activation permute's bytes at Wan's hidden 5120). The loop from a patch's entry to its next step's entry
-is P ticks, so M = P patches keep the pipeline full.
+(V = 1): stage 0 embeds it, stage P-1 runs the head, CFG and the UniPC step and sends the updated
+latent patch back to stage 0, a collective-permute of the patch's [b, n, 64] fp32 tokens (at most
+1.25% of the activation permute's bytes at Wan's hidden 5120; less when both CFG branches share a
+device). The loop from a patch's entry to its next step's entry is P ticks, so M = P patches keep the
+pipeline full.
 
-Embeddings, head, sampler. Patch, text and time embeddings and the head are replicated (1.1% of
-wan2.1-t2v-14b's parameters). Every stage needs the time modulation for its blocks and the embedded text
-for their cross-attention: both are computed on every device from the step's timestep and the prompt
-(the text once per call, the per-step time vectors once per call for every step), which is cheaper than
-sending them.
+Embeddings, head, sampler. Patch, text and time embeddings and the head are replicated (796 MiB, 2.9%
+of wan2.1-t2v-14b's bf16 parameters). Every stage needs the time modulation for its blocks and the
+embedded text for their cross-attention: both are computed on every device (the text once per call,
+the time vectors of every step once per call), which is cheaper than sending them.
 
-Cross-attention. Its keys and values come from the text only, never from other video tokens, so a
-patch's cross-attention is exact without any buffer: each block computes the text K/V from its own
-weights when it runs, on whichever stage holds it. That repeats 2 T E^2 multiply-adds per block per
-patch (M times per step instead of once); for wan2.1-t2v-14b at 720p x 81 frames (75,600 tokens) and
-M = 8 this is 1% of a step's block FLOPs. Caching them per block would need a change of the model's
-block call for that 1%.
+Cross-attention. Its keys and values come from the text (and, for I2V, the image features) only, never
+from other video tokens, so a patch's cross-attention is exact without any buffer: each block computes
+the context K/V from its own weights when it runs, on whichever stage holds it. That repeats 2 T E^2
+multiply-adds per block for every patch, M times per step instead of once; for wan2.1-t2v-14b at 720p x
+81 frames (75,600 tokens) and M = 8 the M - 1 extra times add 0.2% to a step's block FLOPs (attention
+included). Caching them per block would change the model's block call for those 0.2%.
 
 Patches. The latent is patchified into a (F', H', W') token grid; patch m is the rows
 [m H'/M, (m+1) H'/M) of every frame (``patch_by="rows"``, xDiT's split) or the frames
