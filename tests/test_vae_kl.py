@@ -97,7 +97,7 @@ def test_decode_and_encode_match_diffusers(case):
     g = torch.Generator().manual_seed(1)
     z = torch.randn(2, vae.config.latent_channels, 5, 3, generator=g)  # odd sizes on purpose
     f = vae.config.downsample_factor
-    x = torch.rand(2, 3, 3 * f, 2 * f, generator=g) * 2 - 1
+    x = torch.rand(2, 3, 3 * f + 3, 2 * f + 1, generator=g) * 2 - 1  # odd: floor at every level
     with torch.no_grad():
         ref = model.decode(z).sample.numpy()
         dist = model.encode(x).latent_dist

@@ -450,9 +450,12 @@ class FluxVAE:
         tiles = _num_tiles(mesh)
         if kind == "decode":
             return Rows.split(height, tiles)
+        # Bands of a multiple of 2**levels rows halve evenly at every down-sampling. Any height works,
+        # with diffusers' floor semantics (H -> floor(H / 2) per level): padding rows are zero, exactly
+        # the pad row the stride-2 conv adds below the image.
         f = self.config.downsample_factor
-        if height % f:
-            raise ValueError(f"image height {height} is not a multiple of {f} (the AE's downsampling)")
+        if height < f:
+            raise ValueError(f"image height {height} is smaller than the AE's downsampling factor {f}")
         return Rows.split(height, tiles, multiple=f)
 
     def _lower(self, kind: str, shape: Sequence[int], mesh: Mesh | None, dtype: Any):
