@@ -7,8 +7,9 @@ Layouts:
   only through ``torch.load(..., weights_only=True, mmap=True)`` (no arbitrary unpickling), or the same
   keys in a ``.safetensors`` (as ComfyUI ships it).
 
-The two are renamings of each other (diffusers' ``scripts/convert_wan_to_diffusers.py`` renames one into
-the other): the original keeps the residual blocks as ``residual.{0,2,3,6}`` of an ``nn.Sequential``
+The two are renamings of each other (diffusers renames one into the other in
+``scripts/convert_wan_to_diffusers.py`` and ``loaders/single_file_utils.convert_wan_vae_to_diffusers``;
+the tests check this table against the latter at full size): the original keeps the residual blocks as ``residual.{0,2,3,6}`` of an ``nn.Sequential``
 (norm, SiLU, conv, norm, SiLU, dropout, conv), the mid-block as ``middle.{0,1,2}``, the decoder's levels
 as one flat ``upsamples.{k}`` list, the output as ``head.{0,2}``, and the quant convs as ``conv1``/``conv2``.
 jaxdit stores convolution kernels channels last ([kt, kh, kw, I, O], hook :class:`ConvKernel`) and the
