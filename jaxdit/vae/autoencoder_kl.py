@@ -35,7 +35,7 @@ from jaxdit.models.layers import param
 from jaxdit.vae import spatial
 from jaxdit.vae.spatial import Rows
 
-__all__ = ["AutoencoderKL", "FluxVAE", "VAEConfig", "abstract_model"]
+__all__ = ["AutoencoderKL", "FluxVAE", "VAEConfig", "abstract_model", "num_parameters", "parameter_shapes"]
 
 _DOWN = "DownEncoderBlock2D"
 _UP = "UpDecoderBlock2D"
