@@ -41,8 +41,20 @@ def _add_generate(sub) -> None:
         help="tiny-digits (bundled, default), flux-dev, flux-schnell, wan2.1-t2v-1.3b, wan2.1-t2v-14b or "
         "wan2.1-i2v-14b (all but tiny-digits need --weights)",
     )
-    _flag(gen, "weights", default=None, help="checkpoint: BFL file, diffusers folder or jaxdit orbax folder")
-    _flag(gen, "prompt", default=None, help="tiny-digits: the digits to draw, e.g. 0123456789 (default)")
+    _flag(
+        gen,
+        "weights",
+        default=None,
+        help="a downloaded pipeline folder (diffusers FluxPipeline/WanPipeline, or Wan's original release: "
+        "prompt to pixels, --model optional), or a transformer checkpoint: BFL file, diffusers folder or "
+        "jaxdit orbax folder (then --prompt_embeds)",
+    )
+    _flag(
+        gen,
+        "prompt",
+        default=None,
+        help="the text prompt (pipeline folders); tiny-digits: the digits to draw, e.g. 0123456789 (default)",
+    )
     _flag(gen, "negative_prompt", default=None, help="negative prompt for true CFG (tiny-digits: '' = empty)")
     _flag(
         gen,
@@ -61,6 +73,14 @@ def _add_generate(sub) -> None:
     )
     _flag(gen, "width", type=int, default=None, help="pixels (default: as --height; 832 for Wan)")
     _flag(gen, "num_frames", type=int, default=None, help="Wan: video frames, 4n + 1 (default 81)")
+    _flag(gen, "image", default=None, help="Wan I2V (pipeline folder): the first frame, a picture file")
+    _flag(
+        gen,
+        "max_sequence_length",
+        type=int,
+        default=None,
+        help="pipeline folders: text-encoder tokens (default 512, as diffusers)",
+    )
     _flag(
         gen,
         "flow_shift",
@@ -87,7 +107,12 @@ def _add_generate(sub) -> None:
         help="classifier-free guidance scale (needs a negative)",
     )
     _flag(gen, "seed", type=int, default=0)
-    _flag(gen, "output", default=None, help="output file (.png for images, .npy for latents)")
+    _flag(
+        gen,
+        "output",
+        default=None,
+        help="output file: .png (images), .mp4 or .gif (videos), .npy (latents)",
+    )
     _flag(gen, "emulate_devices", type=int, default=None, help="emulate N CPU devices (sets XLA flags)")
     _flag(
         gen,

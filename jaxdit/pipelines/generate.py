@@ -8,6 +8,7 @@ weights load or anything compiles.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ class GenerateRequest:
     warmup_steps: int | None = None
     num_frames: int | None = None  # Wan
     flow_shift: float | None = None  # Wan
+    image: str | None = None  # Wan I2V from a pipeline folder: the first frame
+    max_sequence_length: int | None = None  # text encoder tokens (pipeline folders; default the encoder's)
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -61,9 +64,22 @@ class GenerateRequest:
     def is_tiny(self) -> bool:
         return self.model == TINY and self.weights is None
 
+    @functools.cached_property
+    def folder_kind(self) -> str | None:
+        """flux / wan-t2v / wan-i2v when --weights is a whole pipeline folder (see generate_folder)."""
+        from jaxdit.pipelines.generate_folder import is_pipeline_folder
+        from jaxdit.pipelines.model_folder import open_model_folder
+
+        if not is_pipeline_folder(self.weights):
+            return None
+        try:
+            return open_model_folder(self.weights).kind
+        except ValueError:
+            return "unreadable"  # check_request reports the folder's problem
+
     @property
     def is_wan(self) -> bool:
-        return self.model in WAN_PRESETS
+        return self.model in WAN_PRESETS or self.folder_kind in ("wan-t2v", "wan-i2v")
 
     @property
     def frames(self) -> int:
@@ -146,6 +162,15 @@ def check_request(r: GenerateRequest) -> None:
         if r.emulate_devices < 1:
             raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
         config.validate_devices(r.emulate_devices)
+    if r.folder_kind is not None:
+        from jaxdit.pipelines import generate_folder
+
+        generate_folder.check(r, config)
+        return
+    if r.image is not None or r.max_sequence_length is not None:
+        raise ValueError(
+            "--image and --max_sequence_length need a pipeline folder as --weights (text encoders)"
+        )
     if r.is_wan:
         return _check_wan(r, config)
     if r.num_frames is not None or r.flow_shift is not None:
@@ -375,6 +400,13 @@ def run(r: GenerateRequest) -> int:
             f"{config.describe()} needs {config.num_devices} devices; {len(devices)} are available"
         )
     mesh = config.make_mesh(devices[: config.num_devices])
+    if r.folder_kind is not None:
+        from jaxdit.pipelines import generate_folder
+
+        print(f"{r.weights}: {config.describe()} on {config.num_devices} {devices[0].platform} device(s)")
+        single = ParallelConfig().make_mesh(devices[:1]) if r.compare_single_device else None
+        generate_folder.run(r, mesh, single)
+        return 0
     output_type = "np" if r.is_tiny else "latent"
     print(f"{r.model}: {config.describe()} on {config.num_devices} {devices[0].platform} device(s)")
     start = time.perf_counter()

@@ -1,0 +1,113 @@
+"""``jaxdit generate --weights FOLDER --prompt ...``: flag checks (before jax) and prompt -> PNG / MP4 runs."""
+
+import shutil
+
+import numpy as np
+import pytest
+import tiny_pipelines
+from PIL import Image
+
+from jaxdit import cli
+from jaxdit.pipelines.generate import GenerateRequest, check_request
+
+
+def _request(**kwargs):
+    return GenerateRequest(**kwargs)
+
+
+@pytest.fixture(scope="module")
+def flux_folder():
+    return str(tiny_pipelines.flux_folder())
+
+
+@pytest.fixture(scope="module")
+def wan_folder():
+    return str(tiny_pipelines.wan_folder())
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(), "give --prompt"),
+        (dict(prompt="a", prompt_embeds="x.npz"), "--prompt_embeds and a pipeline folder"),
+        (dict(prompt="a", pipefusion_parallel_degree=2), "PipeFusion runs from transformer checkpoints"),
+        (dict(prompt="a", model="wan2.1-t2v-14b"), "does not match"),
+        (dict(prompt="a", height=18, width=32), "multiples of 4"),
+        (dict(prompt="a", output="x.mp4"), r"must end in \.png"),
+        (dict(prompt="a", num_frames=9), "apply to Wan models"),
+        (dict(prompt="a", use_cfg_parallel=True), "needs classifier-free guidance"),
+        (dict(prompt="a", image="x.png"), "for image-to-video models"),
+    ],
+)
+def test_flux_folder_request_errors(flux_folder, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        check_request(_request(weights=flux_folder, **kwargs))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt="a", num_frames=6), "4n \\+ 1"),
+        (dict(prompt="a", height=40), "multiples of 16"),
+        (dict(prompt="a", true_cfg_scale=2.0), "--guidance_scale"),
+        (dict(prompt="a", output="x.png"), r"\.mp4 / \.gif"),
+        (dict(prompt="a", model="flux-dev"), "does not match"),
+        (dict(prompt="a", use_cfg_parallel=True, guidance_scale=1.0), "guidance_scale > 1"),
+    ],
+)
+def test_wan_folder_request_errors(wan_folder, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        check_request(_request(weights=wan_folder, **kwargs))
+
+
+def test_half_downloaded_folder_names_the_missing_parts(tmp_path, flux_folder):
+    broken = shutil.copytree(
+        flux_folder, tmp_path / "flux", ignore=shutil.ignore_patterns("vae", "tokenizer_2")
+    )
+    with pytest.raises(ValueError, match="missing: vae/, tokenizer_2/"):
+        check_request(_request(weights=str(broken), prompt="a"))
+
+
+def test_image_and_sequence_length_need_a_pipeline_folder():
+    with pytest.raises(ValueError, match="need a pipeline folder"):
+        check_request(_request(prompt="7", max_sequence_length=16))
+
+
+def test_cli_flux_folder_prompt_to_png(flux_folder, tmp_path, capsys):
+    out = tmp_path / "cube.png"
+    argv = [
+        "generate",
+        "--weights",
+        flux_folder,
+        "--prompt",
+        "a small red cube",
+        "--height",
+        "16",
+        "--width",
+        "24",
+    ]
+    argv += ["--steps", "2", "--ring_degree", "2", "--ulysses_degree", "2", "--max_sequence_length", "8"]
+    assert cli.main([*argv, "--output", str(out)]) == 0
+    assert np.asarray(Image.open(out)).shape == (16, 24, 3)
+    printed = capsys.readouterr().out
+    assert "(flux, diffusers layout)" in printed and f"wrote {out}" in printed
+
+
+def test_cli_wan_folder_prompt_to_mp4(wan_folder, tmp_path):
+    av = pytest.importorskip("av")
+    out = tmp_path / "clip.mp4"
+    argv = [
+        "generate",
+        "--weights",
+        wan_folder,
+        "--prompt",
+        "a small red cube",
+        "--negative_prompt",
+        "static",
+    ]
+    argv += ["--height", "32", "--width", "48", "--num_frames", "5", "--steps", "2", "--use_cfg_parallel"]
+    argv += ["--ulysses_degree", "2", "--max_sequence_length", "8", "--output", str(out)]
+    assert cli.main(argv) == 0
+    with av.open(str(out)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 5 and frames[0].shape == (32, 48, 3)
