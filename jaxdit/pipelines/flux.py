@@ -97,7 +97,6 @@ class FluxPipeline:
         self.latent_channels = latent_channels
         self.vae_scale_factor = vae_scale_factor
         self._steps: dict[tuple, Callable] = {}
-        self._text_options: dict[str, int] = {}  # per call: the encoder's max_sequence_length, when given
 
     @classmethod
     def from_pretrained(
@@ -197,16 +196,19 @@ class FluxPipeline:
             raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-        self._text_options = (
-            {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+        txt, pooled = self._conditioning(
+            prompt, prompt_embeds, pooled_prompt_embeds, max_sequence_length=max_sequence_length
         )
-        txt, pooled = self._conditioning(prompt, prompt_embeds, pooled_prompt_embeds)
         has_negative = negative_prompt is not None or negative_prompt_embeds is not None
         true_cfg = has_negative and true_cfg_scale > 1.0
         self._check_cfg(true_cfg)
         if true_cfg:
             neg_txt, neg_pooled = self._conditioning(
-                negative_prompt, negative_prompt_embeds, negative_pooled_prompt_embeds, batch=txt.shape[0]
+                negative_prompt,
+                negative_prompt_embeds,
+                negative_pooled_prompt_embeds,
+                batch=txt.shape[0],
+                max_sequence_length=max_sequence_length,
             )
             if neg_txt.shape != txt.shape:
                 raise ValueError(
@@ -272,7 +274,7 @@ class FluxPipeline:
         return GenerationOutput(images=images, latents=out, seconds=seconds)
 
     def _conditioning(
-        self, prompt, embeds, pooled, batch: int | None = None
+        self, prompt, embeds, pooled, batch: int | None = None, max_sequence_length: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         if prompt is not None:
             if embeds is not None:
@@ -284,7 +286,8 @@ class FluxPipeline:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             if batch is not None and len(prompts) == 1:
                 prompts = prompts * batch
-            embeds, pooled = self.encode(prompts, **self._text_options)
+            options = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+            embeds, pooled = self.encode(prompts, **options)
         if embeds is None or pooled is None:
             raise ValueError("pass a prompt, or both prompt_embeds [B, T, C] and pooled_prompt_embeds [B, P]")
         embeds, pooled = np.asarray(embeds, np.float32), np.asarray(pooled, np.float32)

@@ -118,6 +118,20 @@ class GenerateRequest:
         # The tiny model's empty prompt is its unconditional branch; CFG is on by default there.
         return "" if self.is_tiny and self.negative_prompt is None else self.negative_prompt
 
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """The pipeline call's size and sampling arguments (FLUX's or Wan's), for every way of running."""
+        height, width = self.size
+        kwargs = dict(
+            height=height,
+            width=width,
+            num_inference_steps=self.steps,
+            guidance_scale=self.guidance,
+            seed=self.seed,
+        )
+        if self.is_wan:
+            return dict(kwargs, num_frames=self.frames, flow_shift=self.flow_shift)
+        return dict(kwargs, true_cfg_scale=self.cfg_scale)
+
     def parallel_degrees(self) -> dict[str, int]:
         return dict(
             data=self.data_parallel_degree,
@@ -342,35 +356,12 @@ def _pipeline(r: GenerateRequest, mesh):
 
 
 def _call(pipe, r: GenerateRequest, output_type: str):
-    height, width = r.size
-    if r.is_wan:
-        e = _load_embeddings(r.prompt_embeds)
-        pipefusion = {}
-        if r.pipefusion_parallel_degree > 1:
-            pipefusion = dict(num_pipeline_patch=r.num_pipeline_patch, warmup_steps=r.warmup_steps or 1)
-        return pipe(
-            **{k: e.get(k) for k in WAN_EMBEDDINGS},
-            **pipefusion,
-            height=height,
-            width=width,
-            num_frames=r.frames,
-            num_inference_steps=r.steps,
-            guidance_scale=r.guidance,
-            flow_shift=r.flow_shift,
-            seed=r.seed,
-            output_type=output_type,
-        )
-    kwargs = dict(
-        height=height,
-        width=width,
-        num_inference_steps=r.steps,
-        guidance_scale=r.guidance,
-        true_cfg_scale=r.cfg_scale,
-        seed=r.seed,
-        output_type=output_type,
-    )
+    kwargs = dict(r.sampling_kwargs(), output_type=output_type)
     if r.pipefusion_parallel_degree > 1:
         kwargs.update(num_pipeline_patch=r.num_pipeline_patch, warmup_steps=r.warmup_steps or 1)
+    if r.is_wan:
+        e = _load_embeddings(r.prompt_embeds)
+        return pipe(**{k: e.get(k) for k in WAN_EMBEDDINGS}, **kwargs)
     if r.is_tiny:
         return pipe(r.prompt or "0123456789", negative_prompt=r.negative, **kwargs)
     e = _load_embeddings(r.prompt_embeds)

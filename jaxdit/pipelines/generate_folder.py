@@ -131,38 +131,17 @@ def build(r: Any, folder: ModelFolder, mesh: Any) -> Any:
 
 
 def call(pipe: Any, r: Any, folder: ModelFolder) -> Any:
-    height, width = r.size
-    options = {} if r.max_sequence_length is None else {"max_sequence_length": r.max_sequence_length}
+    kwargs = r.sampling_kwargs()
+    if r.max_sequence_length is not None:
+        kwargs["max_sequence_length"] = r.max_sequence_length
     if folder.kind == FLUX:
-        return pipe(
-            r.prompt,
-            negative_prompt=r.negative,
-            height=height,
-            width=width,
-            num_inference_steps=r.steps,
-            guidance_scale=r.guidance,
-            true_cfg_scale=r.cfg_scale,
-            seed=r.seed,
-            **options,
-        )
+        return pipe(r.prompt, negative_prompt=r.negative, **kwargs)
     image = None
     if r.image is not None:
         from PIL import Image
 
         image = np.asarray(Image.open(r.image).convert("RGB"))
-    return pipe(
-        r.prompt,
-        r.negative,
-        image=image,
-        height=height,
-        width=width,
-        num_frames=r.frames,
-        num_inference_steps=r.steps,
-        guidance_scale=r.guidance,
-        flow_shift=r.flow_shift,
-        seed=r.seed,
-        **options,
-    )
+    return pipe(r.prompt, r.negative, image=image, **kwargs)
 
 
 def write(r: Any, folder: ModelFolder, result: Any) -> Path:
