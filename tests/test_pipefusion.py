@@ -22,13 +22,12 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
+from pipefusion_helpers import ReferenceContext, collectives, make_mesh
 
-from jaxdit import hlo_stats
 from jaxdit.loading import load_params
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.models.layers import rope_angles
-from jaxdit.parallel.local_attention import reference_attention
 from jaxdit.parallel.pipefusion import PipeSchedule, stage_layer_order
 from jaxdit.pipelines import digits
 from jaxdit.pipelines import latents as latent_ops
@@ -49,20 +48,15 @@ PATCHES = 4  # 2 rows of 8 packed tokens and one text token each
 TOL = 1e-5
 
 
-def _mesh(**degrees):
-    config = ParallelConfig(**degrees)
-    return config.make_mesh(jax.devices()[: config.num_devices])
-
-
 @functools.cache
 def _pipe(fast: bool, **degrees) -> pf.PipeFusionFluxPipeline:
     # Quick compiles (XLA -O0) for the short exactness runs; optimised code for the 20-step quality runs.
-    return pf.tiny_digits(_mesh(**degrees), compiler_options=FAST if fast else None)
+    return pf.tiny_digits(make_mesh(**degrees), compiler_options=FAST if fast else None)
 
 
 @functools.cache
 def _serial(prompt: str = EXACT_PROMPT, steps: int = EXACT_STEPS):
-    return serial_pipeline(_mesh())(prompt, **CALL, num_inference_steps=steps)
+    return serial_pipeline(make_mesh())(prompt, **CALL, num_inference_steps=steps)
 
 
 @functools.cache
@@ -158,7 +152,7 @@ def test_flux_dev_parameters_per_device_at_p2_p4_p8():
         f"a single block {single / 2**20:.0f} MiB, embedders + final layer {rest / 2**20:.0f} MiB (replicated)"
     )
     for p in (2, 4, 8):
-        model = pf.PipeFusionFlux.abstract(config, _mesh(pipefusion=p), jnp.bfloat16)
+        model = pf.PipeFusionFlux.abstract(config, make_mesh(pipefusion=p), jnp.bfloat16)
         measured = model.param_bytes_per_device()
         assert measured == math.ceil(19 / p) * double + math.ceil(38 / p) * single + rest
         # xDiT splits the 57 blocks by count: its first stage holds ceil(57/P) blocks, doubles first.
@@ -173,10 +167,10 @@ def test_flux_dev_parameters_per_device_at_p2_p4_p8():
 
 def test_tiny_model_stage_slots_on_real_arrays():
     # 2 double + 2 single blocks. P=2: one of each per device. P=4: padded to 4 slots of each, zeros.
-    loaded = load_params(tiny.asset_dir(), _mesh())[1]
+    loaded = load_params(tiny.asset_dir(), make_mesh())[1]
     plain = {k: v.get_value() for k, v in nnx.to_flat_state(nnx.state(loaded))}
     for p in (2, 4):
-        model = pf.PipeFusionFlux.load(tiny.asset_dir(), _mesh(pipefusion=p), jnp.float32)
+        model = pf.PipeFusionFlux.load(tiny.asset_dir(), make_mesh(pipefusion=p), jnp.float32)
         stacks = {k: v for k, v in nnx.to_flat_state(model.state)}
         q = stacks[("double_blocks", "img_attn", "q", "kernel")].get_value()
         assert q.shape[0] == p and all(sh.data.shape[0] == 1 for sh in q.addressable_shards)
@@ -190,7 +184,7 @@ def test_tiny_model_stage_slots_on_real_arrays():
                 expected = plain[key][layer] if layer >= 0 else np.zeros_like(value[slot])
                 np.testing.assert_array_equal(value[slot], expected)
         if p == 4:  # re-laying out an already loaded model gives the same slots
-            relaid = pf.PipeFusionFlux.from_model(loaded, _mesh(pipefusion=p))
+            relaid = pf.PipeFusionFlux.from_model(loaded, make_mesh(pipefusion=p))
             for key, var in nnx.to_flat_state(relaid.state):
                 np.testing.assert_array_equal(
                     np.asarray(var.get_value()), np.asarray(stacks[key].get_value())
@@ -203,16 +197,6 @@ def test_tiny_model_stage_slots_on_real_arrays():
 # --------------------------------------------------------------------------------------------------------
 # Exactness
 # --------------------------------------------------------------------------------------------------------
-
-
-def _collectives(fn_args) -> dict[str, tuple[int, int]]:
-    """kind -> (count per run, bytes per device per run) of a compiled program ((fn, args) or a Lowered)."""
-    fn, args = fn_args
-    out = {}
-    for c in hlo_stats.collectives((fn.lower(*args) if args else fn).compile()):
-        n, b = out.get(c.kind, (0, 0))
-        out[c.kind] = (n + c.count, b + c.count * c.bytes_sent_per_device)
-    return out
 
 
 def test_warmup_only_equals_the_serial_pipeline_and_moves_only_activations():
@@ -232,7 +216,7 @@ def test_warmup_only_equals_the_serial_pipeline_and_moves_only_activations():
     cost = pf.collective_bytes(
         g, model.parallel, model.config.hidden_size, model.config.out_channels, model.dtype, true_cfg
     )
-    seen = _collectives(pipe.last_programs["warmup"])
+    seen = collectives(pipe.last_programs["warmup"])
     # Per warm-up step: the full sequence P-1 hops up and P-1 down; and inside the stages Ring's K/V
     # hops (R-1 each of K and V per attention layer slot, every device running its slots every tick).
     slots = sum(len(o) // model.stages for o in model.orders.values())
@@ -271,7 +255,7 @@ def test_pipelined_phase_moves_only_activations_and_cfg_prediction():
         g, model.parallel, model.config.hidden_size, model.config.out_channels, model.dtype, true_cfg
     )
     ticks = programs.schedule(EXACT_STEPS - 1).ticks
-    seen = _collectives(pipe.last_programs["pipelined"])
+    seen = collectives(pipe.last_programs["pipelined"])
     assert set(seen) == {"collective-permute", "all-to-all"}
     # Per tick: the double blocks' patch up, the single blocks' patch down, cfg's patch prediction.
     assert seen["collective-permute"] == (3 * ticks, ticks * cost["tick"])
@@ -282,33 +266,8 @@ def test_pipelined_phase_moves_only_activations_and_cfg_prediction():
     # Ulysses inside the stage: q, k, v and the output of each attention layer slot, every tick.
     slots = sum(len(o) // model.stages for o in model.orders.values())
     assert seen["all-to-all"][0] == 4 * slots * ticks
-    warm = _collectives(pipe.last_programs["warmup"])
+    warm = collectives(pipe.last_programs["warmup"])
     assert warm["collective-permute"] == (2 * (model.stages - 1) + 1, cost["warmup_step"])
-
-
-class _ReferenceContext:
-    """Serial PipeFusion attention: a patch's fresh K/V plus the other patches' buffered K/V."""
-
-    def __init__(self, layout, buffers, layer, patch):
-        self.layout, self.buffers, self.layer, self.patch = layout, buffers, layer, patch
-
-    def sum_tensor_parallel(self, x):
-        return x
-
-    def attention(self, q, k, v):
-        if self.patch is None:  # warm-up: the whole sequence, fresh; the caller splits it into patches
-            self.buffers[self.layer] = (k, v)
-            return reference_attention(q, k, v)
-        kb, vb = self.buffers[self.layer]  # [M, B, L, H, D]
-        m, patches = self.patch, kb.shape[0]
-        flat = lambda b: jnp.moveaxis(b, 0, 1).reshape(b.shape[1], -1, *b.shape[3:])
-        others = jnp.repeat(jnp.arange(patches) != m, kb.shape[2])
-        valid = jnp.concatenate([jnp.ones(k.shape[1], bool), others])[None]
-        out = reference_attention(
-            q, jnp.concatenate([k, flat(kb)], 1), jnp.concatenate([v, flat(vb)], 1), valid
-        )
-        self.buffers[self.layer] = (kb.at[m].set(k), vb.at[m].set(v))
-        return out
 
 
 @functools.cache
@@ -316,7 +275,7 @@ def _reference(prompt: str, steps: int, warmup: int) -> np.ndarray:
     """PipeFusion's semantics written directly on the unsharded model: per step, per patch (2 rows and
     one text token), every layer in order, attending to its fresh K/V and the other patches' latest
     buffered K/V (full softmax, no padding, no log-sum-exp merge)."""
-    _, model = load_params(tiny.asset_dir(), _mesh(), jnp.float32)
+    _, model = load_params(tiny.asset_dir(), make_mesh(), jnp.float32)
     cfg = model.config
     labels = tiny.LabelEncoder.load()
     ids = tiny.parse_prompt(prompt)
@@ -349,11 +308,11 @@ def _reference(prompt: str, steps: int, warmup: int) -> np.ndarray:
         txt = model.txt_in(txt_tokens).astype(jnp.float32)
         for i in range(cfg.depth):
             txt, img = layer("double_blocks", i)(
-                txt, img, vec, angles, _ReferenceContext(layout, buffers, ("d", i), patch)
+                txt, img, vec, angles, ReferenceContext(buffers, ("d", i), patch, layout)
             )
         h = layout.join_local([txt, img])
         for i in range(cfg.depth_single_blocks):
-            h = layer("single_blocks", i)(h, vec, angles, _ReferenceContext(layout, buffers, ("s", i), patch))
+            h = layer("single_blocks", i)(h, vec, angles, ReferenceContext(buffers, ("s", i), patch, layout))
         uncond, cond = jnp.split(model.final_layer(layout.split_local(h)[1], vec), 2)
         return uncond + CFG_SCALE * (cond - uncond), buffers
 
@@ -467,7 +426,7 @@ def test_flux_dev_1024px_programs_move_what_the_cost_model_says(degrees, patches
     and pipelined phase send exactly the modelled activation (and cfg) bytes."""
     parallel = ParallelConfig(**degrees)
     config = flux.FluxConfig.preset("flux-dev")
-    model = pf.PipeFusionFlux.abstract(config, _mesh(**degrees), jnp.bfloat16)
+    model = pf.PipeFusionFlux.abstract(config, make_mesh(**degrees), jnp.bfloat16)
     true_cfg = parallel.cfg == 2
     g = pf.Geometry(512, 64, 64, patches, parallel.ring, parallel.ulysses, 1 + true_cfg, 1)
     warm, run = pf.lower(model, g, steps=28, true_cfg=true_cfg, compiler_options=FAST)
@@ -476,7 +435,7 @@ def test_flux_dev_1024px_programs_move_what_the_cost_model_says(degrees, patches
     moved = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     cost = pf.collective_bytes(g, parallel, config.hidden_size, config.out_channels, moved, true_cfg)
     ticks = PipeSchedule(parallel.pipefusion, patches, pf.PASSES, 27).ticks
-    warm_seen, run_seen = _collectives((warm, ())), _collectives((run, ()))
+    warm_seen, run_seen = collectives((warm, ())), collectives((run, ()))
     permutes = 2 * (parallel.pipefusion - 1) + true_cfg
     assert warm_seen["collective-permute"] == (permutes, cost["warmup_step"])
     assert run_seen["collective-permute"] == ((2 + true_cfg) * ticks, ticks * cost["tick"])

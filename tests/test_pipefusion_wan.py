@@ -24,17 +24,17 @@ import pytest
 import wan_tiny
 from flax import nnx
 from jax import lax
+from pipefusion_helpers import ReferenceContext, collectives, make_mesh
 
-from jaxdit import hlo_stats
 from jaxdit.loading import load_params
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.layers import rope_angles
-from jaxdit.parallel.local_attention import reference_attention
+from jaxdit.parallel.pipefusion import PipeSchedule
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines import pipefusion_wan as pw
 from jaxdit.pipelines.generate import GenerateRequest, check_request
-from jaxdit.pipelines.wan import WanPipeline, _swap_features
+from jaxdit.pipelines.wan import WanPipeline, swap_features
 from jaxdit.samplers import unipc
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -44,11 +44,6 @@ FRAMES, HEIGHT, WIDTH = 9, 64, 64
 GRID = (3, 4, 4)
 #: Quality runs: more steps, so that the warm-up steps are a small part of the trajectory.
 QUALITY_STEPS = 8
-
-
-def _mesh(**degrees):
-    config = ParallelConfig(**degrees)
-    return config.make_mesh(jax.devices()[: config.num_devices])
 
 
 @functools.cache
@@ -89,7 +84,7 @@ def _serial(steps: int = STEPS) -> np.ndarray:
 
 @functools.cache
 def _pipe(**degrees) -> pw.PipeFusionWanPipeline:
-    model = pw.PipeFusionWan.load(wan_tiny.diffusers_folder(False), _mesh(**degrees), jnp.float32)
+    model = pw.PipeFusionWan.load(wan_tiny.diffusers_folder(False), make_mesh(**degrees), jnp.float32)
     return pw.PipeFusionWanPipeline(model, compiler_options=FAST)
 
 
@@ -98,16 +93,6 @@ def _run(warmup: int, patches: int, steps: int = STEPS, patch_by: str = "rows", 
     pipe = _pipe(**degrees)
     out = pipe(**_kwargs(steps), num_pipeline_patch=patches, warmup_steps=warmup, patch_by=patch_by)
     return out.latents
-
-
-def _collectives(fn_args) -> dict[str, tuple[int, int]]:
-    """kind -> (count per run, bytes per device per run) of a compiled program."""
-    fn, args = fn_args
-    out = {}
-    for c in hlo_stats.collectives((fn.lower(*args) if args else fn).compile()):
-        n, b = out.get(c.kind, (0, 0))
-        out[c.kind] = (n + c.count, b + c.count * c.bytes_sent_per_device)
-    return out
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -137,7 +122,7 @@ def test_wan14b_parameters_per_device_at_p2_p4_p8():
         f"embeddings + head {rest / 2**20:.0f} MiB ({rest / full:.1%}, replicated)"
     )
     for p in (2, 4, 8):
-        model = pw.PipeFusionWan.abstract(config, _mesh(pipefusion=p), jnp.bfloat16)
+        model = pw.PipeFusionWan.abstract(config, make_mesh(pipefusion=p), jnp.bfloat16)
         measured = model.param_bytes_per_device()
         assert measured == math.ceil(config.num_layers / p) * block + rest
         print(
@@ -147,19 +132,19 @@ def test_wan14b_parameters_per_device_at_p2_p4_p8():
 
 def test_tiny_model_stage_slots_on_real_arrays():
     # 2 blocks. P=2: one per device. P=4: 4 slots, device s holds block s for s < 2, zeros after.
-    plain = load_params(wan_tiny.diffusers_folder(False), _mesh())[1]
+    plain = load_params(wan_tiny.diffusers_folder(False), make_mesh())[1]
     key = ("blocks", "self_attn", "q", "kernel")
     expected = np.asarray(nnx.state(plain)["blocks"]["self_attn"]["q"]["kernel"].get_value())
     block, rest = _block_bytes(plain.config, 4)
     for p in (2, 4):
-        model = pw.PipeFusionWan.load(wan_tiny.diffusers_folder(False), _mesh(pipefusion=p), jnp.float32)
+        model = pw.PipeFusionWan.load(wan_tiny.diffusers_folder(False), make_mesh(pipefusion=p), jnp.float32)
         q = dict(nnx.to_flat_state(model.state))[key].get_value()
         assert q.shape[0] == p and all(sh.data.shape[0] == 1 for sh in q.addressable_shards)
         for slot, layer in enumerate(model.order):
             want = expected[layer] if layer >= 0 else np.zeros_like(expected[0])
             np.testing.assert_array_equal(np.asarray(q[slot]), want)
         assert model.param_bytes_per_device() == block + rest
-    relaid = pw.PipeFusionWan.from_model(plain, _mesh(pipefusion=4))
+    relaid = pw.PipeFusionWan.from_model(plain, make_mesh(pipefusion=4))
     np.testing.assert_array_equal(
         np.asarray(dict(nnx.to_flat_state(relaid.state))[key].get_value()), np.asarray(q)
     )
@@ -178,37 +163,12 @@ def test_warmup_only_equals_the_serial_pipeline():
     assert err < TOL
 
 
-class _ReferenceContext:
-    """Serial PipeFusion attention: a patch's fresh K/V plus the other patches' buffered K/V."""
-
-    def __init__(self, buffers, layer, patch):
-        self.buffers, self.layer, self.patch = buffers, layer, patch
-
-    def sum_tensor_parallel(self, x):
-        return x
-
-    def attention(self, q, k, v):
-        if self.patch is None:  # warm-up: the whole sequence, fresh
-            self.buffers[self.layer] = (k, v)
-            return reference_attention(q, k, v)
-        kb, vb = self.buffers[self.layer]  # [M, B, n, H, D]
-        m, patches = self.patch, kb.shape[0]
-        flat = lambda b: jnp.moveaxis(b, 0, 1).reshape(b.shape[1], -1, *b.shape[3:])
-        others = jnp.repeat(jnp.arange(patches) != m, kb.shape[2])
-        valid = jnp.concatenate([jnp.ones(k.shape[1], bool), others])[None]
-        out = reference_attention(
-            q, jnp.concatenate([k, flat(kb)], 1), jnp.concatenate([v, flat(vb)], 1), valid
-        )
-        self.buffers[self.layer] = (kb.at[m].set(k), vb.at[m].set(v))
-        return out
-
-
 @functools.cache
 def _reference(steps: int, warmup: int, patches: int, patch_by: str = "rows") -> np.ndarray:
     """PipeFusion's semantics written directly on the unsharded model: per step, per patch in order,
     every layer attending to its fresh K/V and the other patches' latest buffered K/V; UniPC on each
     patch with that patch's slice of the sampler state (as a separate state per patch)."""
-    _, model = load_params(wan_tiny.diffusers_folder(False), _mesh(), jnp.float32)
+    _, model = load_params(wan_tiny.diffusers_folder(False), make_mesh(), jnp.float32)
     c = model.config
     cond = _conditioning()
     text = jnp.asarray(np.concatenate([cond["negative_prompt_embeds"], cond["prompt_embeds"]]))
@@ -226,10 +186,10 @@ def _reference(steps: int, warmup: int, patches: int, patch_by: str = "rows") ->
         angles = rope_angles(pos, c.rope_axes_dim, c.rope_theta)[None]
         h = model.patch_embedding(jnp.concatenate([xs, xs])).astype(jnp.float32)
         for i in range(c.num_layers):
-            h = layer(i)(h, mod, txt, None, angles, _ReferenceContext(buffers, i, patch))
+            h = layer(i)(h, mod, txt, None, angles, ReferenceContext(buffers, i, patch))
         shift, scale = (model.head_modulation[...][None] + temb[:, None, :]).transpose(1, 0, 2)[:, :, None]
         h = wan.layer_norm(h, c.eps) * (1 + scale) + shift
-        pred = _swap_features(model.head(h), math.prod(c.patch_size), c.out_channels)
+        pred = swap_features(model.head(h), math.prod(c.patch_size), c.out_channels)
         uncond, cond_ = jnp.split(pred, 2)
         return uncond + GUIDANCE * (cond_ - uncond), buffers
 
@@ -264,7 +224,7 @@ def _reference(steps: int, warmup: int, patches: int, patch_by: str = "rows") ->
         else:
             for m in range(patches):
                 x, state, buffers = patch_step(x, state, jnp.int32(m), jnp.int32(step), buffers)
-    tokens = _swap_features(g.from_patches(np.asarray(x), 1), c.out_channels, math.prod(c.patch_size))
+    tokens = swap_features(g.from_patches(np.asarray(x), 1), c.out_channels, math.prod(c.patch_size))
     return np.asarray(wan.unpatchify(tokens, GRID, c.patch_size, c.out_channels))
 
 
@@ -315,7 +275,7 @@ def test_i2v_warmup_only_equals_the_serial_pipeline():
     )
     folder = wan_tiny.diffusers_folder(True)
     serial = WanPipeline.from_checkpoint(folder, ParallelConfig(), compiler_options=FAST)(**kwargs).latents
-    mesh = _mesh(cfg=2, pipefusion=2, ulysses=2)
+    mesh = make_mesh(cfg=2, pipefusion=2, ulysses=2)
     pipe = pw.PipeFusionWanPipeline(pw.PipeFusionWan.load(folder, mesh, jnp.float32), compiler_options=FAST)
     out = pipe(**kwargs, num_pipeline_patch=2, warmup_steps=STEPS).latents
     err = float(np.abs(out - serial).max())
@@ -340,13 +300,13 @@ def test_programs_move_only_activations_latents_and_cfg_prediction():
     (g, cfg), programs = next(iter(pipe._programs.items()))
     cost = pw.collective_bytes(g, pipe.parallel, pipe.config, cfg)
     ticks = programs.schedule(STEPS - 1).ticks
-    seen = _collectives(pipe.last_programs["pipelined"])
+    seen = collectives(pipe.last_programs["pipelined"])
     assert set(seen) == {"collective-permute", "all-to-all"}
     # Per tick: the patch's activations up, the latent patch back to stage 0, cfg's patch prediction.
     assert seen["collective-permute"] == (3 * ticks, ticks * cost["tick"])
     slots = len(pipe.model.order) // pipe.model.stages
     assert seen["all-to-all"][0] == 4 * slots * ticks  # Ulysses: q, k, v, out of each slot, every tick
-    warm = _collectives(pipe.last_programs["warmup"])
+    warm = collectives(pipe.last_programs["warmup"])
     assert warm["collective-permute"] == ((pipe.model.stages - 1) + 2, cost["warmup_step"])
     print(
         f"\npipelined phase: {ticks} ticks x {cost['tick']} B = {ticks * cost['tick']} B modelled, "
@@ -502,14 +462,14 @@ def test_wan14b_480p_programs_move_what_the_cost_model_says(degrees):
 
     parallel = ParallelConfig(**degrees)
     config = wan.WanConfig.preset("wan2.1-t2v-14b")
-    model = pw.PipeFusionWan.abstract(config, _mesh(**degrees), jnp.bfloat16)
+    model = pw.PipeFusionWan.abstract(config, make_mesh(**degrees), jnp.bfloat16)
     grid = (21, 30, 52)
     patches = pw.default_num_patches(parallel.pipefusion, grid, parallel.sequence_degree)
     g = pw.Geometry(grid, patches, parallel.ring, parallel.ulysses, 2, 1, 512)
     warm, run = pw.lower(model, g, steps=50, cfg=True, compiler_options=FAST)
     cost = pw.collective_bytes(g, parallel, config, True)
-    ticks = pw.PipeSchedule(parallel.pipefusion, patches, pw.PASSES, 49).ticks
-    warm_seen, run_seen = _collectives((warm, ())), _collectives((run, ()))
+    ticks = PipeSchedule(parallel.pipefusion, patches, pw.PASSES, 49).ticks
+    warm_seen, run_seen = collectives((warm, ())), collectives((run, ()))
     permutes = 1 + (parallel.pipefusion > 1) + (parallel.cfg == 2)
     assert run_seen["collective-permute"] == (permutes * ticks, ticks * cost["tick"])
     assert warm_seen["collective-permute"] == (parallel.pipefusion - 1 + permutes - 1, cost["warmup_step"])

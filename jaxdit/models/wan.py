@@ -305,7 +305,7 @@ def token_positions(grid: Sequence[int]) -> np.ndarray:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _fp32_linear(layer: Linear, x: jax.Array) -> jax.Array:
+def fp32_linear(layer: Linear, x: jax.Array) -> jax.Array:
     """A Linear evaluated entirely in fp32 (the time embedding and modulation path)."""
     y = jnp.einsum("...i,io->...o", x.astype(jnp.float32), layer.kernel[...].astype(jnp.float32))
     return y if layer.bias is None else y + layer.bias[...].astype(jnp.float32)
@@ -510,8 +510,8 @@ class WanTransformer(nnx.Module):
         """
         cfg = self.config
         t = timestep_embedding(jnp.asarray(timestep).reshape(-1), cfg.freq_dim)
-        temb = _fp32_linear(self.time_embedding_2, jax.nn.silu(_fp32_linear(self.time_embedding_1, t)))
-        time_mod = _fp32_linear(self.time_projection, jax.nn.silu(temb)).reshape(-1, 6, cfg.dim)
+        temb = fp32_linear(self.time_embedding_2, jax.nn.silu(fp32_linear(self.time_embedding_1, t)))
+        time_mod = fp32_linear(self.time_projection, jax.nn.silu(temb)).reshape(-1, 6, cfg.dim)
         txt = gelu_tanh(self.text_embedding_1(text).astype(jnp.float32)).astype(self.dtype)
         txt = self.text_embedding_2(txt)
         img = None

@@ -10,8 +10,9 @@ Neighbouring diffusion steps have nearly the same activations, so the error is s
 Only patch activations (and, if the last stage is not the first, latent patches) cross devices;
 K/V never does.
 
-This module holds what does not depend on the model (``jaxdit.pipelines.pipefusion_flux`` is FLUX's
-stage glue):
+This module holds what does not depend on the model (``jaxdit.pipelines.pipefusion_stages`` lays a
+model's parameters out in stage slots, ``pipefusion_programs`` holds the families' shared program
+scaffolding, ``pipefusion_flux`` and ``pipefusion_wan`` are FLUX's and Wan's stage glue):
 
 - :class:`PipeSchedule`, the static timetable of the asynchronous phase as a ``lax.scan`` over ticks.
   A model may make V passes over the stages (FLUX: double blocks, then single blocks, each stack split

@@ -1,7 +1,8 @@
 """FLUX.1 with PipeFusion (arXiv 2405.14430): text-to-image sampling pipelined over layer stages.
 
 ``jaxdit.parallel.pipefusion`` has the model-independent machinery (schedule, stale-K/V attention, the
-permute); this module is FLUX's stage glue and the pipeline around it.
+permute), ``pipefusion_stages`` the parameters in stage slots and ``pipefusion_programs`` what the
+compiled programs of every family share; this module is FLUX's stage glue and the pipeline around it.
 
 Stages. FLUX runs 19 double-stream blocks, then 38 single-stream blocks, each a stacked array whose
 layer axis the ``PIPEFUSION`` rule splits over the ``pipefusion`` mesh axis. Splitting the concatenated
@@ -44,7 +45,6 @@ a serial execution") and fills every buffer. Then ONE jitted call runs all remai
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -55,19 +55,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
-from converters.safetensors_io import LazyTensor
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.models.layers import rope_angles
-from jaxdit.models.partitioning import named_shardings, partition_specs
-from jaxdit.parallel.cfg import CFG_AXIS, interleave_branches
-from jaxdit.parallel.cfg import guidance as cfg_guidance
+from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.pipefusion import (
     PIPE_AXIS,
-    PatchContext,
     PipeSchedule,
     shift,
     stage_layer_order,
@@ -76,8 +72,9 @@ from jaxdit.parallel.pipefusion import (
 )
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.flux import Decoder, Encoder, FluxPipeline, GenerationOutput, abstract_like
+from jaxdit.pipelines.pipefusion_programs import StagePrograms
+from jaxdit.pipelines.pipefusion_stages import StagedModel
 from jaxdit.samplers import flow_match_euler as euler
-from sharding_rules import rules_for
 
 __all__ = [
     "PASSES",
@@ -149,152 +146,28 @@ def _orders(config: flux.FluxConfig, stages: int) -> dict[str, np.ndarray]:
     }
 
 
-class _StageOrdered(LazyTensor):
-    """A stacked checkpoint tensor re-ordered into stage slots (zeros for padded slots), read lazily."""
-
-    def __init__(self, source: LazyTensor, order: np.ndarray) -> None:
-        self._source, self._order = source, order
-        self.shape = (len(order), *source.shape[1:])
-        self.dtype = source.dtype
-
-    def _read(self, box) -> np.ndarray:
-        (lo, hi), rest = box[0], box[1:]
-        out = np.zeros(tuple(b - a for a, b in box), self.dtype)
-        for i in range(lo, hi):  # a device reads only the layers of its own slots
-            if self._order[i] >= 0:
-                layer = int(self._order[i])
-                out[i - lo] = self._source[(slice(layer, layer + 1), *(slice(a, b) for a, b in rest))][0]
-        return out
-
-
 # --------------------------------------------------------------------------------------------------------
 # The model laid out in stages
 # --------------------------------------------------------------------------------------------------------
 
 
-class PipeFusionFlux:
+class PipeFusionFlux(StagedModel):
     """A FLUX transformer's parameters laid out for PipeFusion on ``mesh``: stacks in stage slots.
 
     The stacked ``double_blocks``/``single_blocks`` hold ``P x ceil(L/P)`` slots in V order (see the
     module docstring), split over ``pipefusion`` by ``rules_for(pipefusion=P)``: this is not a plain
     ``FluxTransformer`` any more. Build it with :meth:`from_model` (re-lays out arrays), :meth:`load`
-    (straight from a checkpoint, each device reading its own slots) or :meth:`abstract` (shapes only).
+    (straight from a FLUX checkpoint, BFL or diffusers safetensors, each device reading its own slots;
+    heads, stacks and degrees are checked before a tensor is read) or :meth:`abstract` (shapes only).
     """
 
-    def __init__(self, config: flux.FluxConfig, state: nnx.State, graphdef: nnx.GraphDef, mesh: Mesh):
-        self.config = config
-        self.parallel = ParallelConfig.from_mesh(mesh)
-        _check_model(config, self.parallel)
-        self.mesh = mesh
-        self.graphdef, self.state = graphdef, state
-        self.rules = rules_for(tensor=self.parallel.tensor, pipefusion=self.parallel.pipefusion)
-        self.param_specs = partition_specs(state, self.rules)
-        self.param_shardings = named_shardings(state, self.rules, mesh)
-        self.orders = _orders(config, self.parallel.pipefusion)
-
-    @property
-    def dtype(self) -> Any:
-        return self.state["img_in"]["kernel"].get_value().dtype
-
-    @property
-    def stages(self) -> int:
-        return self.parallel.pipefusion
-
-    @classmethod
-    def _container(cls, config: flux.FluxConfig, mesh: Mesh, dtype: Any) -> tuple[nnx.GraphDef, nnx.State]:
-        stages = ParallelConfig.from_mesh(mesh).pipefusion
-        return nnx.split(flux.abstract_model(padded_config(config, stages), dtype))
-
-    @classmethod
-    def abstract(cls, config: flux.FluxConfig, mesh: Mesh, dtype: Any = jnp.bfloat16) -> PipeFusionFlux:
-        """Shapes only (``jax.ShapeDtypeStruct`` parameters): for sizes and compiles without weights."""
-        _check_model(config, ParallelConfig.from_mesh(mesh))
-        graphdef, state = cls._container(config, mesh, dtype)
-        return cls(config, state, graphdef, mesh)
-
-    @classmethod
-    def from_model(cls, model: flux.FluxTransformer, mesh: Mesh) -> PipeFusionFlux:
-        """Re-lay out a loaded model's arrays into stage slots and place them on ``mesh``."""
-        config = model.config
-        _check_model(config, ParallelConfig.from_mesh(mesh))
-        graphdef, abstract = cls._container(config, mesh, model.dtype)
-        orders = _orders(config, ParallelConfig.from_mesh(mesh).pipefusion)
-        source = nnx.state(model)
-        pf = ParallelConfig.from_mesh(mesh)
-        shardings = named_shardings(abstract, rules_for(tensor=pf.tensor, pipefusion=pf.pipefusion), mesh)
-
-        def relayout(path, var, sharding):
-            value = _get(source, path).get_value()
-            if path[0] in STACKS:
-                order = orders[path[0]]
-                value = jnp.take(jnp.asarray(value), np.maximum(order, 0), axis=0)
-                keep = (order >= 0).reshape(-1, *([1] * (value.ndim - 1)))
-                value = jnp.where(keep, value, jnp.zeros((), value.dtype))
-            return var.replace(jax.device_put(value, sharding.get_value()))
-
-        flat = nnx.to_flat_state(abstract)
-        flat_shardings = dict(nnx.to_flat_state(shardings))
-        state = nnx.from_flat_state([(p, relayout(p, v, flat_shardings[p])) for p, v in flat])
-        return cls(config, state, graphdef, mesh)
-
-    @classmethod
-    def load(cls, path: str | Path, mesh: Mesh, dtype: Any = None) -> PipeFusionFlux:
-        """From a FLUX checkpoint (BFL or diffusers safetensors): each device reads only its slots.
-
-        Heads, stacks and degrees are checked before a tensor is read.
-        """
-        from converters import orbax_io
-        from converters.keymap import place_params
-        from jaxdit.loading import _path, detect_family, load_params
-
-        pf = ParallelConfig.from_mesh(mesh)
-        if orbax_io.is_orbax_checkpoint(Path(path)):
-            # Orbax restores into the checkpoint's own (unpadded) stacks: restore without the layer split,
-            # then re-lay out (each device briefly holds every block).
-            check = lambda config: _check_model(config, pf)
-            _, model = load_params(path, mesh, dtype, rules=rules_for(tensor=pf.tensor), check=check)
-            return cls.from_model(model, mesh)
-        family = detect_family(path)
-        if family.name != "flux":
-            raise ValueError(f"{path}: PipeFusion runs FLUX checkpoints; this one is {family.name}")
-        source = family.open(Path(path), None)
-        config = source.config
-        _check_model(config, pf)
-        dtype = jnp.dtype(dtype or source.dtype)
-        graphdef, abstract = cls._container(config, mesh, dtype)
-        orders = _orders(config, pf.pipefusion)
-        real_shapes = {
-            _path(p): tuple(v.shape)
-            for p, v in nnx.to_flat_state(nnx.state(flux.abstract_model(config, dtype)))
-        }
-        lazies = source.resolve(real_shapes)
-        for key in lazies:
-            stack = key.split(".", 1)[0]
-            if stack in STACKS:
-                lazies[key] = _StageOrdered(lazies[key], orders[stack])
-        rules = rules_for(tensor=pf.tensor, pipefusion=pf.pipefusion)
-        shardings = {
-            _path(p): s.get_value() for p, s in nnx.to_flat_state(named_shardings(abstract, rules, mesh))
-        }
-        arrays = place_params(lazies, shardings, dtype)
-        flat = nnx.to_flat_state(abstract)
-        state = nnx.from_flat_state([(p, v.replace(arrays[_path(p)])) for p, v in flat])
-        return cls(config, state, graphdef, mesh)
-
-    def param_bytes_per_device(self) -> int:
-        """Bytes of parameters one device holds (padded slots included)."""
-        total = 0
-        leaves = jax.tree.leaves(self.state)
-        for x, s in zip(leaves, jax.tree.leaves(self.param_shardings), strict=True):
-            total += math.prod(s.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
-        return total
-
-
-def _get(state: nnx.State, path: tuple) -> Any:
-    node = state
-    for key in path:
-        node = node[key]
-    return node
+    family = "flux"
+    wrong_family = "{path}: PipeFusion runs FLUX checkpoints; this one is {family}"
+    dtype_param = ("img_in", "kernel")
+    check = staticmethod(_check_model)
+    stack_orders = staticmethod(_orders)
+    padded = staticmethod(padded_config)
+    abstract_model = staticmethod(flux.abstract_model)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -429,8 +302,10 @@ def collective_bytes(
 # --------------------------------------------------------------------------------------------------------
 
 
-class _Programs:
-    """The warm-up step and the asynchronous phase for one geometry, compiled lazily."""
+class _Programs(StagePrograms):
+    """FLUX's warm-up step and asynchronous phase for one geometry, compiled lazily."""
+
+    passes = PASSES
 
     def __init__(
         self,
@@ -440,12 +315,8 @@ class _Programs:
         kernel: tuple,
         compiler_options: Mapping[str, Any] | None,
     ) -> None:
-        self.model, self.g, self.true_cfg, self.kernel = model, g, true_cfg, kernel
-        self.compiler_options = dict(compiler_options) if compiler_options else None
-        self.parallel = model.parallel
-        mesh = model.mesh
         batch_axes = ("data", "cfg")
-        self.specs = {
+        specs = {
             "latents": PartitionSpec(PIPE_AXIS, "data", None, SEQ, None),
             "text": PartitionSpec(batch_axes, None, SEQ, None),
             "pooled": PartitionSpec(batch_axes, None),
@@ -455,10 +326,7 @@ class _Programs:
             "kv": PartitionSpec(PIPE_AXIS, batch_axes, None, None, ("tensor", "ulysses"), None),
             "scalar": PartitionSpec(),
         }
-        self.shardings = {k: NamedSharding(mesh, s) for k, s in self.specs.items()}
-        self._warmup = None
-        self._zeros = None
-        self._async: dict[int, Callable] = {}
+        super().__init__(model, g, true_cfg, kernel, compiler_options, specs)
 
     # ------------------------------------------------------------- shapes
     def kv_shape(self, stack: str) -> tuple[int, ...]:
@@ -466,28 +334,17 @@ class _Programs:
         slots = len(self.model.orders[stack])
         return (slots, g.batch, g.patches, g.seq * g.piece, cfg.num_heads, cfg.head_dim)
 
-    def zero_buffers(self) -> tuple[jax.Array, ...]:
-        """The four K/V buffers (double K, V; single K, V), created on the devices that own them."""
-        if self._zeros is None:
-            dtype, sharding = self.model.dtype, self.shardings["kv"]
-            shapes = [self.kv_shape(s) for s in STACKS for _ in range(2)]
-            self._zeros = jax.jit(
-                lambda: tuple(jnp.zeros(s, dtype) for s in shapes), out_shardings=(sharding,) * len(shapes)
-            )
-        return self._zeros()
+    def buffer_shapes(self) -> list[tuple[int, ...]]:
+        """The four K/V buffers: double K, V; single K, V."""
+        return [self.kv_shape(s) for s in STACKS for _ in range(2)]
 
     def abstract_args(self, steps: int | None) -> tuple:
         """``jax.ShapeDtypeStruct`` arguments of the warm-up step (``steps=None``) or of the pipelined
         phase over ``steps`` steps, for ``.lower(*args)`` without weights or data."""
-        g, mdl, sh = self.g, self.model, self.shardings
+        g, mdl, sds = self.g, self.model, self.sds
         cfg, dtype = mdl.config, mdl.dtype
-        sds = lambda shape, dt, key: jax.ShapeDtypeStruct(shape, dt, sharding=sh[key])
-        state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), mdl.state, mdl.param_shardings
-        )
         m, s = g.patches, g.seq
         lat = sds((mdl.stages, g.requests, m, s * g.image_piece, cfg.in_channels), jnp.float32, "latents")
-        kv = tuple(sds(self.kv_shape(stack), dtype, "kv") for stack in STACKS for _ in range(2))
         cond = (
             sds((g.batch, m, s * g.text_piece, cfg.context_in_dim), dtype, "text"),
             sds((g.batch, cfg.vec_in_dim), dtype, "pooled"),
@@ -497,7 +354,7 @@ class _Programs:
         )
         scalar = sds((), jnp.float32, "scalar")
         sigmas = (scalar, scalar) if steps is None else (sds((steps + 1,), jnp.float32, "scalar"),)
-        return (state, lat, *kv, *cond, *sigmas, scalar)
+        return (self.abstract_params(), lat, *self.abstract_buffers(), *cond, *sigmas, scalar)
 
     # ------------------------------------------------------------- pieces
     def _pieces(self, state: nnx.State, text, pooled, guidance) -> dict[str, Any]:
@@ -512,45 +369,10 @@ class _Programs:
 
     def _run_stack(self, stacks, name, carry, call, layout, fresh_valid, stale_bufs=None, stale_valid=None):
         """Scan this device's slots of a stack; returns the stream and each slot's fresh K/V."""
-        graphdef, state = stacks[name]
-
-        def body(c, xs):
-            if stale_bufs is None:
-                block_state, stale = xs, None
-            else:
-                block_state, kb, vb = xs
-                flat = lambda b: b.reshape(b.shape[0], -1, *b.shape[3:])  # [B, M*S*(t+n), h, D]
-                stale = (flat(kb), flat(vb), stale_valid)
-            ctx = PatchContext(self.parallel, layout, self.kernel, fresh_valid=fresh_valid, stale=stale)
-            c = call(nnx.merge(graphdef, block_state), c, ctx)
-            ((k, v),) = ctx.fresh
-            return c, (k, v)
-
-        xs = state if stale_bufs is None else (state, *stale_bufs)
-        return lax.scan(body, carry, xs)
-
-    def _guide(self, pred: jax.Array, scale: jax.Array) -> jax.Array:
-        """The prediction the sampler uses: CFG over the local branches (cfg=1) or with the other cfg
-        device's branch (cfg=2: one permute of this patch's prediction)."""
-        if not self.true_cfg:
-            return pred
-        if self.parallel.cfg == 1:
-            uncond, cond = jnp.split(pred, 2, axis=0)
-            return cfg_guidance(uncond, cond, scale)
-        other = lax.ppermute(pred, CFG_AXIS, [(0, 1), (1, 0)])
-        is_cond = lax.axis_index(CFG_AXIS) == 1
-        return cfg_guidance(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
-
-    def _model_batch(self, x: jax.Array) -> jax.Array:
-        # cfg=1 with true CFG: this data shard's [uncond; cond] halves share the latent.
-        return jnp.concatenate([x, x], 0) if self.true_cfg and self.parallel.cfg == 1 else x
+        return self.scan_slots(stacks[name], carry, call, layout, fresh_valid, stale_bufs, stale_valid)
 
     # ------------------------------------------------------------- warm-up
-    def warmup(self) -> Callable:
-        if self._warmup is None:
-            self._warmup = self._build_warmup()
-        return self._warmup
-
+    # ------------------------------------------------------------- warm-up
     def _build_warmup(self) -> Callable:
         g, pc, mdl = self.g, self.parallel, self.model
         stages = pc.pipefusion
@@ -566,7 +388,7 @@ class _Programs:
             dtype = mdl.dtype
             m, t, n = g.patches, g.text_piece, g.image_piece
             x_lat = lat[0].reshape(lat.shape[1], m * n, -1)
-            img = model.img_in(self._model_batch(x_lat).astype(dtype)).astype(jnp.float32)
+            img = model.img_in(self.model_batch(x_lat).astype(dtype)).astype(jnp.float32)
             txt = model.txt_in(text.reshape(text.shape[0], m * t, -1)).astype(jnp.float32)
             ids = layout.join_local([txt_ids.reshape(m * t, 3), img_ids.reshape(m * n, 3)], axis=0)
             angles = rope_angles(ids, mdl.config.axes_dim, mdl.config.theta)[None]
@@ -607,21 +429,13 @@ class _Programs:
             x, kd, vd = run_pass(doubles, x, kd, vd, 0)  # ends on stage P-1, which starts the singles
             x, ks, vs = run_pass(singles, x, ks, vs, 1)  # ends on stage 0
             pred = model.final_layer(layout.split_local(x)[1], vec)
-            v_guided = self._guide(pred, scale)
+            v_guided = self.guide(pred, scale)
             x_lat = euler.step(x_lat, v_guided.astype(jnp.float32), sigma, sigma_next)
             return x_lat.reshape(lat.shape), kd, vd, ks, vs
 
         return self._jit(local, with_sigma_pair=True)
 
     # ------------------------------------------------------------- asynchronous phase
-    def asynchronous(self, steps: int) -> Callable:
-        if steps not in self._async:
-            self._async[steps] = self._build_async(steps)
-        return self._async[steps]
-
-    def schedule(self, steps: int) -> PipeSchedule:
-        return PipeSchedule(self.parallel.pipefusion, self.g.patches, PASSES, steps)
-
     def _build_async(self, steps: int) -> Callable:
         g, pc, mdl = self.g, self.parallel, self.model
         stages = pc.pipefusion
@@ -644,7 +458,7 @@ class _Programs:
 
             def embed(lat, m):
                 x = lax.dynamic_index_in_dim(lat, m, 1, keepdims=False)
-                img = model.img_in(self._model_batch(x).astype(dtype)).astype(jnp.float32)
+                img = model.img_in(self.model_batch(x).astype(dtype)).astype(jnp.float32)
                 txt = model.txt_in(lax.dynamic_index_in_dim(text, m, 1, keepdims=False)).astype(jnp.float32)
                 return layout.join_local([txt, img])
 
@@ -688,7 +502,7 @@ class _Programs:
 
                 # Stage 0 ends the patch's step: final layer, CFG, Euler; the latent stays here.
                 pred = model.final_layer(layout.split_local(y_s)[1], vec_b)
-                v_guided = self._guide(pred, scale).astype(jnp.float32)
+                v_guided = self.guide(pred, scale).astype(jnp.float32)
                 x_old = lax.dynamic_index_in_dim(lat, m_b, 1, keepdims=False)
                 x_new = euler.step(x_old, v_guided, sigmas[step_b], sigmas[step_b + 1])
                 x_new = jnp.where(ok_b & (s == 0), x_new, x_old)
@@ -712,21 +526,10 @@ class _Programs:
         kv = (sp["kv"],) * 4
         cond = (sp["text"], sp["pooled"], sp["guidance"], sp["txt_ids"], sp["img_ids"])
         sig = (sp["scalar"], sp["scalar"]) if with_sigma_pair else (sp["scalar"],)
-        in_specs = (self.model.param_specs, sp["latents"], *kv, *cond, *sig, sp["scalar"])
+        in_specs = (sp["latents"], *kv, *cond, *sig, sp["scalar"])
         out_specs = sp["latents"] if pipelined else (sp["latents"], *kv)
-        fn = jax.shard_map(
-            local, mesh=self.model.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
-        shard = lambda spec: NamedSharding(self.model.mesh, spec)
-        is_spec = lambda x: isinstance(x, PartitionSpec)
-        return jax.jit(
-            fn,
-            in_shardings=(self.model.param_shardings, *(shard(s) for s in in_specs[1:])),
-            out_shardings=jax.tree.map(shard, out_specs, is_leaf=is_spec),
-            # Latents (and, in warm-up, the K/V buffers) are updated in place.
-            donate_argnums=(1,) if pipelined else (1, 2, 3, 4, 5),
-            compiler_options=self.compiler_options,
-        )
+        # Latents (and, in warm-up, the K/V buffers) are updated in place.
+        return self.jit(local, in_specs, out_specs, donate_argnums=(1,) if pipelined else (1, 2, 3, 4, 5))
 
 
 def lower(

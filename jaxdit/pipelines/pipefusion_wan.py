@@ -1,7 +1,9 @@
 """Wan 2.1 with PipeFusion (arXiv 2405.14430): video sampling pipelined over layer stages.
 
 ``jaxdit.parallel.pipefusion`` has the model-independent machinery (schedule, stale-K/V attention, the
-permute); this module is Wan's stage glue and the pipeline around it (``pipefusion_flux`` is FLUX's).
+permute), ``pipefusion_stages`` the parameters in stage slots and ``pipefusion_programs`` what the
+compiled programs of every family share; this module is Wan's stage glue and the pipeline around it
+(``pipefusion_flux`` is FLUX's).
 
 Stages. Wan has one stack of identical blocks: its stacked layer axis is split over ``pipefusion`` by
 the ``PIPEFUSION`` rule, ceil(L/P) slots per device (padded slots hold zeros; a zero Wan block adds
@@ -58,19 +60,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.layers import layer_norm, rope_angles, timestep_embedding
-from jaxdit.models.partitioning import named_shardings, partition_specs
-from jaxdit.parallel.cfg import CFG_AXIS, interleave_branches
-from jaxdit.parallel.cfg import guidance as cfg_guidance
+from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.pipefusion import (
     PIPE_AXIS,
-    PatchContext,
-    PipeSchedule,
     shift,
     stage_layer_order,
     validate_pipefusion,
@@ -78,9 +76,10 @@ from jaxdit.parallel.pipefusion import (
 )
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.flux import GenerationOutput, _progress, abstract_like
-from jaxdit.pipelines.wan import _swap_features, check_inputs
+from jaxdit.pipelines.pipefusion_programs import StagePrograms
+from jaxdit.pipelines.pipefusion_stages import StagedModel
+from jaxdit.pipelines.wan import check_inputs, checkpoint_config_check, swap_features
 from jaxdit.samplers import unipc
-from sharding_rules import rules_for
 
 __all__ = [
     "PASSES",
@@ -159,7 +158,11 @@ def padded_config(config: wan.WanConfig, stages: int) -> wan.WanConfig:
 # --------------------------------------------------------------------------------------------------------
 
 
-class PipeFusionWan:
+def _orders(config: wan.WanConfig, stages: int) -> dict[str, np.ndarray]:
+    return {STACK: stage_layer_order(config.num_layers, stages, 0)}
+
+
+class PipeFusionWan(StagedModel):
     """A Wan transformer's parameters laid out for PipeFusion on ``mesh``: ``blocks`` in stage slots.
 
     The stacked ``blocks`` hold P x ceil(L/P) slots (device s: layers of chunk s, in order), split over
@@ -167,60 +170,18 @@ class PipeFusionWan:
     ``tensor``). Build it with :meth:`from_model`, :meth:`load` or :meth:`abstract`.
     """
 
-    def __init__(self, config: wan.WanConfig, state: nnx.State, graphdef: nnx.GraphDef, mesh: Mesh):
-        self.config = config
-        self.parallel = ParallelConfig.from_mesh(mesh)
-        check_model(config, self.parallel)
-        self.mesh = mesh
-        self.graphdef, self.state = graphdef, state
-        self.rules = rules_for(tensor=self.parallel.tensor, pipefusion=self.parallel.pipefusion)
-        self.param_specs = partition_specs(state, self.rules)
-        self.param_shardings = named_shardings(state, self.rules, mesh)
-        self.order = stage_layer_order(config.num_layers, self.parallel.pipefusion, 0)
+    family = "wan"
+    wrong_family = "{path}: this is a {family} checkpoint, not Wan 2.1"
+    dtype_param = ("patch_embedding", "kernel")
+    check = staticmethod(check_model)
+    stack_orders = staticmethod(_orders)
+    padded = staticmethod(padded_config)
+    abstract_model = staticmethod(wan.abstract_model)
 
     @property
-    def dtype(self) -> Any:
-        return self.state["patch_embedding"]["kernel"].get_value().dtype
-
-    @property
-    def stages(self) -> int:
-        return self.parallel.pipefusion
-
-    @classmethod
-    def _container(cls, config: wan.WanConfig, mesh: Mesh, dtype: Any) -> tuple[nnx.GraphDef, nnx.State]:
-        stages = ParallelConfig.from_mesh(mesh).pipefusion
-        return nnx.split(wan.abstract_model(padded_config(config, stages), dtype))
-
-    @classmethod
-    def abstract(cls, config: wan.WanConfig, mesh: Mesh, dtype: Any = jnp.bfloat16) -> PipeFusionWan:
-        """Shapes only (``jax.ShapeDtypeStruct`` parameters): for sizes and compiles without weights."""
-        check_model(config, ParallelConfig.from_mesh(mesh))
-        graphdef, state = cls._container(config, mesh, dtype)
-        return cls(config, state, graphdef, mesh)
-
-    @classmethod
-    def from_model(cls, model: wan.WanTransformer, mesh: Mesh) -> PipeFusionWan:
-        """Re-lay out a loaded model's arrays into stage slots and place them on ``mesh``."""
-        config = model.config
-        pc = ParallelConfig.from_mesh(mesh)
-        check_model(config, pc)
-        graphdef, abstract = cls._container(config, mesh, model.dtype)
-        order = stage_layer_order(config.num_layers, pc.pipefusion, 0)
-        source = nnx.state(model)
-        shardings = named_shardings(abstract, rules_for(tensor=pc.tensor, pipefusion=pc.pipefusion), mesh)
-
-        def relayout(path, var, sharding):
-            value = _get(source, path).get_value()
-            if path[0] == STACK:
-                value = jnp.take(jnp.asarray(value), np.maximum(order, 0), axis=0)
-                keep = (order >= 0).reshape(-1, *([1] * (value.ndim - 1)))
-                value = jnp.where(keep, value, jnp.zeros((), value.dtype))
-            return var.replace(jax.device_put(value, sharding.get_value()))
-
-        flat_shardings = dict(nnx.to_flat_state(shardings))
-        flat = nnx.to_flat_state(abstract)
-        state = nnx.from_flat_state([(p, relayout(p, v, flat_shardings[p])) for p, v in flat])
-        return cls(config, state, graphdef, mesh)
+    def order(self) -> np.ndarray:
+        """The blocks' slot -> layer (-1: padding)."""
+        return self.orders[STACK]
 
     @classmethod
     def load(
@@ -228,67 +189,14 @@ class PipeFusionWan:
     ) -> PipeFusionWan:
         """From a Wan checkpoint (diffusers, original or ``jaxdit convert`` safetensors): each device reads
         only its own slots of the stack. Heads and the preset are checked before a tensor is read."""
-        from converters import orbax_io
-        from converters.keymap import place_params
-        from jaxdit.loading import _path, detect_family, load_params
-        from jaxdit.pipelines.pipefusion_flux import _StageOrdered
-
         pc = ParallelConfig.from_mesh(mesh)
-        expected = wan.WanConfig.preset(preset) if preset is not None else None
+        check_config = checkpoint_config_check(path, preset)
 
         def check(config: Any) -> None:
-            if not isinstance(config, wan.WanConfig):
-                raise ValueError(f"{path} is a {type(config).__name__} checkpoint, not Wan 2.1")
-            if expected is not None and config != expected:
-                diff = [
-                    f"{f.name}={getattr(config, f.name)} (preset: {getattr(expected, f.name)})"
-                    for f in dataclasses.fields(config)
-                    if getattr(config, f.name) != getattr(expected, f.name)
-                ]
-                raise ValueError(f"{path} is not {preset}: {', '.join(diff)}")
+            check_config(config)
             check_model(config, pc)
 
-        if orbax_io.is_orbax_checkpoint(Path(path)):
-            # Orbax restores into unpadded stacks: restore without the layer split, then re-lay out.
-            _, model = load_params(path, mesh, dtype, rules=rules_for(tensor=pc.tensor), check=check)
-            return cls.from_model(model, mesh)
-        family = detect_family(path)
-        if family.name != "wan":
-            raise ValueError(f"{path}: this is a {family.name} checkpoint, not Wan 2.1")
-        source = family.open(Path(path), None)
-        config = source.config
-        check(config)
-        dtype = jnp.dtype(dtype or source.dtype)
-        graphdef, abstract = cls._container(config, mesh, dtype)
-        order = stage_layer_order(config.num_layers, pc.pipefusion, 0)
-        real = nnx.to_flat_state(nnx.state(wan.abstract_model(config, dtype)))
-        lazies = source.resolve({_path(p): tuple(v.shape) for p, v in real})
-        for key in lazies:
-            if key.split(".", 1)[0] == STACK:
-                lazies[key] = _StageOrdered(lazies[key], order)
-        rules = rules_for(tensor=pc.tensor, pipefusion=pc.pipefusion)
-        shardings = {
-            _path(p): s.get_value() for p, s in nnx.to_flat_state(named_shardings(abstract, rules, mesh))
-        }
-        arrays = place_params(lazies, shardings, dtype)
-        flat = nnx.to_flat_state(abstract)
-        state = nnx.from_flat_state([(p, v.replace(arrays[_path(p)])) for p, v in flat])
-        return cls(config, state, graphdef, mesh)
-
-    def param_bytes_per_device(self) -> int:
-        """Bytes of parameters one device holds (padded slots included)."""
-        total = 0
-        leaves = jax.tree.leaves(self.state)
-        for x, s in zip(leaves, jax.tree.leaves(self.param_shardings), strict=True):
-            total += math.prod(s.shard_shape(tuple(x.shape))) * jnp.dtype(x.dtype).itemsize
-        return total
-
-
-def _get(state: nnx.State, path: tuple) -> Any:
-    node = state
-    for key in path:
-        node = node[key]
-    return node
+        return cls._load(path, mesh, dtype, check)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -402,8 +310,10 @@ def _schedule_specs() -> unipc.UniPCSchedule:
     return unipc.UniPCSchedule(*(PartitionSpec(),) * 4)
 
 
-class _Programs:
-    """The warm-up step and the asynchronous phase for one geometry, compiled lazily."""
+class _Programs(StagePrograms):
+    """Wan's warm-up step and asynchronous phase for one geometry, compiled lazily."""
+
+    passes = PASSES
 
     def __init__(
         self,
@@ -413,24 +323,16 @@ class _Programs:
         kernel: tuple,
         compiler_options: Mapping[str, Any] | None,
     ) -> None:
-        self.model, self.g, self.cfg, self.kernel = model, g, cfg, kernel
-        self.compiler_options = dict(compiler_options) if compiler_options else None
-        self.parallel = model.parallel
         batch_axes = ("data", "cfg")
-        lat = PartitionSpec(PIPE_AXIS, "data", None, SEQ, None)
-        self.specs = {
-            "latents": lat,
+        specs = {
+            "latents": PartitionSpec(PIPE_AXIS, "data", None, SEQ, None),
             "condition": PartitionSpec(None, "data", None, SEQ, None),
             "text": PartitionSpec(batch_axes, None, None),
             "positions": PartitionSpec(None, SEQ, None),
             "kv": PartitionSpec(PIPE_AXIS, batch_axes, None, None, ("tensor", "ulysses"), None),
             "scalar": PartitionSpec(),
         }
-        mesh = model.mesh
-        self.shardings = {k: NamedSharding(mesh, s) for k, s in self.specs.items()}
-        self._warmup = None
-        self._zeros = None
-        self._async: dict[tuple[int, int], Callable] = {}
+        super().__init__(model, g, cfg, kernel, compiler_options, specs)
 
     # ------------------------------------------------------------- shapes
     def kv_shape(self) -> tuple[int, ...]:
@@ -441,26 +343,16 @@ class _Programs:
         g = self.g
         return (self.model.stages, g.requests, g.patches, g.patch_tokens, self.model.config.out_features)
 
-    def zero_buffers(self) -> tuple[jax.Array, jax.Array]:
-        """K and V buffers, created on the devices that own them."""
-        if self._zeros is None:
-            shape, dtype, sharding = self.kv_shape(), self.model.dtype, self.shardings["kv"]
-            self._zeros = jax.jit(
-                lambda: (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)), out_shardings=(sharding,) * 2
-            )
-        return self._zeros()
+    def buffer_shapes(self) -> list[tuple[int, ...]]:
+        """K and V."""
+        return [self.kv_shape()] * 2
 
     def abstract_args(self, steps: int | None, total_steps: int) -> tuple:
         """``jax.ShapeDtypeStruct`` arguments of the warm-up step (``steps=None``) or of the pipelined
         phase over ``steps`` steps, for ``.lower(*args)`` without weights or data."""
-        g, mdl, sh = self.g, self.model, self.shardings
+        g, mdl, sds = self.g, self.model, self.sds
         c, dtype = mdl.config, mdl.dtype
-        sds = lambda shape, dt, key: jax.ShapeDtypeStruct(shape, dt, sharding=sh[key])
-        state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), mdl.state, mdl.param_shardings
-        )
         lat = sds(self.latent_shape(), jnp.float32, "latents")
-        kv = (sds(self.kv_shape(), dtype, "kv"),) * 2
         extra = c.in_channels - c.out_channels
         cond = (
             sds((g.batch, g.text, c.text_dim), dtype, "text"),
@@ -483,7 +375,8 @@ class _Programs:
         )
         scalar = sds((), jnp.float32, "scalar")
         index = sds((), jnp.int32, "scalar")
-        return (state, lat, lat, lat, lat, *kv, *cond, schedule, index, scalar)
+        params = self.abstract_params()
+        return (params, lat, lat, lat, lat, *self.abstract_buffers(), *cond, schedule, index, scalar)
 
     # ------------------------------------------------------------- pieces
     def _pieces(self, state: nnx.State, text, image) -> dict[str, Any]:
@@ -497,10 +390,10 @@ class _Programs:
         def time_vectors(timestep):
             """(temb [B, E], time_mod [B, 6, E]) as ``WanTransformer.embed_conditions`` computes them."""
             t = timestep_embedding(jnp.full((text.shape[0],), timestep, jnp.float32), c.freq_dim)
-            temb = wan._fp32_linear(
-                model.time_embedding_2, jax.nn.silu(wan._fp32_linear(model.time_embedding_1, t))
+            temb = wan.fp32_linear(
+                model.time_embedding_2, jax.nn.silu(wan.fp32_linear(model.time_embedding_1, t))
             )
-            mod = wan._fp32_linear(model.time_projection, jax.nn.silu(temb)).reshape(-1, 6, c.dim)
+            mod = wan.fp32_linear(model.time_projection, jax.nn.silu(temb)).reshape(-1, 6, c.dim)
             return temb, mod
 
         def head(x, temb):
@@ -509,48 +402,21 @@ class _Programs:
             ]
             h = (layer_norm(x, c.eps) * (1 + scale) + shift_).astype(model.dtype)
             pred = model.head(h).astype(jnp.float32)
-            return _swap_features(pred, math.prod(c.patch_size), c.out_channels)  # -> token order
+            return swap_features(pred, math.prod(c.patch_size), c.out_channels)  # -> token order
 
         def embed(x, condition):
             tokens = jnp.concatenate([x, condition], -1) if c.is_i2v else x
-            return model.patch_embedding(self._model_batch(tokens).astype(model.dtype)).astype(jnp.float32)
+            return model.patch_embedding(self.model_batch(tokens).astype(model.dtype)).astype(jnp.float32)
 
         return dict(blocks=blocks, txt=txt, img=img, time=time_vectors, head=head, embed=embed)
 
     def _run_stack(self, p, x, mod, angles, layout, stale_bufs=None, stale_valid=None):
         """Scan this device's slots; returns the stream and each slot's fresh K/V."""
-        graphdef, state = p["blocks"]
 
-        def body(h, xs):
-            if stale_bufs is None:
-                block_state, stale = xs, None
-            else:
-                block_state, kb, vb = xs
-                flat = lambda b: b.reshape(b.shape[0], -1, *b.shape[3:])  # [B, M*S*n, h, D]
-                stale = (flat(kb), flat(vb), stale_valid)
-            ctx = PatchContext(self.parallel, layout, self.kernel, stale=stale)
-            h = nnx.merge(graphdef, block_state)(h, mod, p["txt"], p["img"], angles, ctx)
-            ((k, v),) = ctx.fresh
-            return h, (k, v)
+        def call(block, h, ctx):
+            return block(h, mod, p["txt"], p["img"], angles, ctx)
 
-        xs = state if stale_bufs is None else (state, *stale_bufs)
-        return lax.scan(body, x, xs)
-
-    def _guide(self, pred: jax.Array, scale: jax.Array) -> jax.Array:
-        """CFG over the local branches (cfg=1) or with the other cfg device's branch (cfg=2: one permute
-        of this patch's prediction); the prediction as is without guidance."""
-        if not self.cfg:
-            return pred
-        if self.parallel.cfg == 1:
-            uncond, cond = jnp.split(pred, 2, axis=0)
-            return cfg_guidance(uncond, cond, scale)
-        other = lax.ppermute(pred, CFG_AXIS, [(0, 1), (1, 0)])
-        is_cond = lax.axis_index(CFG_AXIS) == 1
-        return cfg_guidance(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
-
-    def _model_batch(self, x: jax.Array) -> jax.Array:
-        # cfg=1 with guidance: this data shard's [uncond; cond] halves share the latent.
-        return jnp.concatenate([x, x], 0) if self.cfg and self.parallel.cfg == 1 else x
+        return self.scan_slots(p["blocks"], x, call, layout, None, stale_bufs, stale_valid)
 
     def _to_stage0(self, x: jax.Array) -> jax.Array:
         """The last stage's ``x`` on stage 0 (others get zeros); the latent's way back."""
@@ -558,11 +424,6 @@ class _Programs:
         return x if stages == 1 else lax.ppermute(x, PIPE_AXIS, [(stages - 1, 0)])
 
     # ------------------------------------------------------------- warm-up
-    def warmup(self) -> Callable:
-        if self._warmup is None:
-            self._warmup = self._build_warmup()
-        return self._warmup
-
     def _build_warmup(self) -> Callable:
         g, pc, mdl = self.g, self.parallel, self.model
         stages = pc.pipefusion
@@ -597,7 +458,7 @@ class _Programs:
 
             carry, _ = lax.scan(hop, carry, jnp.arange(stages - 1))
             y, kb, vb = tick(carry, stages - 1)  # the output lies on stage P-1
-            v_guided = self._guide(p["head"](y, temb), scale)
+            v_guided = self.guide(p["head"](y, temb), scale)
             sampler = unipc.UniPCState(i, flat(last), flat(x0p), flat(x0p2))
             x_new, sampler = unipc.step(schedule, sampler, x_lat, v_guided)
             x_new = jnp.where(s == 0, self._to_stage0(x_new), x_new)
@@ -608,15 +469,6 @@ class _Programs:
         return self._jit(local, pipelined=False)
 
     # ------------------------------------------------------------- asynchronous phase
-    def schedule(self, steps: int) -> PipeSchedule:
-        return PipeSchedule(self.parallel.pipefusion, self.g.patches, PASSES, steps)
-
-    def asynchronous(self, steps: int, first_step: int) -> Callable:
-        key = (steps, first_step)
-        if key not in self._async:
-            self._async[key] = self._build_async(steps, first_step)
-        return self._async[key]
-
     def _build_async(self, steps: int, first_step: int) -> Callable:
         g, pc, mdl = self.g, self.parallel, self.model
         stages = pc.pipefusion
@@ -654,7 +506,7 @@ class _Programs:
                 kb, vb = write_patch(kb, k, m, ok), write_patch(vb, v, m, ok)
 
                 # The last stage ends the patch's step: head, CFG, UniPC on this patch's state slice.
-                v_guided = self._guide(p["head"](y, tembs[step]), scale)
+                v_guided = self.guide(p["head"](y, tembs[step]), scale)
                 sampler = unipc.UniPCState(first_step + step, pick(last, m), pick(x0p, m), pick(x0p2, m))
                 x_new, sampler = unipc.step(schedule, sampler, x_old, v_guided)
                 done = ok & (s == stages - 1)
@@ -685,22 +537,10 @@ class _Programs:
         lat = (sp["latents"],) * 4
         kv = (sp["kv"],) * 2
         cond = (sp["text"], sp["text"], sp["condition"], sp["positions"])  # image/condition: I2V only
-        in_specs = (self.model.param_specs, *lat, *kv, *cond, _schedule_specs(), sp["scalar"], sp["scalar"])
+        in_specs = (*lat, *kv, *cond, _schedule_specs(), sp["scalar"], sp["scalar"])
         out_specs = sp["latents"] if pipelined else (*lat, *kv)
-        fn = jax.shard_map(
-            local, mesh=self.model.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
-        )
-        shard = lambda spec: NamedSharding(self.model.mesh, spec)
-        is_spec = lambda x: isinstance(x, PartitionSpec)
-        in_shardings = jax.tree.map(shard, in_specs[1:], is_leaf=is_spec)
-        return jax.jit(
-            fn,
-            in_shardings=(self.model.param_shardings, *in_shardings),
-            out_shardings=jax.tree.map(shard, out_specs, is_leaf=is_spec),
-            # Latents, sampler state and (in warm-up) the K/V buffers are updated in place.
-            donate_argnums=(1,) if pipelined else (1, 2, 3, 4, 5, 6),
-            compiler_options=self.compiler_options,
-        )
+        # Latents, sampler state and (in warm-up) the K/V buffers are updated in place.
+        return self.jit(local, in_specs, out_specs, donate_argnums=(1,) if pipelined else (1, 2, 3, 4, 5, 6))
 
 
 def lower(
@@ -895,7 +735,7 @@ class PipeFusionWanPipeline:
         out = np.asarray(jax.device_get(lat[pc.pipefusion - 1]))
         seconds = time.perf_counter() - start
         tokens = g.from_patches(out, 1)
-        tokens = _swap_features(tokens, mc.out_channels, math.prod(mc.patch_size))
+        tokens = swap_features(tokens, mc.out_channels, math.prod(mc.patch_size))
         out = np.asarray(wan.unpatchify(tokens, grid, mc.patch_size, mc.out_channels))
         video = self.decode(out) if output_type == "np" else None
         return GenerationOutput(images=video, latents=out, seconds=seconds)

@@ -56,7 +56,14 @@ from jaxdit.pipelines.flux import LATENT_AXES, GenerationOutput, _progress
 from jaxdit.samplers import unipc
 from sharding_rules import logical_to_spec
 
-__all__ = ["WanInputs", "WanPipeline", "check_inputs", "default_flow_shift"]
+__all__ = [
+    "WanInputs",
+    "WanPipeline",
+    "check_inputs",
+    "checkpoint_config_check",
+    "default_flow_shift",
+    "swap_features",
+]
 
 Encoder = Callable[[Sequence[str]], np.ndarray]
 Decoder = Callable[[np.ndarray], np.ndarray]
@@ -192,12 +199,34 @@ def check_inputs(
     return WanInputs(latent_shape=latent, cfg=cfg, flow_shift=shift)
 
 
+def checkpoint_config_check(path: Any, preset: str | None = None) -> Callable[[Any], None]:
+    """A check of a checkpoint's config before any weight is read: it must be Wan 2.1's and, with
+    ``preset`` (e.g. ``"wan2.1-t2v-14b"``), that preset's; the message names the fields that differ.
+
+    The preset is looked up here, so an unknown name fails before the checkpoint is opened.
+    """
+    expected = wan.WanConfig.preset(preset) if preset is not None else None
+
+    def check(config: Any) -> None:
+        if not isinstance(config, wan.WanConfig):
+            raise ValueError(f"{path} is a {type(config).__name__} checkpoint, not Wan 2.1")
+        if expected is not None and config != expected:
+            diff = [
+                f"{f.name}={getattr(config, f.name)} (preset: {getattr(expected, f.name)})"
+                for f in dataclasses.fields(config)
+                if getattr(config, f.name) != getattr(expected, f.name)
+            ]
+            raise ValueError(f"{path} is not {preset}: {', '.join(diff)}")
+
+    return check
+
+
 # --------------------------------------------------------------------------------------------------------
 # Token features
 # --------------------------------------------------------------------------------------------------------
 
 
-def _swap_features(tokens: Any, outer: int, inner: int) -> Any:
+def swap_features(tokens: Any, outer: int, inner: int) -> Any:
     """[..., outer * inner] -> [..., inner * outer]: swap the two factors of each token's feature index.
 
     (patch, channel) -> (channel, patch) turns the head's (t, h, w, c) features into the patch embedding's
@@ -287,18 +316,10 @@ class WanPipeline:
         from jaxdit.loading import _mesh, load_params
 
         mesh = _mesh(parallel)
-        expected = wan.WanConfig.preset(preset) if preset is not None else None
+        check_config = checkpoint_config_check(path, preset)
 
         def check(config: Any) -> None:
-            if not isinstance(config, wan.WanConfig):
-                raise ValueError(f"{path} is a {type(config).__name__} checkpoint, not Wan 2.1")
-            if expected is not None and config != expected:
-                diff = [
-                    f"{f.name}={getattr(config, f.name)} (preset: {getattr(expected, f.name)})"
-                    for f in dataclasses.fields(config)
-                    if getattr(config, f.name) != getattr(expected, f.name)
-                ]
-                raise ValueError(f"{path} is not {preset}: {', '.join(diff)}")
+            check_config(config)
             validate_forward(ParallelConfig.from_mesh(mesh), config.num_heads)
 
         _, model = load_params(path, mesh, dtype, check=check)
@@ -354,7 +375,7 @@ class WanPipeline:
             v = forward(params, *(inputs[n] for n in names))
             if cfg:
                 v = combine_branches(v, scale, mesh, seq_sharded=True)
-            v = _swap_features(v, patch, channels)  # head order (p, c) -> token order (c, p)
+            v = swap_features(v, patch, channels)  # head order (p, c) -> token order (c, p)
             return unipc.step(schedule, sampler, x, v)
 
         self._steps[key] = jax.jit(
@@ -427,7 +448,7 @@ class WanPipeline:
         seconds = time.perf_counter() - start
 
         mc = self.config
-        tokens = _swap_features(loop.layout.unpad(x, 0, axis=1), mc.out_channels, math.prod(mc.patch_size))
+        tokens = swap_features(loop.layout.unpad(x, 0, axis=1), mc.out_channels, math.prod(mc.patch_size))
         out = np.asarray(wan.unpatchify(tokens, loop.grid, mc.patch_size, mc.out_channels))
         video = self.decode(out) if output_type == "np" else None
         return GenerationOutput(images=video, latents=out, seconds=seconds)
