@@ -294,7 +294,6 @@ class WanPipeline:
         self.latent_sharding = NamedSharding(mesh, logical_to_spec(LATENT_AXES, self.forward.rules))
         self._replicated = NamedSharding(mesh, PartitionSpec())
         self._steps: dict[tuple, Callable] = {}
-        self._text_options: dict[str, int] = {}  # per call: the encoder's max_sequence_length, when given
 
     @classmethod
     def from_checkpoint(
@@ -480,15 +479,18 @@ class WanPipeline:
         max_sequence_length: int | None = None,
     ) -> _Loop:
         """Everything before the loop: conditioning, checks, noise, tokens placed once, the step."""
-        self._text_options = (
-            {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-        )
-        txt = self._embed(prompt, prompt_embeds, "prompt")
+        txt = self._embed(prompt, prompt_embeds, "prompt", max_sequence_length=max_sequence_length)
         neg = None
         if guidance_scale > 1.0:
             if negative_prompt is None and negative_prompt_embeds is None and self.encode is not None:
                 negative_prompt = ""  # diffusers' default negative prompt
-            neg = self._embed(negative_prompt, negative_prompt_embeds, "negative_prompt", batch=len(txt))
+            neg = self._embed(
+                negative_prompt,
+                negative_prompt_embeds,
+                "negative_prompt",
+                batch=len(txt),
+                max_sequence_length=max_sequence_length,
+            )
         if image is not None:
             if image_embeds is not None or condition is not None:
                 raise ValueError("pass either an image or image_embeds and condition, not both")
@@ -563,7 +565,9 @@ class WanPipeline:
             self._replicated, self.latent_sharding, self.latent_sharding, self.latent_sharding
         )
 
-    def _embed(self, prompt, embeds, name: str, batch: int | None = None) -> np.ndarray:
+    def _embed(
+        self, prompt, embeds, name: str, batch: int | None = None, max_sequence_length: int | None = None
+    ) -> np.ndarray:
         if prompt is not None:
             if embeds is not None:
                 raise ValueError(f"pass either {name} or {name}_embeds, not both")
@@ -572,7 +576,8 @@ class WanPipeline:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             if batch is not None and len(prompts) == 1:
                 prompts = prompts * batch
-            embeds = self.encode(prompts, **self._text_options)
+            options = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
+            embeds = self.encode(prompts, **options)
         if embeds is None:
             if name == "negative_prompt":
                 return None  # check_inputs says what is missing
