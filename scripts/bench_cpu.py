@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     for (w, _), comparisons in zip(jobs, results, strict=True):
         print()
-        print(format_verify(w.describe(), comparisons, []))
+        print(format_verify(w.describe(), comparisons))
     if args.out:
         data = {
             "date": datetime.date.today().isoformat(),

@@ -260,7 +260,7 @@ def test_cli_json_and_text(capsys):
 def test_verify_compiles_flux_pipefusion_and_matches_the_per_program_model():
     """FLUX PipeFusion (pf2 x ulysses2): the runner's warm-up step and its pipelined phase (3 steps as one
     scan, fill/drain bubbles included) send what the plan's model says for the same program (within 2%:
-    the runner pads text per patch); Wan stays modelled only."""
+    the runner pads text per patch)."""
     from jaxdit.plan.cost import pipefusion_programs
     from jaxdit.plan.verify import lower_step, verify_pipefusion
 
@@ -274,5 +274,23 @@ def test_verify_compiles_flux_pipefusion_and_matches_the_per_program_model():
     assert not cmp.unexpected_kinds
     # A bubble-inclusive phase is more than S-W steady steps: the comparison is per program.
     assert modelled["pipelined"] > (w.steps - 1) * modelled["steady_step"]
-    with pytest.raises(ValueError, match="modelled only"):
-        lower_step(wan_small(), P(pipefusion=2))
+    with pytest.raises(ValueError, match="use verify_pipefusion"):
+        lower_step(w, c)
+
+
+def test_verify_compiles_wan_pipefusion_and_matches_the_per_program_model():
+    """Wan PipeFusion (cfg2 x pf2, M = P, patches of whole latent rows): the runner's warm-up step and
+    pipelined phase send exactly what the plan's model says for each program (nothing is padded)."""
+    from jaxdit.plan.cost import pipefusion_programs
+    from jaxdit.plan.verify import lower_step, verify_pipefusion
+
+    # 14 latent rows after patchify (13 in wan_small would not split into whole-row patches).
+    w = Workload.for_config(WAN_SMALL, height=224, width=240, frames=33, text_tokens=8, steps=4)
+    c = P(cfg=2, pipefusion=2)
+    (cmp,) = verify_pipefusion(w, [c])
+    modelled = pipefusion_programs(w, c, cpu=True)
+    assert cmp.warmup_measured == modelled["warmup"] > 0
+    assert cmp.pipelined_measured == modelled["pipelined"] > 0
+    assert not cmp.unexpected_kinds
+    with pytest.raises(ValueError, match="use verify_pipefusion"):
+        lower_step(w, c)

@@ -103,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
         print(format_plan(report), flush=True)
 
     if args.verify:
-        from jaxdit.plan.verify import ensure_cpu_devices, verify, verify_pipefusion
+        from jaxdit.plan.verify import (
+            ensure_cpu_devices,
+            pipefusion_not_compilable,
+            verify,
+            verify_pipefusion,
+        )
 
         if args.configs:
             chosen = [report.find(parse_config(c)) for c in args.configs.split(",") if c.strip()]
@@ -113,9 +118,14 @@ def run(args: argparse.Namespace) -> int:
         else:
             chosen = list(report.plans)
         compile_now = [p for p in chosen if p.config.pipefusion == 1]
-        # FLUX PipeFusion compiles the runner's two programs; Wan's has no runner (modelled only).
-        pipefusion = [p for p in chosen if p.config.pipefusion > 1 and workload.family == "flux"]
-        modelled_only = [p for p in chosen if p.config.pipefusion > 1 and workload.family != "flux"]
+        # PipeFusion compiles the runner's two programs (warm-up step, pipelined phase), where the runner
+        # can use the plan's patch count.
+        skipped = {
+            p.name: why
+            for p in chosen
+            if p.config.pipefusion > 1 and (why := pipefusion_not_compilable(workload, p.config))
+        }
+        pipefusion = [p for p in chosen if p.config.pipefusion > 1 and p.name not in skipped]
         say = (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if not args.json else None
         ensure_cpu_devices(max([p.config.num_devices for p in compile_now + pipefusion] + [1]))
         comparisons = (
@@ -130,15 +140,17 @@ def run(args: argparse.Namespace) -> int:
             data["verify"] = (
                 [c.to_json() for c in comparisons]
                 + [c.to_json() for c in pf_comparisons]
-                + [{"config": p.name, "modelled_only": True} for p in modelled_only]
+                + [{"config": name, "not_compiled": why} for name, why in skipped.items()]
             )
         else:
-            if comparisons or modelled_only:
+            if comparisons:
                 print()
-                print(format_verify(workload.describe(), comparisons, modelled_only))
+                print(format_verify(workload.describe(), comparisons))
             if pf_comparisons:
                 print()
                 print(format_verify_pipefusion(pf_comparisons))
+            for name, why in skipped.items():
+                print(f"not compiled: {name}: {why}")
     if args.json:
         print(json.dumps(data, indent=1))
     return 0

@@ -123,9 +123,7 @@ def format_plan(report: PlanReport) -> str:
     return "\n".join(out)
 
 
-def format_verify(
-    workload_line: str, comparisons: Sequence[Comparison], modelled_only: Sequence[Plan]
-) -> str:
+def format_verify(workload_line: str, comparisons: Sequence[Comparison]) -> str:
     """Measured beside modelled, per configuration."""
     header = [
         "configuration",
@@ -166,12 +164,6 @@ def format_verify(
                 f"{m.compile_seconds:.0f} s",
             ]
         )
-    for p in modelled_only:
-        rows.append(
-            [p.name, "modelled only", _bytes(p.cost.bytes_sent(cpu=True)), "-", _bytes(p.cost.bytes_sent())]
-            + ["-", f"{p.cost.flops / 1e12:.3f}", "-", "-", f"{1 + p.cost.duplicated_flops:.4f}"]
-            + ["-", f"{p.cost.param_bytes / GB:.2f} GB", "-", f"{p.cost.activation_bytes / GB:.2f} GB", "-"]
-        )
     out = [f"verify: {workload_line}", ""]
     out += _table(header, rows, right=set(range(1, 15)))
     unexpected = [(c.model.config.describe(), c.unexpected_kinds) for c in comparisons if c.unexpected_kinds]
@@ -190,7 +182,7 @@ def format_verify(
 
 
 def format_verify_pipefusion(comparisons: Sequence[PipeFusionComparison]) -> str:
-    """FLUX PipeFusion: each compiled program's collective bytes per device beside the model's."""
+    """PipeFusion (FLUX or Wan): each compiled program's collective bytes per device beside the model's."""
     header = [
         "configuration",
         "M",
@@ -222,7 +214,7 @@ def format_verify_pipefusion(comparisons: Sequence[PipeFusionComparison]) -> str
                 f"{c.compile_seconds:.0f} s",
             ]
         )
-    out = ["PipeFusion (FLUX runner, both programs compiled)", ""]
+    out = ["PipeFusion (the runner's two programs compiled)", ""]
     out += _table(header, rows, right=set(range(1, 11)))
     out.append("")
     unexpected = [(c.model.config.describe(), c.unexpected_kinds) for c in comparisons if c.unexpected_kinds]

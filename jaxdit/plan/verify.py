@@ -7,10 +7,9 @@ communication (``cfg.replicate_branches``), the sharded transformer forward, CFG
 same step with its inputs (its pipeline's UniPC update is elementwise too). Parameters and inputs are ``jax.ShapeDtypeStruct``s
 in the workload's dtype (bf16 as served).
 
-FLUX PipeFusion is compiled separately (:func:`verify_pipefusion`): the runner's warm-up step and its
-pipelined phase (the remaining steps as one scan, fill/drain bubbles included), each program's collective
-bytes against ``cost.pipefusion_programs`` evaluated for that same program. Wan PipeFusion has no runner
-and stays modelled only.
+PipeFusion (FLUX and Wan) is compiled separately (:func:`verify_pipefusion`): the runner's warm-up step
+and its pipelined phase (the remaining steps as one scan, fill/drain bubbles included), each program's
+collective bytes against ``cost.pipefusion_programs`` evaluated for that same program.
 
 What is compared:
 
@@ -176,9 +175,7 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
     from sharding_rules import logical_to_spec
 
     if config.pipefusion > 1:
-        if w.family == "flux":
-            raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
-        raise ValueError(f"{config.describe()}: PipeFusion is modelled only (no runner to compile yet)")
+        raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
     module = flux if w.family == "flux" else wan
@@ -309,8 +306,8 @@ def verify(
     """Compile ``w``'s step on every config (and on one device) and compare each with the model.
 
     Compiles run ``threads`` at a time (XLA's CPU compile is mostly single-threaded and releases the
-    GIL). PipeFusion configurations are not compiled here: FLUX's go through
-    :func:`verify_pipefusion` (the runner's own programs), Wan's are modelled only (no runner).
+    GIL). PipeFusion configurations are not compiled here: they go through :func:`verify_pipefusion`
+    (the runners' own warm-up and pipelined programs).
     """
     return verify_many([(w, list(configs))], threads=threads, progress=progress)[0]
 
@@ -321,8 +318,9 @@ def verify(
 
 @dataclasses.dataclass(frozen=True)
 class PipeFusionComparison:
-    """A FLUX PipeFusion configuration: collective bytes sent per device by each compiled program of
-    ``jaxdit.pipelines.pipefusion_flux`` beside :func:`jaxdit.plan.cost.pipefusion_programs` (CPU dtypes).
+    """A PipeFusion configuration: collective bytes sent per device by each compiled program of
+    ``jaxdit.pipelines.pipefusion_flux`` / ``pipefusion_wan`` beside
+    :func:`jaxdit.plan.cost.pipefusion_programs` (CPU dtypes).
 
     ``warmup``: one synchronous warm-up step. ``pipelined``: the asynchronous phase, the S-W remaining
     steps as one scan of ``ticks`` ticks, pipeline fill and drain (bubbles) included, against the model's
@@ -375,20 +373,21 @@ class PipeFusionComparison:
 
 
 def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1, devices=None):
-    """FLUX PipeFusion's warm-up step and pipelined phase lowered from abstract shapes (M = 2P patches,
-    as the plan models)."""
+    """PipeFusion's warm-up step and pipelined phase lowered from abstract shapes, with the plan's patch
+    count (FLUX: M = 2P, a pass per block stack; Wan: M = P)."""
     import jax
     import jax.numpy as jnp
 
-    if w.family != "flux":
-        raise ValueError(f"{config.describe()}: PipeFusion is modelled only (no runner to compile yet)")
-    from jaxdit.pipelines import pipefusion_flux as pf
     from jaxdit.plan.cost import pipeline_shape
 
     if not 1 <= warmup_steps <= w.steps:
         raise ValueError(f"warmup_steps={warmup_steps} for {w.steps} steps")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
+    if w.family == "wan":
+        return _lower_pipefusion_wan(w, config, mesh, warmup_steps)
+    from jaxdit.pipelines import pipefusion_flux as pf
+
     height, width, _ = w.size
     rows, cols = height // 16, width // 16
     if rows * cols != w.tokens[1]:
@@ -407,6 +406,53 @@ def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1,
     )
 
 
+def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None:
+    """Why :func:`lower_pipefusion` cannot compile ``config`` with the plan's patch count, or None.
+
+    The plan models a full pipeline (M = V x P patches); the Wan runner's patches are whole latent rows,
+    so when P does not divide the rows (720p: 45) the runner takes a larger M that the model does not
+    price, and the comparison would not be like for like."""
+    if w.family != "wan":
+        return None
+    from jaxdit.pipelines import pipefusion_wan as pw
+    from jaxdit.plan.cost import pipeline_shape
+
+    _, patches = pipeline_shape(w, config)
+    try:
+        pw.validate_patches(_wan_grid(w), patches, config.sequence_degree)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _wan_grid(w: Workload) -> tuple[int, int, int]:
+    height, width, frames = w.size
+    pt, ph, pwidth = w.model.patch_size
+    grid = (((frames - 1) // 4 + 1) // pt, height // 8 // ph, width // 8 // pwidth)
+    if math.prod(grid) != w.tokens[0]:
+        raise ValueError(f"{w.name}: {w.tokens[0]} video tokens are not {grid}")
+    return grid
+
+
+def _lower_pipefusion_wan(w: Workload, config: ParallelConfig, mesh, warmup_steps: int):
+    """Wan PipeFusion's two programs from abstract shapes: patches of whole latent rows, M = P (the plan's
+    full pipeline), both CFG branches on each stage when the workload has two."""
+    import jax.numpy as jnp
+
+    from jaxdit.pipelines import pipefusion_wan as pw
+    from jaxdit.plan.cost import pipeline_shape
+
+    grid = _wan_grid(w)
+    _, patches = pipeline_shape(w, config)
+    pw.validate_patches(grid, patches, config.sequence_degree)
+    model = pw.PipeFusionWan.abstract(w.model, mesh, jnp.dtype(w.dtype))
+    image = w.context[1] if len(w.context) > 1 else 0
+    g = pw.Geometry(grid, patches, config.ring, config.ulysses, w.batch, w.requests, w.context[0], image)
+    return pw.lower(
+        model, g, steps=w.steps, warmup_steps=warmup_steps, cfg=w.branches == 2, compiler_options=FAST_COMPILE
+    )
+
+
 def verify_pipefusion(
     w: Workload,
     configs: Iterable[ParallelConfig],
@@ -415,7 +461,7 @@ def verify_pipefusion(
     threads: int = 2,
     progress: Callable[[str], None] | None = None,
 ) -> list[PipeFusionComparison]:
-    """Compile FLUX PipeFusion's two programs per config and compare their collective bytes per device
+    """Compile PipeFusion's two programs (FLUX or Wan) per config and compare their collective bytes per device
     with :func:`jaxdit.plan.cost.pipefusion_programs` (see :class:`PipeFusionComparison`)."""
     from jaxdit import hlo_stats
     from jaxdit.plan.cost import pipefusion_programs
