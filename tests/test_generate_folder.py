@@ -37,6 +37,8 @@ def wan_folder():
         (dict(prompt="a", num_frames=9), "apply to Wan models"),
         (dict(prompt="a", use_cfg_parallel=True), "needs classifier-free guidance"),
         (dict(prompt="a", image="x.png"), "for image-to-video models"),
+        (dict(prompt="a", max_sequence_length=0), r"must be in 1\.\.512"),
+        (dict(prompt="a", max_sequence_length=513), r"must be in 1\.\.512 .*, got 513"),
     ],
 )
 def test_flux_folder_request_errors(flux_folder, kwargs, message):
@@ -58,6 +60,18 @@ def test_flux_folder_request_errors(flux_folder, kwargs, message):
 def test_wan_folder_request_errors(wan_folder, kwargs, message):
     with pytest.raises(ValueError, match=message):
         check_request(_request(weights=wan_folder, **kwargs))
+
+
+def test_mp4_without_pyav_is_refused_before_the_run(wan_folder, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "av" else real(name, *a)
+    )
+    with pytest.raises(ValueError, match="writing MP4 needs PyAV"):
+        check_request(_request(weights=wan_folder, prompt="a"))  # the default output is video.mp4
+    check_request(_request(weights=wan_folder, prompt="a", output="clip.gif"))  # a GIF needs no PyAV
 
 
 def test_half_downloaded_folder_names_the_missing_parts(tmp_path, flux_folder):

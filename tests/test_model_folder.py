@@ -108,3 +108,17 @@ def test_a_transformer_folder_alone_is_not_a_pipeline(tmp_path):
 def test_not_a_folder(tmp_path):
     with pytest.raises(ValueError, match="is not a folder"):
         mf.open_model_folder(tmp_path / "nothing")
+
+
+def test_missing_scheduler_config_is_named(tmp_path):
+    root = _diffusers_folder(tmp_path / "flux", "FluxPipeline", FLUX_COMPONENTS)
+    (root / "scheduler" / "scheduler_config.json").unlink()
+    with pytest.raises(ValueError, match=r"scheduler_config.json: cannot read it"):
+        mf.open_model_folder(root)
+
+
+def test_wan_original_folder_without_config_json(tmp_path):
+    root = _wan_original(tmp_path / "w")
+    (root / "config.json").unlink()
+    with pytest.raises(ValueError, match=r"config.json: cannot read it"):
+        mf.open_model_folder(root)

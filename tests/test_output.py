@@ -79,3 +79,10 @@ def test_failed_write_leaves_no_file_and_keeps_the_old_one(tmp_path, monkeypatch
         output.save_video(path, _frames(n=2))
     assert path.read_bytes() == b"previous result"
     assert [p.name for p in tmp_path.iterdir()] == ["v.mp4"]
+
+
+def test_save_array_writes_the_named_file_whatever_its_suffix(tmp_path):
+    array = np.arange(6, dtype=np.float32).reshape(2, 3)
+    path = output.save_array(tmp_path / "latents.bin", array)
+    np.testing.assert_array_equal(np.load(path), array)
+    assert [p.name for p in tmp_path.iterdir()] == ["latents.bin"]  # no stray temp or .npy twin

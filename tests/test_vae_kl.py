@@ -264,3 +264,17 @@ def test_diffusers_to_params_and_config_checks(tiny_state):
     with pytest.raises(ValueError, match="norm_num_groups"):
         VAEConfig(block_out_channels=(8, 12), norm_num_groups=8)
     assert jax.tree.leaves(FluxVAE.abstract().state)[0].dtype == jnp.bfloat16
+
+
+def test_config_keys_left_out_take_diffusers_defaults_not_fluxs():
+    """A config.json that omits the quant convs and scaling gets what diffusers' AutoencoderKL would
+    build (SD's VAE: quant convs, 0.18215, no shift), not FLUX's values."""
+    from diffusers import AutoencoderKL
+
+    sparse = {"block_out_channels": [8, 16], "norm_num_groups": 4, "latent_channels": 4}
+    cfg = VAEConfig.from_diffusers(sparse)
+    reference = AutoencoderKL(**sparse).config
+    assert cfg.use_quant_conv == reference.use_quant_conv is True
+    assert cfg.use_post_quant_conv == reference.use_post_quant_conv is True
+    assert cfg.scaling_factor == reference.scaling_factor == 0.18215
+    assert cfg.shift_factor == 0.0 and reference.shift_factor is None

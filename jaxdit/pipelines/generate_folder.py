@@ -10,7 +10,7 @@ The mesh against the transformer's heads is checked when the pipeline is built, 
 
 from __future__ import annotations
 
-import json
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +23,16 @@ from jaxdit.pipelines.model_folder import (
     WAN_ORIGINAL_VAE,
     ModelFolder,
     open_model_folder,
+    read_json,
 )
 
 __all__ = ["check", "is_pipeline_folder", "run"]
 
 IMAGE_SUFFIXES = (".png", ".npy")
+#: T5 / umT5 prompt length in FLUX's and Wan's pipelines (diffusers refuses more).
+MAX_SEQUENCE_LENGTH = 512
 VIDEO_SUFFIXES = (".mp4", ".gif", ".npy")
+DEFAULT_IMAGE, DEFAULT_VIDEO = "image.png", "video.mp4"
 
 
 def is_pipeline_folder(path: str | None) -> bool:
@@ -37,11 +41,6 @@ def is_pipeline_folder(path: str | None) -> bool:
         return False
     root = Path(path)
     return any((root / name).exists() for name in ("model_index.json", WAN_ORIGINAL_VAE, WAN_ORIGINAL_T5))
-
-
-def _transformer_json(folder: ModelFolder) -> dict[str, Any]:
-    path = folder["transformer"] / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def _check_preset(r: Any, folder: ModelFolder) -> None:
@@ -79,6 +78,11 @@ def check(r: Any, config: Any) -> ModelFolder:
         raise ValueError(f"--image {r.image}: no such file")
     if r.steps < 1:
         raise ValueError(f"--num_inference_steps must be >= 1, got {r.steps}")
+    if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= MAX_SEQUENCE_LENGTH:
+        raise ValueError(
+            f"--max_sequence_length must be in 1..{MAX_SEQUENCE_LENGTH} (the T5 encoders' length), "
+            f"got {r.max_sequence_length}"
+        )
     height, width = r.size
     if folder.kind == FLUX:
         _check_flux(r, folder, height, width)
@@ -90,7 +94,7 @@ def check(r: Any, config: Any) -> ModelFolder:
 def _check_flux(r: Any, folder: ModelFolder, height: int, width: int) -> None:
     if r.num_frames is not None or r.flow_shift is not None:
         raise ValueError("--num_frames and --flow_shift apply to Wan models")
-    vae = json.loads((folder["vae"] / "config.json").read_text())
+    vae = read_json(folder["vae"] / "config.json")
     factor = 2 ** (len(vae.get("block_out_channels", (0,) * 4)) - 1) * 2  # VAE factor x 2x2 packing
     if height % factor or width % factor or height < factor or width < factor:
         raise ValueError(f"height and width must be positive multiples of {factor}; got {height}x{width}")
@@ -116,6 +120,10 @@ def _check_wan(r: Any, height: int, width: int) -> None:
         raise ValueError(f"--use_cfg_parallel needs --guidance_scale > 1 (Wan's CFG), got {r.guidance}")
     if r.output is not None and Path(r.output).suffix.lower() not in VIDEO_SUFFIXES:
         raise ValueError(f"--output must end in .mp4 / .gif (video) or .npy (latents); got {r.output}")
+    if Path(r.output or DEFAULT_VIDEO).suffix.lower() == ".mp4" and importlib.util.find_spec("av") is None:
+        raise ValueError(
+            "writing MP4 needs PyAV: pip install 'jaxdit[video]', or pass --output with .gif (or .npy)"
+        )
 
 
 def build(r: Any, folder: ModelFolder, mesh: Any) -> Any:
@@ -148,7 +156,7 @@ def write(r: Any, folder: ModelFolder, result: Any) -> Path:
     """PNG (FLUX; a grid for several images) or MP4/GIF (Wan), or the latents as .npy."""
     from jaxdit.pipelines import output as out
 
-    default = "image.png" if folder.kind == FLUX else "video.mp4"
+    default = DEFAULT_IMAGE if folder.kind == FLUX else DEFAULT_VIDEO
     path = Path(r.output or default)
     if path.suffix.lower() == ".npy":
         return out.save_array(path, result.latents)

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLUX", "WAN_I2V", "WAN_T2V", "ModelFolder", "open_model_folder"]
+__all__ = ["FLUX", "WAN_I2V", "WAN_T2V", "ModelFolder", "open_model_folder", "read_json"]
 
 FLUX = "flux"
 WAN_T2V = "wan-t2v"
@@ -76,8 +76,15 @@ class ModelFolder:
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         return json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from e
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON ({e})") from e
+
+
+def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A folder's JSON file, or a ValueError naming the file (missing, unreadable or not JSON)."""
+    return _read_json(Path(path))
 
 
 def _diffusers(root: Path) -> ModelFolder:

@@ -112,4 +112,10 @@ def _write_mp4(av, tmp: str, frames: list[np.ndarray], fps: int) -> None:
 
 def save_array(path: str | os.PathLike, array: np.ndarray) -> Path:
     """Write a numpy array (.npy) atomically."""
-    return _atomic(Path(path), lambda tmp: np.save(tmp, array))
+
+    # Through a file object: given a name without ".npy", np.save would write to name + ".npy" instead.
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            np.save(f, array)
+
+    return _atomic(Path(path), write)

@@ -41,6 +41,15 @@ _DOWN = "DownEncoderBlock2D"
 _UP = "UpDecoderBlock2D"
 
 
+#: diffusers' AutoencoderKL constructor defaults for the keys where FLUX differs.
+_DIFFUSERS_DEFAULTS = {
+    "use_quant_conv": True,
+    "use_post_quant_conv": True,
+    "scaling_factor": 0.18215,
+    "shift_factor": 0.0,
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class VAEConfig:
     """An ``AutoencoderKL`` config (diffusers field names); the defaults are FLUX.1's AE."""
@@ -92,8 +101,10 @@ class VAEConfig:
             raise ValueError(f"act_fn {act!r}: only 'silu' is supported")
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in config.items() if k in names and v is not None}
-        # diffusers' AutoencoderKL defaults to no shift (SD's VAE); FLUX's config.json sets 0.1159.
-        kwargs.setdefault("shift_factor", 0.0)
+        # Keys a config.json leaves out take diffusers' AutoencoderKL defaults (SD's VAE), not FLUX's:
+        # FLUX's own config.json sets all four.
+        for key, default in _DIFFUSERS_DEFAULTS.items():
+            kwargs.setdefault(key, default)
         return cls(**kwargs)
 
     @property
