@@ -31,6 +31,7 @@ import numpy as np
 
 from converters.errors import CheckpointError
 from converters.keymap import IDENTITY, TRANSPOSE, KeyRule, KeyTable, StateDict, invert, resolve
+from converters.pth_io import read_pth
 from converters.safetensors_io import LazyTensor, open_checkpoint
 from jaxdit.text_encoders.t5 import T5Config
 
@@ -178,53 +179,9 @@ def wan_table(cfg: T5Config) -> KeyTable:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise ImportError(
-            "reading a .pth checkpoint needs PyTorch (pip install torch, the CPU build is enough); "
-            "safetensors checkpoints do not"
-        ) from None
-    return torch
-
-
-def _as_numpy(tensor: Any, torch: Any) -> np.ndarray:
-    """A CPU tensor as a numpy view (no copy for a contiguous one; bfloat16 through ml_dtypes)."""
-    t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
 def load_pth(path: str | os.PathLike[str]) -> StateDict:
-    """A torch state dict file as a :class:`StateDict`, unpickling nothing but tensors.
-
-    ``torch.load(path, map_location="cpu", weights_only=True, mmap=True)``: the weights-only unpickler
-    refuses arbitrary objects, and mmap keeps the tensor bytes on disk until read.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such file")
-    torch = _torch()
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises several types for damaged or unsafe files
-        raise CheckpointError(f"{path}: cannot read as a weights-only torch checkpoint: {e}") from e
-    if not isinstance(obj, Mapping):
-        raise CheckpointError(f"{path}: holds a {type(obj).__name__}, not a state dict of tensors")
-    arrays = {}
-    for key, value in obj.items():
-        if not isinstance(key, str) or not isinstance(value, torch.Tensor):
-            raise CheckpointError(
-                f"{path}: entry {key!r} is a {type(value).__name__}, not a tensor; expected a state dict"
-            )
-        arrays[key] = _as_numpy(value, torch)
-    return StateDict(arrays, name=str(path))
+    """Wan's umT5 ``.pth`` as a :class:`StateDict` (weights-only; :mod:`converters.pth_io`)."""
+    return read_pth(path)
 
 
 def _count(keys: set[str], prefix: str) -> int:

@@ -30,11 +30,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
-import ml_dtypes
 import numpy as np
 
 from converters.errors import CheckpointError
 from converters.keymap import Hook, KeyRule, KeyTable, StateDict, invert, resolve
+from converters.pth_io import read_pth, torch_module
 from converters.safetensors_io import LazyTensor, open_checkpoint, transpose
 from jaxdit.vae.wan_vae import WanVAEConfig, parameter_shapes
 
@@ -267,40 +267,6 @@ def original_table(cfg: WanVAEConfig) -> KeyTable:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise ImportError(
-            "reading Wan's original .pth VAE needs PyTorch (pip install torch); the diffusers layout "
-            "(vae/diffusion_pytorch_model.safetensors) does not"
-        ) from None
-    return torch
-
-
-def _to_numpy(torch: Any, t: Any) -> np.ndarray:
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def read_pth(path: str | os.PathLike[str]) -> StateDict:
-    """A ``.pth`` state dict as a checkpoint, memory-mapped; ``weights_only=True``: tensors and plain
-    containers only, nothing else is unpickled."""
-    torch = _torch()
-    path = Path(path)
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # torch raises many types for a damaged or unsafe file
-        raise CheckpointError(f"{path}: cannot read as a weights-only torch checkpoint: {e}") from None
-    if not isinstance(data, Mapping) or not all(
-        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in data.items()
-    ):
-        raise CheckpointError(f"{path}: not a state dict of tensors (got {type(data).__name__})")
-    return StateDict({k: _to_numpy(torch, v) for k, v in data.items()}, name=str(path))
-
-
 @dataclasses.dataclass
 class WanVAECheckpoint:
     """An opened Wan VAE checkpoint: its tensors, layout and config."""
@@ -428,7 +394,7 @@ def diffusers_to_params(cfg: WanVAEConfig, state_dict: Mapping[str, Any]) -> dic
 
 def write_original_pth(cfg: WanVAEConfig, params: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
     """jaxdit parameters -> Wan's original ``.pth`` (``torch.save`` of the state dict), written atomically."""
-    torch = _torch()
+    torch = torch_module("writing Wan's original .pth VAE")
     path = Path(path)
     tensors = invert(original_table(cfg), params)
     state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in tensors.items()}
