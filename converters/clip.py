@@ -25,9 +25,19 @@ from typing import Any, ClassVar
 import numpy as np
 
 from converters.errors import CheckpointError
-from converters.keymap import IDENTITY, TRANSPOSE, Hook, KeyRule, KeyTable, StateDict, invert, resolve
+from converters.keymap import (
+    IDENTITY,
+    TRANSPOSE,
+    Hook,
+    KeyRule,
+    KeyTable,
+    StateDict,
+    Without,
+    file_of,
+    invert,
+    resolve,
+)
 from converters.safetensors_io import LazyTensor, open_checkpoint, transpose
-from converters.t5 import Without, file_of
 from jaxdit.text_encoders.clip import CLIPTextConfig, CLIPVisionConfig
 
 __all__ = [

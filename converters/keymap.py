@@ -40,10 +40,13 @@ __all__ = [
     "StateDict",
     "SwapHalves",
     "Transpose",
+    "Without",
+    "file_of",
     "invert",
     "place_params",
     "resolve",
     "stack",
+    "where",
 ]
 
 Box = tuple[tuple[int, int], ...]
@@ -57,17 +60,17 @@ class Checkpoint(Protocol):
     def tensor(self, key: str) -> LazyTensor: ...
 
 
-def _file_of(ckpt: Any, key: str) -> str:
+def file_of(ckpt: Any, key: str) -> str:
     """The file a tensor lives in (for messages)."""
     if hasattr(ckpt, "file_of"):
         try:
             return str(ckpt.file_of(key))
         except KeyError:
             pass
-    return _where(ckpt)
+    return where(ckpt)
 
 
-def _where(ckpt: Any) -> str:
+def where(ckpt: Any) -> str:
     """The checkpoint as a whole, for messages about keys it lacks."""
     if getattr(ckpt, "index_path", None) is not None:
         return str(ckpt.index_path)
@@ -75,6 +78,34 @@ def _where(ckpt: Any) -> str:
     if files:
         return ", ".join(str(f.path) for f in files)
     return str(getattr(ckpt, "path", None) or getattr(ckpt, "name", "<checkpoint>"))
+
+
+class Without:
+    """``ckpt`` minus ``dropped`` keys: what the key table must account for after aliases are checked."""
+
+    def __init__(self, ckpt: Any, dropped: set[str]) -> None:
+        self._ckpt = ckpt
+        self._dropped = set(dropped)
+        for attr in ("index_path", "files", "path", "name"):
+            if hasattr(ckpt, attr):
+                setattr(self, attr, getattr(ckpt, attr))
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k in self._ckpt if k not in self._dropped)
+
+    def __contains__(self, key: object) -> bool:
+        return key not in self._dropped and key in self._ckpt
+
+    def tensor(self, key: str) -> LazyTensor:
+        return self._ckpt.tensor(key)
+
+    def file_of(self, key: str) -> Any:
+        if hasattr(self._ckpt, "file_of"):
+            return self._ckpt.file_of(key)
+        return where(self._ckpt)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self._ckpt.tensor(key).shape)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -371,11 +402,11 @@ def _check_keys(table: KeyTable, ckpt: Checkpoint, prefix: str) -> None:
             hint = f"; it holds {len(extra)} tensor(s) the table does not use: {_list(extra)} (renamed?)"
         more = f" ({len(missing)} missing in all: {_list(missing)})" if len(missing) > 1 else ""
         raise CheckpointKeyError(
-            f"{_where(ckpt)}: missing tensor {missing[0]!r}{more} for the {table.name} layout{hint}"
+            f"{where(ckpt)}: missing tensor {missing[0]!r}{more} for the {table.name} layout{hint}"
         )
     if extra:
         raise CheckpointError(
-            f"{_file_of(ckpt, extra[0])}: tensor {extra[0]!r} is not used by the {table.name} key table "
+            f"{file_of(ckpt, extra[0])}: tensor {extra[0]!r} is not used by the {table.name} key table "
             f"({len(extra)} unused in all: {_list(extra)}); every tensor of a checkpoint must be consumed"
         )
 
@@ -394,7 +425,7 @@ def _check_coverage(table: KeyTable, ckpt: Checkpoint, read: Mapping[str, list[B
         if covered != total or overlap:
             parts = ", ".join("[" + ", ".join(f"{a}:{b}" for a, b in box) + "]" for box in boxes)
             raise CheckpointError(
-                f"{_file_of(ckpt, key)}: tensor {key!r} has shape {shape}, but the {table.name} key table "
+                f"{file_of(ckpt, key)}: tensor {key!r} has shape {shape}, but the {table.name} key table "
                 f"reads {parts} of it; the tensor is mis-shaped for this model"
             )
 
@@ -429,12 +460,12 @@ def resolve(
                 lazy = rule.hook.apply(sources)
             except ValueError as e:
                 raise CheckpointError(
-                    f"{_file_of(ckpt, keys[0])}: tensor {shapes} cannot give {where} "
+                    f"{file_of(ckpt, keys[0])}: tensor {shapes} cannot give {where} "
                     f"through {rule.hook.describe()}: {e}"
                 ) from None
             if tuple(lazy.shape) != layer_shape:
                 raise CheckpointError(
-                    f"{_file_of(ckpt, keys[0])}: tensor {shapes} gives {where} the shape {lazy.shape} "
+                    f"{file_of(ckpt, keys[0])}: tensor {shapes} gives {where} the shape {lazy.shape} "
                     f"through {rule.hook.describe()}; the model expects {layer_shape}"
                 )
             for idx, box in rule.hook.regions([s.shape for s in sources]):

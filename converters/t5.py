@@ -23,14 +23,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from converters.errors import CheckpointError
-from converters.keymap import IDENTITY, TRANSPOSE, KeyRule, KeyTable, StateDict, invert, resolve
+from converters.keymap import (
+    IDENTITY,
+    TRANSPOSE,
+    KeyRule,
+    KeyTable,
+    StateDict,
+    Without,
+    file_of,
+    invert,
+    resolve,
+    where,
+)
 from converters.pth_io import read_pth
 from converters.safetensors_io import LazyTensor, open_checkpoint
 from jaxdit.text_encoders.t5 import T5Config
@@ -38,7 +49,6 @@ from jaxdit.text_encoders.t5 import T5Config
 __all__ = [
     "WAN_T5_FILE",
     "T5Checkpoint",
-    "Without",
     "hf_table",
     "hf_to_params",
     "load_pth",
@@ -61,51 +71,6 @@ BLOCKS = "blocks"
 # A checkpoint seen without some keys (tied aliases and buffers checked, then consumed); also used by
 # converters/clip.py
 # --------------------------------------------------------------------------------------------------------
-
-
-class Without:
-    """``ckpt`` minus ``dropped`` keys: what the key table must account for after aliases are checked."""
-
-    def __init__(self, ckpt: Any, dropped: set[str]) -> None:
-        self._ckpt = ckpt
-        self._dropped = set(dropped)
-        for attr in ("index_path", "files", "path", "name"):
-            if hasattr(ckpt, attr):
-                setattr(self, attr, getattr(ckpt, attr))
-
-    def __iter__(self) -> Iterator[str]:
-        return (k for k in self._ckpt if k not in self._dropped)
-
-    def __contains__(self, key: object) -> bool:
-        return key not in self._dropped and key in self._ckpt
-
-    def tensor(self, key: str) -> LazyTensor:
-        return self._ckpt.tensor(key)
-
-    def file_of(self, key: str) -> Any:
-        if hasattr(self._ckpt, "file_of"):
-            return self._ckpt.file_of(key)
-        return where(self._ckpt)
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._ckpt.tensor(key).shape)
-
-
-def where(ckpt: Any) -> str:
-    """The checkpoint's file(s), for messages."""
-    if getattr(ckpt, "index_path", None) is not None:
-        return str(ckpt.index_path)
-    files = getattr(ckpt, "files", None)
-    if files:
-        return ", ".join(str(f.path) for f in files)
-    return str(getattr(ckpt, "path", None) or getattr(ckpt, "name", "<checkpoint>"))
-
-
-def file_of(ckpt: Any, key: str) -> str:
-    try:
-        return str(ckpt.file_of(key))
-    except (AttributeError, KeyError):
-        return where(ckpt)
 
 
 def check_alias(ckpt: Any, key: str, alias: str) -> None:
