@@ -1,11 +1,14 @@
-"""Per-device memory of the Wan 2.1 VAE's row-parallel decode, from compiled programs on abstract shapes.
+"""Per-device memory of the Wan 2.1 VAE's row-parallel decode or encode, from compiled programs (abstract).
 
 No weights are needed: the real VAE (``WanVAEConfig.preset()``) is built abstract and its decode is
 compiled for 1, 2, 4 and 8 devices (emulated CPU devices unless real ones are present); XLA's
 ``memory_analysis()`` gives each device's temporary (activation) bytes, plus arguments (the replicated
-weights and the latents) and outputs (its rows of the video).
+weights and the latents) and outputs (its rows of the video). ``--encode``: the encode instead (image-to-
+video encodes the whole video); arguments are the weights and the device's band of pixel rows (padded to
+a multiple of 8 per device), outputs its rows of the mean and log-variance.
 
     .venv/bin/python scripts/wan_vae_memory.py --resolution 480p --frames 81
+    .venv/bin/python scripts/wan_vae_memory.py --resolution 480p --frames 81 --encode
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frames", type=int, default=81, help="video frames (4n+1)")
     parser.add_argument("--devices", default="1,2,4,8", help="comma-separated device counts")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--encode", action="store_true", help="the encode instead of the decode")
     args = parser.parse_args(argv)
     counts = [int(c) for c in args.devices.split(",")]
     if "jax" not in sys.modules:
@@ -41,21 +45,27 @@ def main(argv: list[str] | None = None) -> int:
     cfg = WanVAEConfig.preset()
     height, width = RESOLUTIONS[args.resolution]
     dtype = jnp.dtype(args.dtype)
-    shape = (1, cfg.z_dim, (args.frames - 1) // 4 + 1, height // 8, width // 8)
+    latent = (1, cfg.z_dim, (args.frames - 1) // 4 + 1, height // 8, width // 8)
+    video = (1, 3, args.frames, height, width)
     vae = WanVAE(abstract_model(cfg, dtype))
-    print(
-        f"Wan 2.1 VAE decode, latents {shape} -> video (1, 3, {args.frames}, {height}, {width}), {dtype.name}"
-    )
+    if args.encode:
+        print(f"Wan 2.1 VAE encode, video {video} -> mean, logvar {latent}, {dtype.name}")
+    else:
+        print(f"Wan 2.1 VAE decode, latents {latent} -> video {video}, {dtype.name}")
     print(
         f"{'devices':>7} {'rows/tile':>9} {'temp MiB':>9} {'args MiB':>9} {'output MiB':>10} {'compile s':>9}"
     )
     mib = 2.0**20
     for n in counts:
-        mesh = ParallelConfig(ring=n).make_mesh(jax.devices()[:n])
+        mesh = ParallelConfig(ring=n).make_mesh(jax.devices()[:n]) if n > 1 else None
         start = time.perf_counter()
-        stats = vae.compiled_decode(shape, mesh if n > 1 else None, dtype).memory_analysis()
+        if args.encode:
+            stats = vae.compiled_encode(video, mesh, dtype).memory_analysis()
+            rows = vae.encode_rows(height, mesh).local  # pixel rows per device, padding included
+        else:
+            stats = vae.compiled_decode(latent, mesh, dtype).memory_analysis()
+            rows = -(-latent[3] // n)  # latent rows per device
         took = time.perf_counter() - start
-        rows = -(-shape[3] // n)
         print(
             f"{n:>7} {rows:>9} {stats.temp_size_in_bytes / mib:>9.1f} "
             f"{stats.argument_size_in_bytes / mib:>9.1f} {stats.output_size_in_bytes / mib:>10.1f} {took:>9.1f}"

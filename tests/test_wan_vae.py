@@ -129,6 +129,43 @@ def test_activation_memory_falls_with_devices(vae):
     assert temps[8] < 0.35 * temps[1]
 
 
+#: A video whose 5 latent rows (40 pixel rows) neither 2 nor 4 devices divide: bands of 24 / 16 pixel
+#: rows (multiples of 8, so all three stride-2 levels halve them), the last tiles partly or wholly padding.
+VIDEO = (1, 3, 9, 40, 16)
+
+
+@pytest.fixture(scope="module")
+def encoded(vae):
+    x = np.random.default_rng(2).uniform(-1, 1, VIDEO).astype(np.float32)
+    return x, tuple(np.asarray(a) for a in vae.encode(x))
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_parallel_encode_equals_unsharded(vae, encoded, n):
+    x, (mean, logvar) = encoded
+    mesh = MESHES[n].make_mesh(jax.devices()[:n])
+    got_mean, got_logvar = (np.asarray(a) for a in vae.encode(x, mesh))
+    assert got_mean.shape == got_logvar.shape == mean.shape == (1, 16, 3, 5, 2)
+    errs = np.abs(got_mean - mean).max(), np.abs(got_logvar - logvar).max()
+    # measured: 2 and 4 devices, mean and logvar, 6.0e-08 each
+    print(f"encode, {n} devices, 40 rows: max abs err vs one device mean {errs[0]:.2e}, logvar {errs[1]:.2e}")
+    assert max(errs) < TOL_SHARDED
+    # Halo rows and ring attention only (the encoder has no GroupNorm): permutes, no all-gather.
+    hlo = vae.compiled_encode(VIDEO, mesh).as_text()
+    assert "collective-permute" in hlo
+    for op in ("all-gather(", "all-reduce(", "all-to-all(", "reduce-scatter("):
+        assert op not in hlo, op
+
+
+def test_encode_memory_falls_with_devices(vae, encoded):
+    temps = {}
+    for n in (1, 2, 4):
+        mesh = None if n == 1 else MESHES[n].make_mesh(jax.devices()[:n])
+        temps[n] = vae.compiled_encode(VIDEO, mesh).memory_analysis().temp_size_in_bytes
+    print("encode per-device temp bytes:", temps)  # measured {1: 355288, 2: 216520, 4: 184280}
+    assert temps[1] > temps[2] > temps[4]
+
+
 # ------------------------------------------------------------------------------------------ converters
 
 

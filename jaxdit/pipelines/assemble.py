@@ -123,7 +123,7 @@ def wan_pipeline(
         image_encoder = WanImageEncoder.from_folder(
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
-        encode_image = ImageCondition(image_encoder, vae)
+        encode_image = ImageCondition(image_encoder, vae, mesh=mesh)
     _, model = load_params(folder["transformer"], mesh, dtype)
 
     def decode(z: np.ndarray) -> np.ndarray:

@@ -53,11 +53,18 @@ def first_frame_mask(batch: int, num_frames: int, height: int, width: int, tempo
 
 
 class ImageCondition:
-    """``encode_image(images, num_frames, height, width) -> (image_embeds, condition)`` for WanPipeline."""
+    """``encode_image(images, num_frames, height, width) -> (image_embeds, condition)`` for WanPipeline.
 
-    def __init__(self, image_encoder: Any, vae: Any, temporal: int = 4, spatial: int = 8) -> None:
+    ``mesh``: the VAE encode of the whole video (the memory peak of image-to-video) is row-parallel over
+    all its devices (``WanVAE.encode(x, mesh)``); None: one device.
+    """
+
+    def __init__(
+        self, image_encoder: Any, vae: Any, temporal: int = 4, spatial: int = 8, mesh: Any = None
+    ) -> None:
         self.image_encoder, self.vae = image_encoder, vae
         self.temporal, self.spatial = temporal, spatial
+        self.mesh = mesh
 
     def __call__(
         self, images: Any, num_frames: int, height: int, width: int
@@ -69,7 +76,7 @@ class ImageCondition:
         b = pixels.shape[0]
         video = np.zeros((b, 3, num_frames, height, width), np.float32)
         video[:, :, 0] = pixels
-        mean, _ = self.vae.encode(video)
+        mean, _ = self.vae.encode(video, mesh=self.mesh)
         config = self.vae.config
         shape = (1, -1, 1, 1, 1)
         latents_mean = np.asarray(config.latents_mean, np.float32).reshape(shape)

@@ -1,4 +1,4 @@
-"""Wan 2.1's causal 3D VAE in Flax NNX, decoded chunk by chunk and, on a mesh, row-parallel.
+"""Wan 2.1's causal 3D VAE in Flax NNX, run chunk by chunk and, on a mesh, row-parallel.
 
 Follows Wan's ``wan/modules/vae.py`` (``WanVAE_``) and diffusers' ``AutoencoderKLWan``
 (``models/autoencoders/autoencoder_kl_wan.py``); ``../reference/flux-wan-facts.md`` section 6 has the
@@ -13,12 +13,15 @@ its own (it differs: the temporal upsamplers pass it through, the temporal downs
 it), every later chunk runs the scan body. The compiled program does not grow with the number of frames
 and live activations are one chunk's.
 
-Row parallelism (``decode(z, mesh=...)``). Rows are split over all devices of the mesh, viewed as one
-``tiles`` axis (:func:`jaxdit.vae.spatial.tile_mesh`), inside ``shard_map``, with the primitives of
-:mod:`jaxdit.vae.spatial` (shared with the FLUX VAE). What each layer needs from the other tiles:
+Row parallelism (``decode(z, mesh=...)``, ``encode(x, mesh=...)``). Rows are split over all devices of
+the mesh, viewed as one ``tiles`` axis (:func:`jaxdit.vae.spatial.tile_mesh`), inside ``shard_map``, with
+the primitives of :mod:`jaxdit.vae.spatial` (shared with the FLUX VAE). What each layer needs from the
+other tiles:
 
 - convolutions with a 3x3 spatial kernel: one halo row above and below (``spatial.halo``: two
   ``ppermute``s); the cached past frames belong to the tile and never move;
+- the encoder's 2x downsampling (zero pad one row and column at the end, 3x3 stride 2):
+  ``spatial.downsample_conv``, one row from the tile below (one ``ppermute``);
 - RMS_norm, SiLU, 1x1 convolutions, the temporal (3,1,1) convolutions, nearest upsampling: nothing
   (per pixel or per row);
 - the mid-block attention (per frame, over all h*w positions of the frame, at the latent resolution):
@@ -32,6 +35,10 @@ Heights the device count does not divide are padded with rows at the end (``spat
 computes its valid-row mask locally (the valid region doubles exactly with each 2x upsampling); padded
 rows are zeroed before every spatial convolution (so a halo or in-tile neighbour read of one is the zero
 padding the unsharded model sees) and padded keys are masked in attention, so the result is exact.
+The encoder's pixel bands are a multiple of 8 rows (2**3 for its three stride-2 levels), so every level
+halves every band and a tile's latent rows are exactly those of its pixel rows; a padded row below the
+image is the zero row the stride-2 conv pads with, so the encode is exact for every height (a multiple
+of 8, as the unsharded encode requires).
 Without a mesh the same program runs on one tile (no collectives).
 """
 
@@ -498,13 +505,15 @@ class WanVAEModel(nnx.Module):
         rest = jnp.moveaxis(rest, 0, 1).reshape(x.shape[0], -1, *rest.shape[3:])
         return jnp.clip(jnp.concatenate([first, rest], axis=1), -1.0, 1.0)
 
-    def encode(self, video: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def encode(self, video: jax.Array, rows: Rows | None = None) -> tuple[jax.Array, jax.Array]:
         """Frames [B, T, H, W, 3] -> (mean, logvar), each [B, (T-1)//4 + 1, h, w, z].
 
+        ``rows``: the layout of ``video``'s rows (a band of them inside ``shard_map``; its ``local`` a
+        multiple of the spatial factor so every stride-2 level halves it); None: all rows, one tile.
         As both references, frames beyond the last whole 4-frame chunk are ignored; logvar is clamped to
         [-30, 20] as diffusers' ``DiagonalGaussianDistribution`` does.
         """
-        rows = Rows.split(video.shape[-3], 1)
+        rows = rows or Rows.split(video.shape[-3], 1)
         b, t = video.shape[:2]
         n = (t - 1) // ENCODE_CHUNK
         cache = _Cache()
@@ -545,8 +554,9 @@ class WanVAE:
 
     ``decode(z, mesh=None)``: unnormalized latents -> video in [-1, 1]; with a mesh, rows are split over
     all its devices (without one, the same program runs on one tile). ``decode_latents`` first undoes the
-    pipeline's normalization. ``encode(x)`` -> ``(mean, logvar)``. Compiled programs are cached per
-    (devices, shape, dtype); :meth:`compiled_decode` exposes them (e.g. for ``memory_analysis()``).
+    pipeline's normalization. ``encode(x, mesh=None)`` -> ``(mean, logvar)``, row-parallel likewise.
+    Compiled programs are cached per (devices, shape, dtype); :meth:`compiled_decode` and
+    :meth:`compiled_encode` expose them (e.g. for ``memory_analysis()``).
     The model may be abstract (:func:`abstract_model`) for compiling without weights.
     """
 
@@ -650,24 +660,84 @@ class WanVAE:
         mean = jnp.asarray(self.config.latents_mean, jnp.float32).reshape(shape)
         return self.decode(z * std + mean, mesh)
 
-    def encode(self, x: Any) -> tuple[jax.Array, jax.Array]:
+    def encode_rows(self, height: int, mesh: Mesh | None = None) -> Rows:
+        """The layout of ``height`` pixel rows on the tiles of ``mesh``.
+
+        Bands are a multiple of the spatial factor (8 rows for Wan 2.1's three stride-2 levels), so every
+        level halves every band and tiles stay aligned: tile t's latent rows are exactly the latents of
+        its pixel rows. Heights the device count does not divide are padded at the end (zero rows: the
+        pad row the (0, 1, 0, 1)-padded stride-2 conv adds below the image), so any height is exact.
+        """
+        f = self.config.spatial_factor
+        return Rows.split(height, self.tiles(mesh).size, multiple=f, axis_name=spatial.TILE_AXIS)
+
+    def _encode_program(self, tiles: Mesh, rows: Rows, state: Any, x: jax.Array) -> tuple[Any, Any]:
+        """Padded channels-last frames [B, T, rows.padded, W, 3], row-sharded -> padded (mean, logvar)."""
+        graphdef = self.graphdef
+        spec = spatial.row_spec(x.ndim)
+        local = jax.shard_map(
+            lambda s, xl: nnx.merge(graphdef, s).encode(xl, rows),
+            mesh=tiles,
+            in_specs=(PartitionSpec(), spec),
+            out_specs=(spec, spec),
+            check_vma=False,
+        )
+        return local(state, x)
+
+    def compiled_encode(self, shape: Sequence[int], mesh: Mesh | None = None, dtype: Any = jnp.float32):
+        """The compiled core of :meth:`encode` for videos [B, 3, T, H, W] of ``shape`` (cached): called
+        with ``(state, x)``, x the channels-last frames with rows padded to :meth:`encode_rows` and split
+        over the tiles; returns padded (mean, logvar), channels last. Parameters may be abstract."""
+        tiles = self.tiles(mesh)
+        b, c, t, h, w = shape
+        rows = self.encode_rows(h, mesh)
+        key = ("encode", tuple(d.id for d in tiles.devices.flat), tuple(shape), jnp.dtype(dtype))
+        if key not in self._compiled:
+            replicated = NamedSharding(tiles, PartitionSpec())
+            state = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), self.state
+            )
+            banded = NamedSharding(tiles, spatial.row_spec(5))
+            x = jax.ShapeDtypeStruct((b, t, rows.padded, w, c), self.dtype, sharding=banded)
+            fn = jax.jit(
+                functools.partial(self._encode_program, tiles, rows),
+                compiler_options=self.compiler_options,
+            )
+            self._compiled[key] = fn.lower(state, x).compile()
+        return self._compiled[key]
+
+    def encode(self, x: Any, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
         """Video [B, 3, T, H, W] in [-1, 1] -> (mean, logvar) in fp32, each [B, z_dim, (T-1)//4 + 1, H/8,
-        W/8], as diffusers' ``encode(x).latent_dist.mean`` / ``.logvar`` (one device)."""
+        W/8], as diffusers' ``encode(x).latent_dist.mean`` / ``.logvar``.
+
+        With a mesh, the pixel rows are split over all its devices (:meth:`encode_rows`): each device
+        holds 1/P of the video and of every activation; halo rows move by permutes, the mid-block
+        attention is ring attention. Without one, the same program runs on one device.
+        """
         x = jnp.asarray(x)
         if x.ndim != 5 or x.shape[1] != self.config.in_channels:
             raise ValueError(f"expected a video [B, {self.config.in_channels}, T, H, W], got {x.shape}")
         f = self.config.spatial_factor
         if x.shape[3] % f or x.shape[4] % f:
             raise ValueError(f"height and width must be multiples of {f}, got {x.shape[3]}x{x.shape[4]}")
-        key = ("encode", tuple(x.shape), x.dtype)
+        tiles = self.tiles(mesh)
+        rows = self.encode_rows(x.shape[3], mesh)
+        core = self.compiled_encode(x.shape, mesh, x.dtype)
+        key = ("encode-io", tuple(d.id for d in tiles.devices.flat), tuple(x.shape), x.dtype)
         if key not in self._compiled:
-            graphdef = self.graphdef
+            # Transpose and pad outside the core, landing row-sharded: no device holds the whole video
+            # inside the sharded program (what compiled_encode's memory_analysis reports).
+            banded = NamedSharding(tiles, spatial.row_spec(5))
+            dtype = self.dtype
 
-            def run(state, x):
-                x = jnp.transpose(x, (0, 2, 3, 4, 1)).astype(self.dtype)
-                mean, logvar = nnx.merge(graphdef, state).encode(x)
-                back = (0, 4, 1, 2, 3)
-                return jnp.transpose(mean, back), jnp.transpose(logvar, back)
+            def pre(v):
+                return spatial.pad_rows(jnp.transpose(v, (0, 2, 3, 4, 1)).astype(dtype), rows)
 
-            self._compiled[key] = jax.jit(run, compiler_options=self.compiler_options)
-        return self._compiled[key](self.state, x)
+            def post(m):
+                m = spatial.unpad_rows(m, Rows(rows.rows // f, rows.local // f, rows.tiles))
+                return jnp.transpose(m, (0, 4, 1, 2, 3))
+
+            self._compiled[key] = (jax.jit(pre, out_shardings=banded), jax.jit(post))
+        pre_j, post_j = self._compiled[key]
+        mean, logvar = core(self._state_on(tiles), pre_j(x))
+        return post_j(mean), post_j(logvar)
