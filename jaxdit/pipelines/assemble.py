@@ -31,14 +31,21 @@ __all__ = ["flux_pipeline", "wan_pipeline"]
 
 
 def _transformer_config(folder: ModelFolder, mesh: Mesh) -> Any:
-    """The transformer's config, checked against the mesh, from its config/headers only."""
-    from jaxdit.loading import detect_family
+    """The transformer's config, checked against the mesh, and its key table checked against the
+    checkpoint's tensor names and shapes -- from the config and file headers only, so a broken transformer
+    checkpoint is reported before the (large) text encoders are read."""
+    from flax import nnx
+
+    from jaxdit.loading import _path, detect_family
     from jaxdit.models.sharded_forward import validate_forward
 
-    path = folder["transformer"]
-    config = detect_family(path).open(Path(path), None).config
-    validate_forward(ParallelConfig.from_mesh(mesh), config.num_heads)
-    return config
+    path = Path(folder["transformer"])
+    family = detect_family(path)
+    source = family.open(path, None)
+    validate_forward(ParallelConfig.from_mesh(mesh), source.config.num_heads)
+    abstract = nnx.state(family.abstract_model(source.config, jnp.float32))
+    source.resolve({_path(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)})  # strict: names keys
+    return source.config
 
 
 def _dtype(dtype: Any) -> Any:
@@ -93,11 +100,13 @@ def wan_pipeline(
     dtype: Any = None,
     *,
     encoder_device: jax.Device | None = None,
+    vae_dtype: Any = jnp.float32,
     kernel: dict[str, int] | None = None,
     compiler_options: dict[str, Any] | None = None,
 ):
     """A Wan 2.1 folder (diffusers ``WanPipeline`` / ``WanImageToVideoPipeline``, or Wan's original T2V
-    release) as a :class:`jaxdit.pipelines.wan.WanPipeline`."""
+    release) as a :class:`jaxdit.pipelines.wan.WanPipeline`. The VAE stays in fp32 by default whatever
+    ``dtype`` (as Wan's own code and diffusers' Wan examples keep it); ``vae_dtype`` overrides."""
     from jaxdit.loading import _mesh, load_params
     from jaxdit.pipelines.wan import WanPipeline
     from jaxdit.samplers.unipc import UniPCConfig
@@ -114,7 +123,7 @@ def wan_pipeline(
     text = WanTextEncoder.from_folder(
         folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
     )
-    vae = WanVAE.from_folder(folder["vae"], dtype=dtype, compiler_options=compiler_options)
+    vae = WanVAE.from_folder(folder["vae"], dtype=_dtype(vae_dtype), compiler_options=compiler_options)
     encode_image = None
     if folder.kind == WAN_I2V:
         from jaxdit.pipelines.wan_image import ImageCondition

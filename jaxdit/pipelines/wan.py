@@ -332,6 +332,7 @@ class WanPipeline:
         dtype: Any = None,
         *,
         encoder_device: jax.Device | None = None,
+        vae_dtype: Any = jnp.float32,
         kernel: dict[str, int] | None = None,
         compiler_options: dict[str, Any] | None = None,
     ) -> WanPipeline:
@@ -339,7 +340,8 @@ class WanPipeline:
         Wan's original T2V release -- with its umT5 text encoder, VAE (and CLIP image encoder for I2V).
 
         The transformer is sharded over the mesh; the encoders run on ``encoder_device`` (default: the first
-        local device); the VAE decodes patch-parallel over the mesh. See :mod:`jaxdit.pipelines.assemble`.
+        local device); the VAE decodes patch-parallel over the mesh, in ``vae_dtype`` (fp32 by default, as
+        Wan keeps it). See :mod:`jaxdit.pipelines.assemble`.
         """
         from jaxdit.pipelines.assemble import wan_pipeline
 
@@ -348,6 +350,7 @@ class WanPipeline:
             parallel,
             dtype,
             encoder_device=encoder_device,
+            vae_dtype=vae_dtype,
             kernel=kernel,
             compiler_options=compiler_options,
         )

@@ -16,16 +16,12 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ImageCondition", "first_frame_mask", "to_vae_pixels"]
+__all__ = ["ImageCondition", "as_uint8_pictures", "first_frame_mask", "to_vae_pixels"]
 
 
-def to_vae_pixels(image: Any, height: int, width: int) -> np.ndarray:
-    """Picture(s) -> [B, 3, H, W] float32 in [-1, 1], resized (Lanczos, as diffusers) when the size differs.
-
-    ``image``: a PIL image, a uint8 array [H, W, 3] or [B, H, W, 3], or a float array in [0, 1].
-    """
-    from PIL import Image
-
+def as_uint8_pictures(image: Any) -> np.ndarray:
+    """Picture(s) -> uint8 [B, H, W, 3]: what both encoders start from (CLIP's processor rescales by 1/255,
+    so a float picture handed to it as is would be read 255 times too dark)."""
     arrays = np.asarray(image)
     if arrays.ndim == 3:
         arrays = arrays[None]
@@ -35,7 +31,18 @@ def to_vae_pixels(image: Any, height: int, width: int) -> np.ndarray:
         if arrays.min() < 0 or arrays.max() > 1:
             raise ValueError("float pictures must lie in [0, 1] (or pass uint8)")
         arrays = np.round(arrays * 255).astype(np.uint8)
+    return arrays
+
+
+def to_vae_pixels(image: Any, height: int, width: int) -> np.ndarray:
+    """Picture(s) -> [B, 3, H, W] float32 in [-1, 1], resized (Lanczos, as diffusers) when the size differs.
+
+    ``image``: a PIL image, a uint8 array [H, W, 3] or [B, H, W, 3], or a float array in [0, 1].
+    """
+    from PIL import Image
+
     out = []
+    arrays = as_uint8_pictures(image)
     for a in arrays:
         if a.shape[:2] != (height, width):
             a = np.asarray(Image.fromarray(a).resize((width, height), Image.LANCZOS))
@@ -69,8 +76,7 @@ class ImageCondition:
     def __call__(
         self, images: Any, num_frames: int, height: int, width: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        arrays = np.asarray(images)
-        batched = arrays if arrays.ndim == 4 else arrays[None]
+        batched = as_uint8_pictures(images)
         embeds = np.asarray(self.image_encoder(list(batched)), np.float32)
         pixels = to_vae_pixels(batched, height, width)
         b = pixels.shape[0]
