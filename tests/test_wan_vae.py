@@ -83,6 +83,36 @@ def test_decode_matches_diffusers(reference, latents, unsharded):
     assert unsharded.min() >= -1 and unsharded.max() <= 1
 
 
+def test_widening_levels_match_diffusers(tmp_path):
+    """dim_mult [1, 2, 2, 2] (base 4): the levels change width, so the residual blocks' 1x1 shortcut
+    convs and the narrowing upsamplers run (the fixture model's constant widths never do)."""
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(3)
+    model = AutoencoderKLWan(
+        base_dim=4, z_dim=16, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gamma", "bias")):
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "vae")
+    vae = WanVAE.from_folder(tmp_path / "vae", compiler_options=FAST)
+    z = np.random.default_rng(1).standard_normal((1, 16, 2, 3, 4)).astype(np.float32)
+    video = np.random.default_rng(2).uniform(-1, 1, (1, 3, 5, 24, 32)).astype(np.float32)
+    with torch.no_grad():
+        want_video = model.decode(torch.from_numpy(z)).sample.numpy()
+        posterior = model.encode(torch.from_numpy(video)).latent_dist
+    decode_err = np.abs(np.asarray(vae.decode(z)) - want_video).max()
+    mean, logvar = vae.encode(video)
+    encode_err = max(
+        np.abs(np.asarray(mean) - posterior.mean.numpy()).max(),
+        np.abs(np.asarray(logvar) - posterior.logvar.numpy()).max(),
+    )
+    print(f"widening levels vs diffusers: decode {decode_err:.2e}, encode {encode_err:.2e}")
+    assert decode_err < TOL_TORCH and encode_err < TOL_TORCH
+
+
 def test_decode_latents_undoes_the_normalization(vae, latents, unsharded):
     mean = np.asarray(vae.config.latents_mean, np.float32).reshape(1, -1, 1, 1, 1)
     std = np.asarray(vae.config.latents_std, np.float32).reshape(1, -1, 1, 1, 1)
