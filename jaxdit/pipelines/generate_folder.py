@@ -44,7 +44,8 @@ def is_pipeline_folder(path: str | None) -> bool:
 
 
 def _check_preset(r: Any, folder: ModelFolder) -> None:
-    """``--model`` is optional with a folder (the folder says what it is); a preset given must match."""
+    """``--model`` is optional with a folder (the folder says what it is); a preset given must name the
+    folder's family (FLUX or Wan, and image-to-video or not). Its exact architecture is not compared."""
     from jaxdit.pipelines.generate import FLUX_PRESETS, TINY, WAN_PRESETS
 
     if r.model == TINY:
