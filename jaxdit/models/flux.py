@@ -34,7 +34,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +54,7 @@ from jaxdit.models.layers import (
     timestep_embedding,
 )
 from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 
@@ -404,21 +405,23 @@ def _stack(make, n: int, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def _scan(blocks: nnx.Module, carry, step):
-    """Run stacked ``blocks`` in order with ``lax.scan``: the program holds ONE block, whatever the depth."""
-    graphdef, state = nnx.split(blocks)
+class FluxCond(NamedTuple):
+    """What every FLUX block reads besides the streams: the AdaLN vector and the RoPE angles."""
 
-    def body(c, block_state):
-        return step(nnx.merge(graphdef, block_state), c), None
-
-    carry, _ = jax.lax.scan(body, carry, state)
-    return carry
+    vec: jax.Array  # [B, E] fp32: time + guidance + pooled text
+    angles: jax.Array  # [1, T+N, D/2] fp32: this shard's [text; image] positions, shared by the batch
 
 
 class FluxTransformer(nnx.Module):
-    """FLUX.1 transformer. ``__call__`` is the local view of one shard (see the module docstring);
-    ``jaxdit.models.sharded_forward`` wraps it in ``shard_map`` and ``jaxdit.load_transformer`` in a
-    diffusers-style callable."""
+    """FLUX.1 transformer, a staged forward (``jaxdit.models.staged``): embed -> double blocks on the
+    (text, image) streams -> single blocks on the joined stream -> final layer on the image tokens.
+
+    Everything is the local view of one shard (see the module docstring); ``__call__`` is the whole
+    forward, ``jaxdit.models.sharded_forward`` wraps it in ``shard_map`` and ``jaxdit.load_transformer``
+    in a diffusers-style callable.
+    """
+
+    STACKS = ("double_blocks", "single_blocks")
 
     def __init__(self, config: FluxConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
         cfg = config
@@ -453,6 +456,41 @@ class FluxTransformer(nnx.Module):
             raise ValueError("this FLUX model has no guidance embedding (schnell); pass guidance=None")
         return vec + self.vector_in(pooled)
 
+    # ------------------------------------------------------------------ staged forward
+    def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, FluxCond]:
+        """diffusers-named inputs (:data:`FORWARD_INPUTS`) -> the fp32 (text, image) streams and the
+        conditioning every block reads."""
+        cfg = self.config
+        vec = self.conditioning(
+            inputs["timestep"].astype(jnp.float32), inputs["pooled_projections"], inputs.get("guidance")
+        )
+        ids = ctx.layout.join_local([inputs["txt_ids"], inputs["img_ids"]], axis=0)
+        angles = rope_angles(ids, cfg.axes_dim, cfg.theta)[None]  # [1, T+N, D/2], shared by the batch
+        return self.embed_tokens(inputs["hidden_states"], inputs["encoder_hidden_states"]), FluxCond(
+            vec, angles
+        )
+
+    def embed_tokens(self, img: jax.Array, txt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Packed latents [B, N, C] and T5 tokens [B, T, C'] -> the fp32 (text, image) residual streams."""
+        return self.txt_in(txt).astype(jnp.float32), self.img_in(img).astype(jnp.float32)
+
+    def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
+        """The single blocks carry the joined per-shard [text; image] stream."""
+        if stack == "single_blocks":
+            return ctx.layout.join_local(list(streams))
+        return streams
+
+    def run_block(
+        self, stack: str, block: nnx.Module, streams: Any, cond: FluxCond, ctx: ShardContext
+    ) -> Any:
+        if stack == "double_blocks":
+            return block(streams[0], streams[1], cond.vec, cond.angles, ctx)
+        return block(streams, cond.vec, cond.angles, ctx)
+
+    def output(self, streams: jax.Array, cond: FluxCond, ctx: ShardContext) -> jax.Array:
+        """The joined stream's image tokens -> the velocity prediction [B, N, out_channels]."""
+        return self.final_layer(ctx.layout.split_local(streams)[IMAGE], cond.vec)
+
     def __call__(
         self,
         img: jax.Array,
@@ -474,22 +512,16 @@ class FluxTransformer(nnx.Module):
         """
         if ctx is None:
             ctx = ShardContext(ParallelConfig(), SequenceLayout((txt.shape[1], img.shape[1]), 1))
-        cfg = self.config
-        vec = self.conditioning(timestep.astype(jnp.float32), pooled, guidance)
-        ids = ctx.layout.join_local([txt_ids, img_ids], axis=0)
-        angles = rope_angles(ids, cfg.axes_dim, cfg.theta)[None]  # [1, T+N, D/2], shared by the batch
-        img = self.img_in(img).astype(jnp.float32)
-        txt = self.txt_in(txt).astype(jnp.float32)
-
-        if self.double_blocks is not None:
-            txt, img = _scan(
-                self.double_blocks, (txt, img), lambda block, c: block(c[0], c[1], vec, angles, ctx)
-            )
-        x = ctx.layout.join_local([txt, img])
-        if self.single_blocks is not None:
-            x = _scan(self.single_blocks, x, lambda block, c: block(c, vec, angles, ctx))
-        img = ctx.layout.split_local(x)[IMAGE]
-        return self.final_layer(img, vec)
+        inputs = dict(
+            hidden_states=img,
+            encoder_hidden_states=txt,
+            pooled_projections=pooled,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+            guidance=guidance,
+        )
+        return staged_forward(self, inputs, ctx)
 
 
 def abstract_model(config: FluxConfig, dtype: Any = jnp.float32) -> FluxTransformer:
@@ -521,16 +553,7 @@ FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 
 
 def _forward_body(model: FluxTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    return model(
-        x["hidden_states"],
-        x["encoder_hidden_states"],
-        x["pooled_projections"],
-        x["timestep"],
-        x["img_ids"],
-        x["txt_ids"],
-        x.get("guidance"),
-        ctx=ctx,
-    )
+    return staged_forward(model, x, ctx)
 
 
 def sharded(

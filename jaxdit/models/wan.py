@@ -39,7 +39,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +59,7 @@ from jaxdit.models.layers import (
     timestep_embedding,
 )
 from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.local_attention import local_attention
@@ -475,9 +476,24 @@ class WanImageEmbedding(nnx.Module):
         return _affine_layer_norm(self.fc2(h), self.norm_out_weight, self.norm_out_bias, 1e-5).astype(dtype)
 
 
+class WanCond(NamedTuple):
+    """What every Wan block (and the head) reads besides the video stream."""
+
+    temb: jax.Array  # [B, E] fp32 time embedding (the head's modulation)
+    time_mod: jax.Array  # [B, 6, E] fp32 time projection (the blocks' modulation)
+    text: jax.Array  # [B, T, E] embedded text context (cross-attention keys/values)
+    image: jax.Array | None  # [B, I, E] embedded CLIP features (I2V), else None
+    angles: jax.Array  # [1, N, D/2] fp32 RoPE angles of this shard's video tokens
+
+
 class WanTransformer(nnx.Module):
-    """Wan 2.1 DiT. ``__call__`` is the local view of one sequence shard (see the module docstring);
-    :func:`forward_unsharded` runs it on one device from a [B, C, F, H, W] latent."""
+    """Wan 2.1 DiT, a staged forward (``jaxdit.models.staged``): embed -> one stack of blocks -> output.
+
+    Everything is the local view of one sequence shard (see the module docstring); ``__call__`` is the
+    whole forward and :func:`forward_unsharded` runs it on one device from a [B, C, F, H, W] latent.
+    """
+
+    STACKS = ("blocks",)
 
     def __init__(self, config: WanConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
         cfg = config
@@ -501,17 +517,17 @@ class WanTransformer(nnx.Module):
     def dtype(self) -> Any:
         return self.patch_embedding.kernel.dtype
 
-    def embed_conditions(
-        self, timestep: jax.Array, text: jax.Array, image: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
-        """(temb [B, E], time projection [B, 6, E], text [B, T, E], image [B, I, E] or None).
-
-        Replicated over sequence shards: they depend on the timestep and the short context only.
-        """
+    def embed_time(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(temb [B, E], time projection [B, 6, E]) in fp32 from timesteps [B] in [0, 1000)."""
         cfg = self.config
         t = timestep_embedding(jnp.asarray(timestep).reshape(-1), cfg.freq_dim)
         temb = fp32_linear(self.time_embedding_2, jax.nn.silu(fp32_linear(self.time_embedding_1, t)))
-        time_mod = fp32_linear(self.time_projection, jax.nn.silu(temb)).reshape(-1, 6, cfg.dim)
+        return temb, fp32_linear(self.time_projection, jax.nn.silu(temb)).reshape(-1, 6, cfg.dim)
+
+    def embed_context(
+        self, text: jax.Array, image: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array | None]:
+        """(text [B, T, E], image [B, I, E] or None): the cross-attention context, step-independent."""
         txt = gelu_tanh(self.text_embedding_1(text).astype(jnp.float32)).astype(self.dtype)
         txt = self.text_embedding_2(txt)
         img = None
@@ -521,7 +537,47 @@ class WanTransformer(nnx.Module):
             img = self.image_embedding(image)
         elif image is not None:
             raise ValueError("encoder_hidden_states_image given to a T2V Wan model (it has no image input)")
-        return temb, time_mod, txt, img
+        return txt, img
+
+    def embed_conditions(
+        self, timestep: jax.Array, text: jax.Array, image: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
+        """(temb [B, E], time projection [B, 6, E], text [B, T, E], image [B, I, E] or None).
+
+        Replicated over sequence shards: they depend on the timestep and the short context only.
+        """
+        return (*self.embed_time(timestep), *self.embed_context(text, image))
+
+    # ------------------------------------------------------------------ staged forward
+    def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[jax.Array, WanCond]:
+        """diffusers-named inputs (:data:`FORWARD_INPUTS`: patch tokens, their positions, timestep,
+        text and image context) -> the fp32 video stream and the conditioning every block reads."""
+        cfg = self.config
+        temb, time_mod = self.embed_time(inputs["timestep"])
+        txt, img = self.embed_context(
+            inputs["encoder_hidden_states"], inputs.get("encoder_hidden_states_image")
+        )
+        angles = rope_angles(inputs["positions"], cfg.rope_axes_dim, cfg.rope_theta)[None]
+        x = self.patch_embedding(inputs["hidden_states"]).astype(jnp.float32)
+        return x, WanCond(temb, time_mod, txt, img, angles)
+
+    def enter(self, stack: str, streams: jax.Array, ctx: ShardContext) -> jax.Array:
+        return streams
+
+    def run_block(
+        self, stack: str, block: nnx.Module, streams: jax.Array, cond: WanCond, ctx: ShardContext
+    ) -> jax.Array:
+        return block(streams, cond.time_mod, cond.text, cond.image, cond.angles, ctx)
+
+    def head_prediction(self, x: jax.Array, temb: jax.Array) -> jax.Array:
+        """The video stream [B, N, E] -> output patches [B, N, pt*ph*pw*C_out] fp32 (features (p, c))."""
+        cfg = self.config
+        shift, scale = (self.head_modulation[...][None] + temb[:, None, :]).transpose(1, 0, 2)[:, :, None]
+        h = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(self.dtype)
+        return self.head(h).astype(jnp.float32)
+
+    def output(self, streams: jax.Array, cond: WanCond, ctx: ShardContext) -> jax.Array:
+        return self.head_prediction(streams, cond.temb)
 
     def __call__(
         self,
@@ -542,21 +598,14 @@ class WanTransformer(nnx.Module):
         """
         if ctx is None:
             ctx = ShardContext(ParallelConfig(), SequenceLayout((patches.shape[1],), 1))
-        cfg = self.config
-        temb, time_mod, txt, img = self.embed_conditions(timestep, text, image)
-        angles = rope_angles(positions, cfg.rope_axes_dim, cfg.rope_theta)[None]  # shared by the batch
-        x = self.patch_embedding(patches).astype(jnp.float32)
-
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def body(x, block_state):
-            return nnx.merge(graphdef, block_state)(x, time_mod, txt, img, angles, ctx), None
-
-        x, _ = jax.lax.scan(body, x, stacked)
-
-        shift, scale = (self.head_modulation[...][None] + temb[:, None, :]).transpose(1, 0, 2)[:, :, None]
-        h = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(self.dtype)
-        return self.head(h).astype(jnp.float32)
+        inputs = dict(
+            hidden_states=patches,
+            positions=positions,
+            timestep=timestep,
+            encoder_hidden_states=text,
+            encoder_hidden_states_image=image,
+        )
+        return staged_forward(self, inputs, ctx)
 
 
 def forward_unsharded(
@@ -603,14 +652,7 @@ FORWARD_OUTPUT = Arg(("batch", "seq", None), 0)
 
 
 def _forward_body(model: WanTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    return model(
-        x["hidden_states"],
-        x["positions"],
-        x["timestep"],
-        x["encoder_hidden_states"],
-        x.get("encoder_hidden_states_image"),
-        ctx=ctx,
-    )
+    return staged_forward(model, x, ctx)
 
 
 def sharded(

@@ -4,7 +4,8 @@
 - ``unipc``: UniPC multistep predictor-corrector on flow sigmas (Wan 2.1).
 
 Both modules name their functions ``set_timesteps`` / ``step``; call them through the module, e.g.
-``unipc.step(schedule, state, x, v)``.
+``unipc.step(schedule, state, x, v)``. ``sampler`` binds each to the protocol the denoising loops use
+(:class:`Sampler`: schedule, init_state, model_time, step with an explicit step index).
 """
 
 from jaxdit.samplers import flow_match_euler, unipc
@@ -14,12 +15,16 @@ from jaxdit.samplers.flow_match_euler import (
     flux_mu,
     flux_sigmas,
 )
+from jaxdit.samplers.sampler import EulerSampler, Sampler, UniPCSampler
 from jaxdit.samplers.unipc import UniPCConfig, UniPCSchedule, UniPCState
 
 __all__ = [
+    "EulerSampler",
     "FlowMatchEulerConfig",
     "FlowMatchEulerSchedule",
+    "Sampler",
     "UniPCConfig",
+    "UniPCSampler",
     "UniPCSchedule",
     "UniPCState",
     "flow_match_euler",
