@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from converters.checkpoints import CheckpointFormat
 from converters.errors import CheckpointError
 from converters.keymap import (
     IDENTITY,
@@ -40,10 +41,11 @@ from converters.keymap import (
     resolve,
 )
 from converters.safetensors_io import CheckpointFiles, open_checkpoint, write_safetensors
-from jaxdit.models.flux import FluxConfig
+from jaxdit.models.flux import FluxConfig, abstract_model
 
 __all__ = [
     "BFL_PREFIX",
+    "CHECKPOINTS",
     "FluxCheckpoint",
     "bfl_table",
     "detect",
@@ -393,3 +395,13 @@ def write_bfl(
     """Write a diffusers state dict as a BFL single file (atomically), through the inverted BFL table."""
     bfl = invert(bfl_table(cfg), diffusers_to_params(cfg, state_dict), prefix=prefix)
     return write_safetensors(path, bfl)
+
+
+#: FLUX checkpoints as ``jaxdit.loading`` reads them (BFL, diffusers, or a ``jaxdit convert`` folder).
+CHECKPOINTS = CheckpointFormat(
+    name="flux",
+    detect=is_flux_checkpoint,
+    open=lambda path, config: detect(path, config),
+    config_class=FluxConfig,
+    abstract_model=abstract_model,
+)

@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from converters.checkpoints import CheckpointFormat
 from converters.errors import CheckpointError
 from converters.keymap import IDENTITY, TRANSPOSE, Hook, KeyRule, KeyTable, StateDict, invert, resolve
 from converters.safetensors_io import (
@@ -45,9 +46,10 @@ from converters.safetensors_io import (
     transpose,
     write_safetensors,
 )
-from jaxdit.models.wan import WanConfig
+from jaxdit.models.wan import WanConfig, abstract_model
 
 __all__ = [
+    "CHECKPOINTS",
     "ORIGINAL_PREFIX",
     "ConvPatchKernel",
     "DropUnitAxis",
@@ -518,3 +520,13 @@ def _write_text(path: Path, text: str) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
+
+
+#: Wan checkpoints as ``jaxdit.loading`` reads them (original, diffusers, or a ``jaxdit convert`` folder).
+CHECKPOINTS = CheckpointFormat(
+    name="wan",
+    detect=is_wan_checkpoint,
+    open=lambda path, config: detect(path, config),
+    config_class=WanConfig,
+    abstract_model=abstract_model,
+)

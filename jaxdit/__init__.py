@@ -10,7 +10,7 @@ __version__ = "0.1.0"
 def __getattr__(name: str):
     # Deferred: loading pulls in flax, the models and the converters, which `import jaxdit` need not pay for.
     if name == "load_transformer":
-        from jaxdit.loading import load_transformer
+        from jaxdit.families import load_transformer
 
         return load_transformer
     raise AttributeError(f"module 'jaxdit' has no attribute {name!r}")

@@ -19,7 +19,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _convert(args: argparse.Namespace) -> int:
-    from jaxdit.loading import convert_checkpoint
+    from jaxdit.families import convert_checkpoint
 
     out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite)
     print(f"wrote {out}")
@@ -143,7 +143,7 @@ def _add_generate(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jaxdit.pipelines.generate import GenerateRequest, check_request, run
+    from jaxdit.generate import GenerateRequest, check_request, run
 
     request = GenerateRequest.from_args(args)
     check_request(request)  # every flag combination, before jax starts or anything loads

@@ -135,3 +135,16 @@ class ParallelConfig:
 def single_device_mesh(device: jax.Device | None = None) -> Mesh:
     """A mesh of one device with every axis of size 1 (the unsharded reference)."""
     return ParallelConfig().make_mesh([device or jax.devices()[0]])
+
+
+def mesh_for(parallel: ParallelConfig | Mesh | None) -> Mesh:
+    """The mesh of ``parallel``: a mesh as is, a config's mesh on the first ``num_devices`` devices (e.g.
+    one device of eight), or one device for None."""
+    if parallel is None:
+        return single_device_mesh()
+    if isinstance(parallel, Mesh):
+        return parallel
+    devices = jax.devices()
+    return parallel.make_mesh(
+        devices[: parallel.num_devices] if parallel.num_devices < len(devices) else devices
+    )

@@ -23,7 +23,7 @@ from converters.keymap import StateDict, invert, resolve
 from converters.safetensors_io import open_checkpoint, write_safetensors
 from jaxdit import load_transformer
 from jaxdit.cli import main as cli_main
-from jaxdit.loading import load_params
+from jaxdit.families import load_params
 from jaxdit.mesh import ParallelConfig, single_device_mesh
 from jaxdit.models.flux import FluxConfig, parameter_shapes
 from jaxdit.models.partitioning import named_shardings

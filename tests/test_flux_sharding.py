@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxdit import hlo_stats, load_transformer
-from jaxdit.loading import load_params
+from jaxdit.families import load_params
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.models.partitioning import named_shardings, partition_specs

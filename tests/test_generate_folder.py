@@ -8,7 +8,7 @@ import tiny_pipelines
 from PIL import Image
 
 from jaxdit import cli
-from jaxdit.pipelines.generate import GenerateRequest, check_request
+from jaxdit.generate import GenerateRequest, check_request
 
 
 def _request(**kwargs):

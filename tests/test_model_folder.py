@@ -4,7 +4,13 @@ import json
 
 import pytest
 
-from jaxdit.pipelines import model_folder as mf
+from jaxdit.families import open_folder
+from jaxdit.pipelines import wan as wan_pipeline
+
+
+def open_model_folder(path):
+    return open_folder(path)[1]
+
 
 FLUX_COMPONENTS = (
     "transformer",
@@ -30,30 +36,30 @@ def _diffusers_folder(root, class_name, components, skip=(), extra=None):
 
 
 def test_flux_diffusers_folder_names_every_component(tmp_path):
-    folder = mf.open_model_folder(_diffusers_folder(tmp_path / "flux", "FluxPipeline", FLUX_COMPONENTS))
-    assert (folder.kind, folder.layout) == (mf.FLUX, "diffusers")
+    folder = open_model_folder(_diffusers_folder(tmp_path / "flux", "FluxPipeline", FLUX_COMPONENTS))
+    assert (folder.kind, folder.layout) == ("flux", "diffusers")
     assert folder["vae"] == tmp_path / "flux" / "vae"
     assert folder.scheduler_config == {"shift": 3.0}
-    assert not folder.is_wan
+    assert folder.family != "wan"
 
 
 def test_missing_components_are_all_listed(tmp_path):
     root = _diffusers_folder(tmp_path / "flux", "FluxPipeline", FLUX_COMPONENTS, skip=("vae", "tokenizer_2"))
     with pytest.raises(ValueError, match=r"missing: vae/, tokenizer_2/"):
-        mf.open_model_folder(root)
+        open_model_folder(root)
 
 
 def test_unsupported_pipeline_class_is_named(tmp_path):
     root = _diffusers_folder(tmp_path / "sd", "StableDiffusionPipeline", ("unet", "vae", "scheduler"))
     with pytest.raises(ValueError, match="'StableDiffusionPipeline'; jaxdit runs FluxPipeline"):
-        mf.open_model_folder(root)
+        open_model_folder(root)
 
 
 def test_wan22_two_transformer_folder_is_rejected(tmp_path):
     components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     root = _diffusers_folder(tmp_path / "wan", "WanPipeline", components, extra={"transformer_2": ["d", "W"]})
     with pytest.raises(ValueError, match="Wan 2.2"):
-        mf.open_model_folder(root)
+        open_model_folder(root)
 
 
 def test_wan_i2v_diffusers_folder(tmp_path):
@@ -66,59 +72,59 @@ def test_wan_i2v_diffusers_folder(tmp_path):
         "image_encoder",
         "image_processor",
     )
-    folder = mf.open_model_folder(_diffusers_folder(tmp_path / "i2v", "WanImageToVideoPipeline", components))
-    assert folder.kind == mf.WAN_I2V and folder.is_wan
+    folder = open_model_folder(_diffusers_folder(tmp_path / "i2v", "WanImageToVideoPipeline", components))
+    assert folder.kind == "wan-i2v" and folder.family == "wan"
 
 
 def _wan_original(root, skip=()):
     root.mkdir()
     (root / "config.json").write_text(json.dumps({"model_type": "t2v", "dim": 1536}))
-    for name in (mf.WAN_ORIGINAL_VAE, mf.WAN_ORIGINAL_T5):
+    for name in (wan_pipeline.ORIGINAL_VAE, wan_pipeline.ORIGINAL_T5):
         if name not in skip:
             (root / name).write_bytes(b"")
-    if mf.WAN_ORIGINAL_TOKENIZER not in skip:
-        (root / mf.WAN_ORIGINAL_TOKENIZER).mkdir(parents=True)
+    if wan_pipeline.ORIGINAL_TOKENIZER not in skip:
+        (root / wan_pipeline.ORIGINAL_TOKENIZER).mkdir(parents=True)
     return root
 
 
 def test_wan_original_release_folder(tmp_path):
-    folder = mf.open_model_folder(_wan_original(tmp_path / "Wan2.1-T2V-1.3B"))
-    assert (folder.kind, folder.layout) == (mf.WAN_T2V, "wan-original")
-    assert folder["vae"].name == mf.WAN_ORIGINAL_VAE and folder.scheduler_config is None
+    folder = open_model_folder(_wan_original(tmp_path / "Wan2.1-T2V-1.3B"))
+    assert (folder.kind, folder.layout) == ("wan-t2v", "wan-original")
+    assert folder["vae"].name == wan_pipeline.ORIGINAL_VAE and folder.scheduler_config is None
 
 
 def test_wan_original_folder_missing_the_tokenizer(tmp_path):
     with pytest.raises(ValueError, match="missing: google/umt5-xxl"):
-        mf.open_model_folder(_wan_original(tmp_path / "w", skip=(mf.WAN_ORIGINAL_TOKENIZER,)))
+        open_model_folder(_wan_original(tmp_path / "w", skip=(wan_pipeline.ORIGINAL_TOKENIZER,)))
 
 
 def test_wan_original_i2v_release_points_to_the_diffusers_folder(tmp_path):
     root = _wan_original(tmp_path / "w")
-    (root / mf.WAN_ORIGINAL_CLIP).write_bytes(b"")
+    (root / wan_pipeline.ORIGINAL_CLIP).write_bytes(b"")
     with pytest.raises(ValueError, match="open-clip layout"):
-        mf.open_model_folder(root)
+        open_model_folder(root)
 
 
 def test_a_transformer_folder_alone_is_not_a_pipeline(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="no pipeline"):
-        mf.open_model_folder(tmp_path)
+        open_model_folder(tmp_path)
 
 
 def test_not_a_folder(tmp_path):
     with pytest.raises(ValueError, match="is not a folder"):
-        mf.open_model_folder(tmp_path / "nothing")
+        open_model_folder(tmp_path / "nothing")
 
 
 def test_missing_scheduler_config_is_named(tmp_path):
     root = _diffusers_folder(tmp_path / "flux", "FluxPipeline", FLUX_COMPONENTS)
     (root / "scheduler" / "scheduler_config.json").unlink()
     with pytest.raises(ValueError, match=r"scheduler_config.json: cannot read it"):
-        mf.open_model_folder(root)
+        open_model_folder(root)
 
 
 def test_wan_original_folder_without_config_json(tmp_path):
     root = _wan_original(tmp_path / "w")
     (root / "config.json").unlink()
     with pytest.raises(ValueError, match=r"config.json: cannot read it"):
-        mf.open_model_folder(root)
+        open_model_folder(root)

@@ -24,7 +24,8 @@ from flax import nnx
 from jax import lax
 from pipefusion_helpers import ReferenceContext, collectives, make_mesh
 
-from jaxdit.loading import load_params
+from jaxdit.families import load_params
+from jaxdit.generate import GenerateRequest, check_request
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.models.layers import rope_angles
@@ -34,7 +35,6 @@ from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines import pipefusion_flux as pf
 from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.flux import tiny_digits as serial_pipeline
-from jaxdit.pipelines.generate import GenerateRequest, check_request
 from jaxdit.samplers import flow_match_euler as euler
 
 FAST = {"xla_backend_optimization_level": 0}

@@ -26,14 +26,14 @@ from flax import nnx
 from jax import lax
 from pipefusion_helpers import ReferenceContext, collectives, make_mesh
 
-from jaxdit.loading import load_params
+from jaxdit.families import load_params
+from jaxdit.generate import GenerateRequest, check_request
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.layers import rope_angles
 from jaxdit.parallel.pipefusion import PipeSchedule
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines import pipefusion_wan as pw
-from jaxdit.pipelines.generate import GenerateRequest, check_request
 from jaxdit.pipelines.wan import WanPipeline, swap_features
 from jaxdit.samplers import unipc
 

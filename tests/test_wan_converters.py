@@ -17,7 +17,7 @@ from converters.errors import CheckpointError, CheckpointKeyError
 from converters.keymap import StateDict, invert, resolve
 from converters.safetensors_io import open_checkpoint, write_safetensors
 from jaxdit import cli
-from jaxdit.loading import convert_checkpoint, load_transformer
+from jaxdit.families import convert_checkpoint, load_transformer
 from jaxdit.models.wan import WanConfig, parameter_shapes
 
 #: Quick CPU compiles for the few tests that run the model (numerics are tested elsewhere).

@@ -301,7 +301,7 @@ def test_cli_checks_wan_before_jax_starts(embeds):
     """A valid Wan request passes check_request without any jax backend coming up (a fresh process)."""
     code = f"""
 from jaxdit.cli import build_parser
-from jaxdit.pipelines.generate import GenerateRequest, check_request
+from jaxdit.generate import GenerateRequest, check_request
 args = build_parser().parse_args({_wan_args(embeds, "--use_cfg_parallel", "--ulysses_degree", "4")!r})
 check_request(GenerateRequest.from_args(args))
 from jax._src import xla_bridge

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import wan_tiny
 
+from jaxdit.families import load_transformer
 from jaxdit.hlo_stats import collectives
-from jaxdit.loading import load_transformer
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 

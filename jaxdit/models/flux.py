@@ -542,8 +542,8 @@ def parameter_shapes(config: FluxConfig) -> dict[str, tuple[int, ...]]:
 #: image tokens group 1, so shard r holds [text_r; image_r]; the ids are padded with their tokens.
 FORWARD_INPUTS: dict[str, Arg] = {
     "hidden_states": Arg(("batch", "seq", None), IMAGE),
-    "encoder_hidden_states": Arg(("batch", "seq", None), TEXT),
-    "pooled_projections": Arg(("batch", None)),
+    "encoder_hidden_states": Arg(("batch", "seq", None), TEXT, model_dtype=True),
+    "pooled_projections": Arg(("batch", None), model_dtype=True),
     "timestep": Arg(("batch",)),
     "img_ids": Arg(("seq", None), IMAGE),
     "txt_ids": Arg(("seq", None), TEXT),

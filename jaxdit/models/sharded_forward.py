@@ -49,10 +49,13 @@ class Arg:
 
     ``axes``: a logical name per dimension (e.g. ``("batch", "seq", None)``). ``group``: the token group
     whose length the "seq" dimension has; such arrays are padded to the group's shard-major layout.
+    ``model_dtype``: features the model embeds (text, pooled, image features), placed in the model's
+    dtype; other inputs (positions, timesteps, guidance) keep their own.
     """
 
     axes: tuple[str | None, ...]
     group: int | None = None
+    model_dtype: bool = False
 
     def __post_init__(self) -> None:
         if (self.group is not None) != ("seq" in self.axes):

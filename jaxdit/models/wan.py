@@ -645,8 +645,8 @@ FORWARD_INPUTS: dict[str, Arg] = {
     "hidden_states": Arg(("batch", "seq", None), 0),
     "positions": Arg(("seq", None), 0),
     "timestep": Arg(("batch",)),
-    "encoder_hidden_states": Arg(("batch", None, None)),
-    "encoder_hidden_states_image": Arg(("batch", None, None)),
+    "encoder_hidden_states": Arg(("batch", None, None), model_dtype=True),
+    "encoder_hidden_states_image": Arg(("batch", None, None), model_dtype=True),
 }
 FORWARD_OUTPUT = Arg(("batch", "seq", None), 0)
 

@@ -1,4 +1,4 @@
-"""A downloaded model folder -> a ready pipeline: transformer on the mesh, encoders and VAE beside it.
+"""A downloaded model folder -> a ready pipeline: the pieces every family's ``from_pretrained`` shares.
 
 Placement, and why:
 
@@ -11,141 +11,88 @@ Placement, and why:
   activation memory per device falls with the device count; 720p video is decodable this way.
 
 Everything that can be wrong with the folder or with the mesh (missing components, heads the degrees do
-not split) is reported before any weight is read.
+not split, a transformer checkpoint whose tensors do not match its config) is reported before any weight
+is read: :func:`check_transformer` needs only the config and the file headers.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
+from converters.checkpoints import CheckpointFormat
+from jaxdit.loading import load_params, resolve_keys
 from jaxdit.mesh import ParallelConfig
-from jaxdit.pipelines.model_folder import FLUX, WAN_I2V, ModelFolder, open_model_folder
+from jaxdit.models.sharded_forward import validate_forward
 
-__all__ = ["flux_pipeline", "wan_pipeline"]
-
-
-def _transformer_config(folder: ModelFolder, mesh: Mesh) -> Any:
-    """The transformer's config, checked against the mesh, and its key table checked against the
-    checkpoint's tensor names and shapes -- from the config and file headers only, so a broken transformer
-    checkpoint is reported before the (large) text encoders are read."""
-    from flax import nnx
-
-    from jaxdit.loading import _path, detect_family
-    from jaxdit.models.sharded_forward import validate_forward
-
-    path = Path(folder["transformer"])
-    family = detect_family(path)
-    source = family.open(path, None)
-    validate_forward(ParallelConfig.from_mesh(mesh), source.config.num_heads)
-    abstract = nnx.state(family.abstract_model(source.config, jnp.float32))
-    source.resolve({_path(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)})  # strict: names keys
-    return source.config
+__all__ = ["as_dtype", "check_transformer", "load_model", "preset_check"]
 
 
-def _dtype(dtype: Any) -> Any:
+def as_dtype(dtype: Any) -> Any:
+    """None, a name or a dtype -> None or a numpy dtype (None: the checkpoint's own)."""
     return None if dtype is None else jnp.dtype(dtype)
 
 
-def flux_pipeline(
-    path: str | Path,
-    parallel: ParallelConfig | Mesh | None = None,
-    dtype: Any = None,
-    *,
-    encoder_device: jax.Device | None = None,
-    kernel: dict[str, int] | None = None,
-    compiler_options: dict[str, Any] | None = None,
-):
-    """A FLUX.1 diffusers pipeline folder as a :class:`jaxdit.pipelines.flux.FluxPipeline`."""
-    from jaxdit.loading import _mesh, load_params
-    from jaxdit.pipelines.flux import FluxPipeline
-    from jaxdit.samplers.flow_match_euler import FlowMatchEulerConfig
-    from jaxdit.text_encoders import FluxTextEncoders
-    from jaxdit.vae.autoencoder_kl import FluxVAE
-
-    folder = open_model_folder(path)
-    if folder.kind != FLUX:
-        raise ValueError(f"{path} is a {folder.kind} folder, not FLUX.1 (use WanPipeline.from_pretrained)")
-    mesh = _mesh(parallel)
-    config = _transformer_config(folder, mesh)
-    scheduler = FlowMatchEulerConfig.from_diffusers(folder.scheduler_config)
-    dtype = _dtype(dtype)
-    encoders = FluxTextEncoders.from_folder(
-        folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
-    )
-    vae = FluxVAE.from_folder(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-    _, model = load_params(folder["transformer"], mesh, dtype)
-    factor = 2 ** (len(vae.config.block_out_channels) - 1)
-    return FluxPipeline(
-        model,
-        mesh,
-        scheduler=scheduler,
-        encode=encoders,
-        decode=lambda z: np.asarray(vae.decode_latents(z, mesh=mesh)),
-        latent_channels=config.in_channels // 4,
-        vae_scale_factor=factor,
-        kernel=kernel,
-        compiler_options=compiler_options,
-    )
+def check_transformer(
+    path: Path, mesh: Mesh, checkpoints: CheckpointFormat, check: Callable[[Any], None] | None = None
+) -> Any:
+    """The transformer's config, checked against the mesh (and ``check``), and its key table checked
+    against the checkpoint's tensor names and shapes -- from the config and file headers only, so a broken
+    transformer checkpoint is reported before the (large) text encoders are read."""
+    source = checkpoints.open(Path(path), None)
+    if check is not None:
+        check(source.config)
+    parallel = ParallelConfig.from_mesh(mesh)
+    if parallel.pipefusion > 1:
+        parallel.validate_heads(source.config.num_heads)
+    else:
+        validate_forward(parallel, source.config.num_heads)
+    resolve_keys(checkpoints, source)  # strict: names the key
+    return source.config
 
 
-def wan_pipeline(
-    path: str | Path,
-    parallel: ParallelConfig | Mesh | None = None,
-    dtype: Any = None,
-    *,
-    encoder_device: jax.Device | None = None,
-    vae_dtype: Any = jnp.float32,
-    kernel: dict[str, int] | None = None,
-    compiler_options: dict[str, Any] | None = None,
-):
-    """A Wan 2.1 folder (diffusers ``WanPipeline`` / ``WanImageToVideoPipeline``, or Wan's original T2V
-    release) as a :class:`jaxdit.pipelines.wan.WanPipeline`. The VAE stays in fp32 by default whatever
-    ``dtype`` (as Wan's own code and diffusers' Wan examples keep it); ``vae_dtype`` overrides."""
-    from jaxdit.loading import _mesh, load_params
-    from jaxdit.pipelines.wan import WanPipeline
-    from jaxdit.samplers.unipc import UniPCConfig
-    from jaxdit.text_encoders import WanTextEncoder
-    from jaxdit.vae.wan_vae import WanVAE
+def load_model(
+    path: Path,
+    mesh: Mesh,
+    dtype: Any,
+    checkpoints: CheckpointFormat,
+    check: Callable[[Any], None] | None = None,
+) -> nnx.Module:
+    """The transformer's parameters on ``mesh``: the plain model (every layer on every device)."""
 
-    folder = open_model_folder(path)
-    if not folder.is_wan:
-        raise ValueError(f"{path} is a {folder.kind} folder, not Wan 2.1 (use FluxPipeline.from_pretrained)")
-    mesh = _mesh(parallel)
-    _transformer_config(folder, mesh)
-    scheduler = UniPCConfig.from_diffusers(folder.scheduler_config) if folder.scheduler_config else None
-    dtype = _dtype(dtype)
-    text = WanTextEncoder.from_folder(
-        folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
-    )
-    vae = WanVAE.from_folder(folder["vae"], dtype=_dtype(vae_dtype), compiler_options=compiler_options)
-    encode_image = None
-    if folder.kind == WAN_I2V:
-        from jaxdit.pipelines.wan_image import ImageCondition
-        from jaxdit.text_encoders import WanImageEncoder
+    def checks(config: Any) -> None:
+        if check is not None:
+            check(config)
+        validate_forward(ParallelConfig.from_mesh(mesh), config.num_heads)
 
-        image_encoder = WanImageEncoder.from_folder(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
-        )
-        encode_image = ImageCondition(image_encoder, vae, mesh=mesh)
-    _, model = load_params(folder["transformer"], mesh, dtype)
+    return load_params(path, mesh, as_dtype(dtype), family=checkpoints, check=checks)
 
-    def decode(z: np.ndarray) -> np.ndarray:
-        video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
-        return video.transpose(0, 2, 3, 4, 1)  # the pipeline's frames [B, F, H, W, 3]
 
-    return WanPipeline(
-        model,
-        mesh,
-        scheduler=scheduler,
-        encode=text,
-        decode=decode,
-        encode_image=encode_image,
-        kernel=kernel,
-        compiler_options=compiler_options,
-    )
+def preset_check(
+    path: Any, checkpoints: CheckpointFormat, preset: str | None
+) -> Callable[[Any], None] | None:
+    """A check of a checkpoint's config before any weight is read: with ``preset`` (e.g.
+    ``"wan2.1-t2v-14b"``) it must be that architecture; the message names the fields that differ.
+
+    The preset is looked up here, so an unknown name fails before the checkpoint is opened.
+    """
+    if preset is None:
+        return None
+    expected = checkpoints.config_class.preset(preset)
+
+    def check(config: Any) -> None:
+        if config != expected:
+            diff = [
+                f"{f.name}={getattr(config, f.name)} (preset: {getattr(expected, f.name)})"
+                for f in dataclasses.fields(config)
+                if getattr(config, f.name) != getattr(expected, f.name)
+            ]
+            raise ValueError(f"{path} is not {preset}: {', '.join(diff)}")
+
+    return check

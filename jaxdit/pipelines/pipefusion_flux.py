@@ -57,6 +57,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from converters.flux import CHECKPOINTS
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.models.layers import rope_angles
@@ -71,9 +72,11 @@ from jaxdit.parallel.pipefusion import (
     write_patch,
 )
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines.flux import Decoder, Encoder, FluxPipeline, GenerationOutput, abstract_like
+from jaxdit.pipelines.denoiser import abstract_like
+from jaxdit.pipelines.flux import Decoder, Encoder, FluxPipeline, GenerationOutput
 from jaxdit.pipelines.pipefusion_programs import StagePrograms
 from jaxdit.pipelines.pipefusion_stages import StagedModel
+from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 
 __all__ = [
@@ -161,7 +164,7 @@ class PipeFusionFlux(StagedModel):
     heads, stacks and degrees are checked before a tensor is read) or :meth:`abstract` (shapes only).
     """
 
-    family = "flux"
+    checkpoints = CHECKPOINTS
     wrong_family = "{path}: PipeFusion runs FLUX checkpoints; this one is {family}"
     dtype_param = ("img_in", "kernel")
     check = staticmethod(_check_model)
@@ -627,19 +630,20 @@ class PipeFusionFluxPipeline(FluxPipeline):
         if num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
         pc, cfg = self.parallel, self.model.config
-        h, w = self._latent_size(height, width)
+        h, w = self.latent_size(height, width)
         rows, cols = h // 2, w // 2
         patches = num_pipeline_patch or default_num_patches(pc.pipefusion, rows)
         validate_pipefusion(pc.pipefusion, patches, warmup_steps, num_inference_steps)
         validate_patches(rows, cols, patches, pc.sequence_degree)
 
-        txt, pooled = self._conditioning(prompt, prompt_embeds, pooled_prompt_embeds)
+        r = GenerationRequest()
+        txt, pooled = self._conditioning(prompt, prompt_embeds, pooled_prompt_embeds, r)
         has_negative = negative_prompt is not None or negative_prompt_embeds is not None
         true_cfg = has_negative and true_cfg_scale > 1.0
-        self._check_cfg(true_cfg)
+        self.check_cfg(true_cfg)
         if true_cfg:
             neg_txt, neg_pooled = self._conditioning(
-                negative_prompt, negative_prompt_embeds, negative_pooled_prompt_embeds, batch=txt.shape[0]
+                negative_prompt, negative_prompt_embeds, negative_pooled_prompt_embeds, r, txt.shape[0]
             )
             if neg_txt.shape != txt.shape:
                 raise ValueError(
@@ -697,19 +701,19 @@ class PipeFusionFluxPipeline(FluxPipeline):
 
 
 def _progress(iterable, enabled: bool, total: int):
-    from jaxdit.pipelines.flux import _progress as progress
+    from jaxdit.pipelines.denoiser import progress_bar
 
-    return progress(iterable, enabled, total)
+    return progress_bar(iterable, enabled, total)
 
 
 def tiny_digits(
     parallel: ParallelConfig | Mesh, folder: str | Path | None = None, **options: Any
 ) -> PipeFusionFluxPipeline:
     """The bundled ``tiny-digits`` model with PipeFusion (see ``jaxdit.pipelines.flux.tiny_digits``)."""
-    from jaxdit.loading import _mesh
+    from jaxdit.mesh import mesh_for
     from jaxdit.pipelines import tiny_digits as tiny
 
-    mesh = parallel if isinstance(parallel, Mesh) else _mesh(parallel)
+    mesh = mesh_for(parallel)
     folder = folder or tiny.asset_dir()
     model = PipeFusionFlux.load(folder, mesh, jnp.float32)
     labels = tiny.LabelEncoder.load(folder)

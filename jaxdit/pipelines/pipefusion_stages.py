@@ -70,8 +70,8 @@ class StagedModel:
     exists, to check a config before a tensor is read).
     """
 
-    #: ``jaxdit.loading.detect_family``'s name for this family's checkpoints.
-    family: ClassVar[str]
+    #: This family's checkpoints (``converters.<family>.CHECKPOINTS``).
+    checkpoints: ClassVar[Any]
     #: The error for another family's checkpoint, formatted with ``path`` and ``family``.
     wrong_family: ClassVar[str]
     #: A parameter whose dtype is the model's (norm and modulation tables may be fp32 whatever it is).
@@ -170,17 +170,20 @@ class StagedModel:
         """:meth:`load` with ``check(config)`` run on the checkpoint's config before any tensor is read."""
         from converters import orbax_io
         from converters.keymap import place_params
-        from jaxdit.loading import _path, detect_family, load_params
+        from jaxdit.loading import flat_path as _path
+        from jaxdit.loading import load_params
 
         pc = ParallelConfig.from_mesh(mesh)
+        family = cls.checkpoints
         if orbax_io.is_orbax_checkpoint(Path(path)):
             # Orbax restores into the checkpoint's own (unpadded) stacks: restore without the layer split,
             # then re-lay out (each device briefly holds every block).
-            _, model = load_params(path, mesh, dtype, rules=rules_for(tensor=pc.tensor), check=check)
+            model = load_params(
+                path, mesh, dtype, family=family, rules=rules_for(tensor=pc.tensor), check=check
+            )
             return cls.from_model(model, mesh)
-        family = detect_family(path)
-        if family.name != cls.family:
-            raise ValueError(cls.wrong_family.format(path=path, family=family.name))
+        if not family.detect(Path(path)):
+            raise ValueError(cls.wrong_family.format(path=path, family="another model family's"))
         source = family.open(Path(path), None)
         config = source.config
         check(config)

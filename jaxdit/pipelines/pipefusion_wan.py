@@ -62,6 +62,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from converters.wan import CHECKPOINTS
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.layers import layer_norm, rope_angles, timestep_embedding
@@ -75,10 +76,13 @@ from jaxdit.parallel.pipefusion import (
     write_patch,
 )
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines.flux import GenerationOutput, _progress, abstract_like
+from jaxdit.pipelines.assemble import preset_check
+from jaxdit.pipelines.base import GenerationOutput
+from jaxdit.pipelines.denoiser import abstract_like
+from jaxdit.pipelines.denoiser import progress_bar as _progress
 from jaxdit.pipelines.pipefusion_programs import StagePrograms
 from jaxdit.pipelines.pipefusion_stages import StagedModel
-from jaxdit.pipelines.wan import check_inputs, checkpoint_config_check, swap_features
+from jaxdit.pipelines.wan import check_inputs, swap_features
 from jaxdit.samplers import unipc
 
 __all__ = [
@@ -170,7 +174,7 @@ class PipeFusionWan(StagedModel):
     ``tensor``). Build it with :meth:`from_model`, :meth:`load` or :meth:`abstract`.
     """
 
-    family = "wan"
+    checkpoints = CHECKPOINTS
     wrong_family = "{path}: this is a {family} checkpoint, not Wan 2.1"
     dtype_param = ("patch_embedding", "kernel")
     check = staticmethod(check_model)
@@ -190,10 +194,11 @@ class PipeFusionWan(StagedModel):
         """From a Wan checkpoint (diffusers, original or ``jaxdit convert`` safetensors): each device reads
         only its own slots of the stack. Heads and the preset are checked before a tensor is read."""
         pc = ParallelConfig.from_mesh(mesh)
-        check_config = checkpoint_config_check(path, preset)
+        check_config = preset_check(path, CHECKPOINTS, preset)
 
         def check(config: Any) -> None:
-            check_config(config)
+            if check_config is not None:
+                check_config(config)
             check_model(config, pc)
 
         return cls._load(path, mesh, dtype, check)
@@ -612,7 +617,7 @@ class PipeFusionWanPipeline:
         preset: str | None = None,
         **kwargs: Any,
     ) -> PipeFusionWanPipeline:
-        from jaxdit.loading import _mesh
+        from jaxdit.mesh import mesh_for as _mesh
 
         return cls(PipeFusionWan.load(path, _mesh(parallel), dtype, preset=preset), **kwargs)
 

@@ -37,32 +37,47 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from jaxdit.mesh import ParallelConfig
+from converters.wan import CHECKPOINTS
+from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import validate_forward
-from jaxdit.parallel.cfg import combine_branches, interleave_branches, replicate_branches
-from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines.flux import LATENT_AXES, GenerationOutput, _progress
+from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
+from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
+from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser, TokenHooks
+from jaxdit.pipelines.model_folder import (
+    FolderClass,
+    ModelFolder,
+    is_listed,
+    open_diffusers_folder,
+    read_json,
+)
+from jaxdit.pipelines.request import GenerationRequest
+from jaxdit.pipelines.wan_image import ImageCondition
 from jaxdit.samplers import unipc
-from sharding_rules import logical_to_spec
+from jaxdit.samplers.sampler import UniPCSampler
+from jaxdit.text_encoders import WanImageEncoder, WanTextEncoder
+from jaxdit.vae.wan_vae import WanVAE
 
 __all__ = [
+    "FOLDER_CLASSES",
     "WanInputs",
     "WanPipeline",
     "check_inputs",
-    "checkpoint_config_check",
     "default_flow_shift",
+    "nearest",
+    "open_original_folder",
     "swap_features",
+    "token_hooks",
 ]
 
 Encoder = Callable[[Sequence[str]], np.ndarray]
@@ -70,6 +85,66 @@ Decoder = Callable[[np.ndarray], np.ndarray]
 ImageEncoder = Callable[[np.ndarray, int, int, int], tuple[np.ndarray, np.ndarray]]
 
 Shape = tuple[int, ...]
+
+
+_T2V_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+#: The diffusers pipeline classes this module runs from a downloaded folder.
+FOLDER_CLASSES = {
+    "WanPipeline": FolderClass("wan", "wan-t2v", _T2V_COMPONENTS),
+    "WanImageToVideoPipeline": FolderClass(
+        "wan", "wan-i2v", (*_T2V_COMPONENTS, "image_encoder", "image_processor")
+    ),
+}
+
+#: Wan's original release: what the T2V folder holds besides the transformer.
+ORIGINAL_VAE = "Wan2.1_VAE.pth"
+ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
+ORIGINAL_TOKENIZER = "google/umt5-xxl"
+ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
+
+
+def open_original_folder(root: Path) -> ModelFolder | None:
+    """Wan's original release folder (``Wan-AI/Wan2.1-T2V-14B`` and the like): the transformer's
+    ``config.json`` and safetensors, ``Wan2.1_VAE.pth``, ``models_t5_umt5-xxl-enc-bf16.pth`` and the
+    tokenizer in ``google/umt5-xxl/``; None if ``root`` is not one."""
+    if not ((root / ORIGINAL_VAE).exists() or (root / ORIGINAL_T5).exists()):
+        return None
+    components = {
+        "transformer": root,
+        "vae": root / ORIGINAL_VAE,
+        "text_encoder": root / ORIGINAL_T5,
+        "tokenizer": root / ORIGINAL_TOKENIZER,
+    }
+    missing = [
+        str(p.relative_to(root)) for name, p in components.items() if name != "transformer" and not p.exists()
+    ]
+    if missing:
+        raise ValueError(
+            f"{root} looks like Wan's original release folder but is missing: {', '.join(missing)}"
+        )
+    config = read_json(root / "config.json")
+    if config.get("model_type") == "i2v" or (root / ORIGINAL_CLIP).exists():
+        raise ValueError(
+            f"{root} is Wan's original image-to-video release; its CLIP image encoder ({ORIGINAL_CLIP}, "
+            "open-clip layout) is not supported: use the diffusers folder (Wan-AI/Wan2.1-I2V-14B-*-Diffusers)"
+        )
+    return ModelFolder(root, "wan", "wan-t2v", "wan-original", components)
+
+
+def check_folder(folder: ModelFolder) -> None:
+    """What the folder recognition cannot see from the class name: a second transformer (Wan 2.2)."""
+    if is_listed(folder.index, "transformer_2"):
+        raise ValueError(f"{folder.root} is a two-transformer (Wan 2.2) pipeline; jaxdit runs Wan 2.1")
+
+
+def open_folder(path: str | os.PathLike[str]) -> ModelFolder:
+    """A Wan 2.1 folder in the diffusers or the original layout (see :data:`FOLDER_CLASSES`)."""
+    root = Path(path)
+    folder = open_original_folder(root) if not (root / "model_index.json").is_file() else None
+    if folder is None:
+        folder = open_diffusers_folder(root, FOLDER_CLASSES)
+    check_folder(folder)
+    return folder
 
 
 def default_flow_shift(height: int, width: int) -> float:
@@ -95,7 +170,7 @@ class WanInputs:
         return self.latent_shape[0]
 
 
-def _nearest(n: int, step: int, offset: int = 0) -> str:
+def nearest(n: int, step: int, offset: int = 0) -> str:
     below = (n - offset) // step * step + offset
     return f"{below} or {below + step}" if below >= max(offset, 1) else f"{below + step}"
 
@@ -134,12 +209,12 @@ def check_inputs(
         if size < multiple or size % multiple:
             raise ValueError(
                 f"{name} {size} must be a positive multiple of {multiple} (VAE factor {s} x patch "
-                f"{multiple // s}); nearest: {_nearest(size, multiple)}"
+                f"{multiple // s}); nearest: {nearest(size, multiple)}"
             )
     if num_frames < 1 or (num_frames - 1) % t:
         raise ValueError(
             f"num_frames {num_frames} must be {t}n + 1 (the VAE keeps the first frame and folds every {t} "
-            f"after it into one latent frame); nearest: {_nearest(num_frames, t, 1)}"
+            f"after it into one latent frame); nearest: {nearest(num_frames, t, 1)}"
         )
     frames = (num_frames - 1) // t + 1
     if frames % pt:
@@ -199,28 +274,6 @@ def check_inputs(
     return WanInputs(latent_shape=latent, cfg=cfg, flow_shift=shift)
 
 
-def checkpoint_config_check(path: Any, preset: str | None = None) -> Callable[[Any], None]:
-    """A check of a checkpoint's config before any weight is read: it must be Wan 2.1's and, with
-    ``preset`` (e.g. ``"wan2.1-t2v-14b"``), that preset's; the message names the fields that differ.
-
-    The preset is looked up here, so an unknown name fails before the checkpoint is opened.
-    """
-    expected = wan.WanConfig.preset(preset) if preset is not None else None
-
-    def check(config: Any) -> None:
-        if not isinstance(config, wan.WanConfig):
-            raise ValueError(f"{path} is a {type(config).__name__} checkpoint, not Wan 2.1")
-        if expected is not None and config != expected:
-            diff = [
-                f"{f.name}={getattr(config, f.name)} (preset: {getattr(expected, f.name)})"
-                for f in dataclasses.fields(config)
-                if getattr(config, f.name) != getattr(expected, f.name)
-            ]
-            raise ValueError(f"{path} is not {preset}: {', '.join(diff)}")
-
-    return check
-
-
 # --------------------------------------------------------------------------------------------------------
 # Token features
 # --------------------------------------------------------------------------------------------------------
@@ -241,28 +294,35 @@ def swap_features(tokens: Any, outer: int, inner: int) -> Any:
 # --------------------------------------------------------------------------------------------------------
 
 
-class _Loop(NamedTuple):
-    """A prepared generation: ``step(params, x, sampler, schedule, context, scale) -> (x, sampler)`` and
-    its first arguments (placed), the token layout and the latent token grid."""
+def token_hooks(config: wan.WanConfig) -> TokenHooks:
+    """Wan's tokens in the shared loop: I2V reads the condition channels beside each noise token, and the
+    head's (patch, channel) features become the patch embedding's (channel, patch) order."""
+    patch, channels = math.prod(config.patch_size), config.out_channels
+    extra = (config.in_channels - config.out_channels) * patch
+    if config.is_i2v:
+        model_input = lambda x, extras: jnp.concatenate([x, extras["condition"]], axis=-1)
+    else:
+        model_input = lambda x, extras: x
+    return TokenHooks(
+        model_input=model_input,
+        prediction=lambda v: swap_features(v, patch, channels),
+        extra_features=extra,
+    )
 
-    step: Callable
-    args: tuple
-    layout: SequenceLayout
-    grid: tuple[int, int, int]
 
-
-class WanPipeline:
+class WanPipeline(DiffusionPipeline):
     """A Wan 2.1 transformer on a mesh plus UniPC, optional text/image encoders and VAE decoder.
 
     Args:
-      model: a ``WanTransformer`` whose parameters are placed for ``mesh`` (``jaxdit.loading.load_params``,
-        or :meth:`from_checkpoint`).
+      model: a ``WanTransformer`` whose parameters are placed for ``mesh`` (``jaxdit.loading.load_params``).
       mesh: from ``ParallelConfig.make_mesh``.
       scheduler: UniPC settings; its ``flow_shift`` is used when a call gives none (default: by resolution,
         :func:`default_flow_shift`).
       vae_scale_factor_spatial / vae_scale_factor_temporal: Wan's VAE: 8 and 4.
-      kernel: attention tile sizes; compiler_options: XLA options for the compiled step.
+      kernel: attention kernel options; compiler_options: XLA options for the compiled step.
     """
+
+    cfg_hint = "use guidance_scale > 1 with negative conditioning"
 
     def __init__(
         self,
@@ -278,23 +338,30 @@ class WanPipeline:
         kernel: dict[str, int] | None = None,
         compiler_options: dict[str, Any] | None = None,
     ) -> None:
+        super().__init__(mesh, encode=encode, decode=decode)
         self.model = model
         self.config: wan.WanConfig = model.config
-        self.mesh = mesh
-        self.parallel = ParallelConfig.from_mesh(mesh)
         self.compiler_options = compiler_options
         # XLA options belong to the outermost jit (the step below); jax rejects them on a nested one.
         self.forward = wan.sharded(model, mesh, kernel=kernel)
         self.scheduler = scheduler
-        self.encode = encode
-        self.decode = decode
         self.encode_image = encode_image
         self.vae_scale_factor_spatial = vae_scale_factor_spatial
         self.vae_scale_factor_temporal = vae_scale_factor_temporal
-        self.latent_sharding = NamedSharding(mesh, logical_to_spec(LATENT_AXES, self.forward.rules))
-        self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._steps: dict[tuple, Callable] = {}
+        sampler = UniPCSampler(scheduler or unipc.UniPCConfig())
+        self.denoiser = Denoiser(
+            self.forward,
+            sampler,
+            token_hooks(self.config),
+            dtype=model.dtype,
+            compiler_options=compiler_options,
+        )
 
+    @property
+    def last_step(self):
+        return self.denoiser.last_step
+
+    # ------------------------------------------------------------------ builders
     @classmethod
     def from_checkpoint(
         cls,
@@ -303,26 +370,14 @@ class WanPipeline:
         dtype: Any = None,
         *,
         preset: str | None = None,
-        kernel: dict[str, int] | None = None,
-        compiler_options: dict[str, Any] | None = None,
-        **kwargs: Any,
+        **options: Any,
     ) -> WanPipeline:
-        """Load a Wan checkpoint (diffusers, original or ``jaxdit convert`` folder) onto a mesh.
-
-        ``preset`` (e.g. ``"wan2.1-t2v-14b"``): the checkpoint must be that architecture; checked, like the
-        heads against the mesh, before any weight is read.
-        """
-        from jaxdit.loading import _mesh, load_params
-
-        mesh = _mesh(parallel)
-        check_config = checkpoint_config_check(path, preset)
-
-        def check(config: Any) -> None:
-            check_config(config)
-            validate_forward(ParallelConfig.from_mesh(mesh), config.num_heads)
-
-        _, model = load_params(path, mesh, dtype, check=check)
-        return cls(model, mesh, kernel=kernel, compiler_options=compiler_options, **kwargs)
+        """Load a Wan checkpoint (diffusers, original or ``jaxdit convert`` folder) onto a mesh; calls take
+        prompt embeddings. ``preset`` (e.g. ``"wan2.1-t2v-14b"``): the checkpoint must be that
+        architecture; checked, like the heads against the mesh, before any weight is read."""
+        mesh = mesh_for(parallel)
+        model = load_model(Path(path), mesh, dtype, CHECKPOINTS, preset_check(path, CHECKPOINTS, preset))
+        return cls(model, mesh, **options)
 
     @classmethod
     def from_pretrained(
@@ -341,52 +396,41 @@ class WanPipeline:
 
         The transformer is sharded over the mesh; the encoders run on ``encoder_device`` (default: the first
         local device); the VAE decodes patch-parallel over the mesh, in ``vae_dtype`` (fp32 by default, as
-        Wan keeps it). See :mod:`jaxdit.pipelines.assemble`.
+        Wan keeps it). The transformer's heads and key table are checked before anything is read.
         """
-        from jaxdit.pipelines.assemble import wan_pipeline
+        folder = open_folder(path)
+        mesh = mesh_for(parallel)
+        check_transformer(folder["transformer"], mesh, CHECKPOINTS)
+        dtype = as_dtype(dtype)
+        text = WanTextEncoder.from_folder(
+            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+        )
+        vae = WanVAE.from_folder(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
+        encode_image = None
+        if "image_encoder" in folder:
+            image_encoder = WanImageEncoder.from_folder(
+                folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+            )
+            encode_image = ImageCondition(image_encoder, vae, mesh=mesh)
+        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS)
 
-        return wan_pipeline(
-            path,
-            parallel,
-            dtype,
-            encoder_device=encoder_device,
-            vae_dtype=vae_dtype,
+        def decode(z: np.ndarray) -> np.ndarray:
+            video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
+            return video.transpose(0, 2, 3, 4, 1)  # the pipeline's frames [B, F, H, W, 3]
+
+        scheduler = (
+            unipc.UniPCConfig.from_diffusers(folder.scheduler_config) if folder.scheduler_config else None
+        )
+        return cls(
+            model,
+            mesh,
+            scheduler=scheduler,
+            encode=text,
+            decode=decode,
+            encode_image=encode_image,
             kernel=kernel,
             compiler_options=compiler_options,
         )
-
-    # ------------------------------------------------------------------ step
-    def _step_fn(self, layout, names: tuple[str, ...], cfg: bool, i2v: bool) -> Callable:
-        key = (layout, names, cfg, i2v)
-        if key in self._steps:
-            return self._steps[key]
-        forward = self.forward.step(layout, names)
-        mesh, dtype = self.mesh, self.model.dtype
-        patch, channels = math.prod(self.config.patch_size), self.config.out_channels
-
-        def step(params, x, sampler, schedule, context, scale):
-            # x [B, N_pad, C*P] fp32 tokens; sampler: UniPC state like x; context: placed conditioning.
-            tokens = jnp.concatenate([x, context["condition"]], axis=-1) if i2v else x
-            model_x = replicate_branches(tokens, mesh, seq_sharded=True) if cfg else tokens
-            t = schedule.timesteps[sampler.step_index].astype(jnp.float32)
-            inputs = dict(
-                context,
-                hidden_states=model_x.astype(dtype),
-                timestep=jnp.full((model_x.shape[0],), t, jnp.float32),
-            )
-            v = forward(params, *(inputs[n] for n in names))
-            if cfg:
-                v = combine_branches(v, scale, mesh, seq_sharded=True)
-            v = swap_features(v, patch, channels)  # head order (p, c) -> token order (c, p)
-            return unipc.step(schedule, sampler, x, v)
-
-        self._steps[key] = jax.jit(
-            step,
-            out_shardings=(self.latent_sharding, self._state_shardings()),
-            donate_argnums=(1, 2),
-            compiler_options=self.compiler_options,
-        )
-        return self._steps[key]
 
     # ------------------------------------------------------------------ call
     def __call__(
@@ -407,9 +451,11 @@ class WanPipeline:
         flow_shift: float | None = None,
         seed: int = 0,
         latents: np.ndarray | None = None,
+        num_images_per_prompt: int = 1,
         max_sequence_length: int | None = None,
         output_type: str = "np",
         progress: bool = True,
+        callback: Callable[[int, int], bool | None] | None = None,
     ) -> GenerationOutput:
         """Generate videos; returns latents [B, 16, F', H/8, W/8] and, decoded, ``images`` = video frames
         [B, F, H, W, 3] in [-1, 1].
@@ -420,167 +466,97 @@ class WanPipeline:
         the seed's. I2V: ``image`` (with an image encoder) or ``image_embeds`` and ``condition``.
         ``max_sequence_length``: the text encoder's token count (default: the encoder's, 512 for umT5).
         """
-        if output_type not in ("np", "latent"):
-            raise ValueError(f"output_type must be 'np' or 'latent', got {output_type!r}")
-        if output_type == "np" and self.decode is None:
-            raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
-        loop = self._prepare(
-            prompt,
-            negative_prompt,
-            prompt_embeds=prompt_embeds,
-            negative_prompt_embeds=negative_prompt_embeds,
-            image=image,
-            image_embeds=image_embeds,
-            condition=condition,
-            height=height,
-            width=width,
-            num_frames=num_frames,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            flow_shift=flow_shift,
-            seed=seed,
-            latents=latents,
-            max_sequence_length=max_sequence_length,
-        )
-        x, sampler, *rest = loop.args
-        start = time.perf_counter()
-        for _ in _progress(range(num_inference_steps), progress, num_inference_steps):
-            x, sampler = loop.step(self.forward.state, x, sampler, *rest)
-        x = np.asarray(jax.device_get(x))
-        seconds = time.perf_counter() - start
+        return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
 
-        mc = self.config
-        tokens = swap_features(loop.layout.unpad(x, 0, axis=1), mc.out_channels, math.prod(mc.patch_size))
-        out = np.asarray(wan.unpatchify(tokens, loop.grid, mc.patch_size, mc.out_channels))
-        video = self.decode(out) if output_type == "np" else None
-        return GenerationOutput(images=video, latents=out, seconds=seconds)
-
-    def lower_step(self, **kwargs: Any) -> jax.stages.Lowered:
+    def lower_step(self, **kwargs: Any):
         """The compiled denoising step of a call with these keyword arguments (as ``__call__``'s), lowered
         on its real placed inputs: for reading its collectives (``jaxdit.hlo_stats``) and memory."""
-        loop = self._prepare(**kwargs)
-        return loop.step.lower(self.forward.state, *loop.args)
+        kwargs = {"num_inference_steps": 50, "guidance_scale": 5.0, "height": 480, "width": 832, **kwargs}
+        kwargs.setdefault("num_frames", 81)
+        inputs = self.prepare(GenerationRequest(**kwargs)).inputs
+        return self.denoiser.lower(inputs)
 
-    def _prepare(
-        self,
-        prompt: str | Sequence[str] | None = None,
-        negative_prompt: str | Sequence[str] | None = None,
-        *,
-        prompt_embeds: np.ndarray | None = None,
-        negative_prompt_embeds: np.ndarray | None = None,
-        image: np.ndarray | None = None,
-        image_embeds: np.ndarray | None = None,
-        condition: np.ndarray | None = None,
-        height: int = 480,
-        width: int = 832,
-        num_frames: int = 81,
-        num_inference_steps: int = 50,
-        guidance_scale: float = 5.0,
-        flow_shift: float | None = None,
-        seed: int = 0,
-        latents: np.ndarray | None = None,
-        max_sequence_length: int | None = None,
-    ) -> _Loop:
-        """Everything before the loop: conditioning, checks, noise, tokens placed once, the step."""
-        txt = self._embed(prompt, prompt_embeds, "prompt", max_sequence_length=max_sequence_length)
+    # ------------------------------------------------------------------ family hook
+    def prepare(self, r: GenerationRequest) -> Prepared:
+        """Everything before the loop: conditioning, checks, noise, tokens."""
+        num_frames = 81 if r.num_frames is None else r.num_frames
+        txt = self._embed(r.prompt, r.prompt_embeds, "prompt", r)
         neg = None
-        if guidance_scale > 1.0:
-            if negative_prompt is None and negative_prompt_embeds is None and self.encode is not None:
+        if r.guidance_scale > 1.0:
+            negative_prompt = r.negative_prompt
+            if negative_prompt is None and r.negative_prompt_embeds is None and self.encode is not None:
                 negative_prompt = ""  # diffusers' default negative prompt
-            neg = self._embed(
-                negative_prompt,
-                negative_prompt_embeds,
-                "negative_prompt",
-                batch=len(txt),
-                max_sequence_length=max_sequence_length,
-            )
-        if image is not None:
+            neg = self._embed(negative_prompt, r.negative_prompt_embeds, "negative_prompt", r, len(txt))
+        image_embeds, condition = r.image_embeds, r.condition
+        if r.image is not None:
             if image_embeds is not None or condition is not None:
                 raise ValueError("pass either an image or image_embeds and condition, not both")
             if self.encode_image is None:
                 raise ValueError("this pipeline has no image encoder: pass image_embeds and condition")
-            image_embeds, condition = self.encode_image(np.asarray(image), num_frames, height, width)
+            image_embeds, condition = self.encode_image(np.asarray(r.image), num_frames, r.height, r.width)
+        flow_shift = r.flow_shift
         if flow_shift is None and self.scheduler is not None:
             flow_shift = self.scheduler.flow_shift
         plan = check_inputs(
             self.config,
             self.parallel,
-            height=height,
-            width=width,
+            height=r.height,
+            width=r.width,
             num_frames=num_frames,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
+            num_inference_steps=r.num_inference_steps,
+            guidance_scale=r.guidance_scale,
             prompt_embeds=txt.shape,
             negative_prompt_embeds=None if neg is None else neg.shape,
             image_embeds=None if image_embeds is None else np.shape(image_embeds),
             condition=None if condition is None else np.shape(condition),
-            latents=None if latents is None else np.shape(latents),
+            latents=None if r.latents is None else np.shape(r.latents),
             flow_shift=flow_shift,
             vae_scale_factor_spatial=self.vae_scale_factor_spatial,
             vae_scale_factor_temporal=self.vae_scale_factor_temporal,
         )
-        cfg, data = plan.cfg, self.parallel.data
-        rows = plan.batch * (2 if cfg else 1)
-
-        # Tokens, positions and conditioning on the host, padded, then placed once for the whole loop.
         mc = self.config
-        noise = latent_ops.initial_noise(seed, plan.latent_shape) if latents is None else latents
+        noise = latent_ops.initial_noise(r.seed, plan.latent_shape) if r.latents is None else r.latents
         grid = wan.latent_grid(plan.latent_shape, mc.patch_size)
         tokens = wan.patchify(np.asarray(noise, np.float32), mc.patch_size)
-        if cfg:
-            txt = np.asarray(interleave_branches(neg, txt, data))
+        if plan.cfg:
+            txt = self.branches(neg, txt)
         context = {"positions": wan.token_positions(grid), "encoder_hidden_states": txt}
+        extras = {}
         if mc.is_i2v:
             # Both branches see the same image; only the text differs (as in diffusers).
             img = np.asarray(image_embeds, np.float32)
-            context["encoder_hidden_states_image"] = (
-                np.asarray(interleave_branches(img, img, data)) if cfg else img
-            )
-        shapes = {n: np.shape(v) for n, v in context.items()}
-        shapes["hidden_states"] = (rows, tokens.shape[1], mc.patch_features)
-        shapes["timestep"] = (rows,)
-        layout = self.forward.layout(shapes)  # batch vs data x cfg, before compiling
-        names = tuple(n for n in wan.FORWARD_INPUTS if n in shapes)
-
-        placed = {}
-        for name, value in context.items():
-            arg = wan.FORWARD_INPUTS[name]
-            if arg.group is not None:
-                value = layout.pad(value, arg.group, axis=arg.seq_axis)
-            placed[name] = jax.device_put(value, self.forward.sharding(arg))
-            if name != "positions":
-                placed[name] = placed[name].astype(self.model.dtype)
-        if mc.is_i2v:
-            cond_tokens = wan.patchify(np.asarray(condition, np.float32), mc.patch_size)
-            placed["condition"] = jax.device_put(layout.pad(cond_tokens, 0, axis=1), self.latent_sharding)
-        x = jax.device_put(layout.pad(tokens, 0, axis=1), self.latent_sharding)
-        sampler = jax.jit(unipc.init_state, out_shardings=self._state_shardings())(x)
-
+            context["encoder_hidden_states_image"] = self.branches(img, img) if plan.cfg else img
+            extras["condition"] = wan.patchify(np.asarray(condition, np.float32), mc.patch_size)
         scheduler = dataclasses.replace(self.scheduler or unipc.UniPCConfig(), flow_shift=plan.flow_shift)
-        schedule = jax.device_put(unipc.set_timesteps(scheduler, num_inference_steps), self._replicated)
-        step = self._step_fn(layout, names, cfg, mc.is_i2v)
-        scale = jax.device_put(np.float32(guidance_scale), self._replicated)
-        return _Loop(step, (x, sampler, schedule, placed, scale), layout, grid)
-
-    def _state_shardings(self) -> unipc.UniPCState:
-        # The step index is a replicated scalar; the three buffers lie exactly like the tokens.
-        return unipc.UniPCState(
-            self._replicated, self.latent_sharding, self.latent_sharding, self.latent_sharding
+        inputs = DenoiseInputs(
+            tokens=tokens,
+            context=context,
+            schedule=unipc.set_timesteps(scheduler, r.num_inference_steps),
+            steps=r.num_inference_steps,
+            cfg=plan.cfg,
+            scale=r.guidance_scale,
+            extras=extras,
+            grid=grid,
         )
+        return Prepared(inputs, lambda t: self.untokenize(t, grid))
+
+    def untokenize(self, tokens: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
+        """Final tokens (patch embedding's feature order) -> latents [B, C, F', h, w]."""
+        mc = self.config
+        tokens = swap_features(tokens, mc.out_channels, math.prod(mc.patch_size))
+        return np.asarray(wan.unpatchify(tokens, grid, mc.patch_size, mc.out_channels))
 
     def _embed(
-        self, prompt, embeds, name: str, batch: int | None = None, max_sequence_length: int | None = None
-    ) -> np.ndarray:
+        self, prompt, embeds, name: str, r: GenerationRequest, batch: int | None = None
+    ) -> np.ndarray | None:
         if prompt is not None:
             if embeds is not None:
                 raise ValueError(f"pass either {name} or {name}_embeds, not both")
             if self.encode is None:
                 raise ValueError(f"this pipeline has no text encoder: pass {name}_embeds [B, T, 4096]")
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-            if batch is not None and len(prompts) == 1:
-                prompts = prompts * batch
-            options = {} if max_sequence_length is None else {"max_sequence_length": max_sequence_length}
-            embeds = self.encode(prompts, **options)
+            embeds = self.encode_prompts(prompt, r, batch=batch, what=name)
+        else:
+            embeds = self.repeat_per_prompt(embeds, r)
         if embeds is None:
             if name == "negative_prompt":
                 return None  # check_inputs says what is missing

@@ -53,7 +53,7 @@ def invalid_reasons(w: Workload, c: ParallelConfig) -> list[str]:
     """Why ``c`` cannot run ``w`` (empty when it can)."""
     reasons = []
     if c.cfg == 2 and w.branches == 1:
-        why = " (FLUX.1's guidance is a distilled input)" if w.family == "flux" else ""
+        why = f" ({w.family.cfg_note})" if w.family.cfg_note else ""
         reasons.append(
             f"cfg=2 needs two guidance branches; {w.name} runs one per step{why}; --cfg for true CFG"
         )
@@ -64,8 +64,7 @@ def invalid_reasons(w: Workload, c: ParallelConfig) -> list[str]:
     heads = w.num_heads
     if heads % (c.ulysses * c.tensor):
         reasons.append(f"{heads} heads cannot be split over ulysses={c.ulysses} x tensor={c.tensor}")
-    stacks = (w.model.depth, w.model.depth_single_blocks) if w.family == "flux" else (w.model.num_layers,)
-    shallowest = min(s for s in stacks if s > 0)
+    shallowest = min(s for s in w.stack_depths if s > 0)
     if c.pipefusion > shallowest:
         reasons.append(f"pipefusion={c.pipefusion} stages for a stack of {shallowest} blocks")
     if c.sequence_degree > min(w.tokens):
@@ -149,9 +148,9 @@ def evaluate(w: Workload, c: ParallelConfig, hw: Hardware) -> Plan:
     if c.pipefusion > 1:
         exact = False
         notes.append("stale K/V from the previous step (approximate)")
-        if not pipefusion_available(w.family):
+        if not pipefusion_available(w.family.name):
             runnable = False
-            notes.append(f"modelled only: no PipeFusion runner for {w.family} yet")
+            notes.append(f"modelled only: no PipeFusion runner for {w.family.name} yet")
     fits = cost.memory_bytes <= hw.memory_gb * 1e9
     if not fits:
         notes.append(f"needs {cost.memory_bytes / 1e9:.1f} GB > {hw.memory_gb:g} GB per device")

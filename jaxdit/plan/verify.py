@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from jaxdit.families import for_config
 from jaxdit.mesh import ParallelConfig
 from jaxdit.plan.cost import StepCost, step_cost
 from jaxdit.plan.workload import Workload
@@ -132,95 +133,29 @@ class Comparison:
 
 
 @functools.cache
-def _abstract_model(workload_model: Any, dtype: str):
+def _abstract_model(config: Any, dtype: str) -> Any:
     import jax.numpy as jnp
 
-    from jaxdit.models import flux, wan
-
-    module = flux if workload_model.__class__.__name__ == "FluxConfig" else wan
-    return module.abstract_model(workload_model, jnp.dtype(dtype))
-
-
-def _inputs(w: Workload) -> dict[str, tuple[tuple[int, ...], str]]:
-    """The forward's conditioning inputs (name -> unpadded shape, dtype), batch = requests x branches."""
-    m, b = w.model, w.batch
-    if w.family == "flux":
-        text, image = w.tokens
-        shapes = {
-            "encoder_hidden_states": ((b, text, m.context_in_dim), w.dtype),
-            "pooled_projections": ((b, m.vec_in_dim), w.dtype),
-            "img_ids": ((image, 3), "float32"),
-            "txt_ids": ((text, 3), "float32"),
-        }
-        if m.guidance_embed:
-            shapes["guidance"] = ((b,), "float32")
-        return shapes
-    shapes = {
-        "positions": ((w.tokens[0], 3), "int32"),
-        "encoder_hidden_states": ((b, w.context[0], m.text_dim), w.dtype),
-    }
-    if m.is_i2v:
-        shapes["encoder_hidden_states_image"] = ((b, w.context[1], m.image_dim), w.dtype)
-    return shapes
+    return for_config(config).checkpoints.abstract_model(config, jnp.dtype(dtype))
 
 
 def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | None = None):
-    """Lower one denoising step of ``w`` on ``config`` from abstract shapes; returns (lowered, forward)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
+    """Lower one denoising step of ``w`` on ``config`` from abstract shapes; returns (lowered, forward).
 
-    from jaxdit.models import flux, wan
-    from jaxdit.parallel.cfg import combine_branches, replicate_branches
-    from sharding_rules import logical_to_spec
+    The step is the pipelines' own (``jaxdit.pipelines.denoiser``), prepared from a request of ``w``'s
+    shape with zero embeddings (``ModelFamily.example_request``) and the abstract model: no weight is
+    read, nothing runs."""
+    import jax
 
     if config.pipefusion > 1:
         raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
-    module = flux if w.family == "flux" else wan
-    forward = module.sharded(_abstract_model(w.model, w.dtype), mesh)
-    dtype = jnp.dtype(w.dtype)
-    cond = _inputs(w)
-    features = w.model.in_channels if w.family == "flux" else w.model.patch_features
-    shapes = {n: s for n, (s, _) in cond.items()}
-    shapes["hidden_states"] = (w.batch, w.output_tokens, features)
-    shapes["timestep"] = (w.batch,)
-    layout = forward.layout(shapes)  # checks heads, batch and lengths
-    names = tuple(n for n in module.FORWARD_INPUTS if n in shapes)
-    fwd = forward.step(layout, names)
-    latent_sharding = NamedSharding(mesh, logical_to_spec(("request", "seq", None), forward.rules))
-    branches = w.branches
-    # FLUX takes sigma in [0, 1]; Wan the raw timestep in [0, 1000).
-    time_scale = 1.0 if w.family == "flux" else 1000.0
-
-    def step(state, x, inputs, sigma, sigma_next, cfg_scale):
-        t = jnp.full((x.shape[0] * branches,), sigma * time_scale, jnp.float32)
-        model_x = replicate_branches(x, mesh, seq_sharded=True) if branches == 2 else x
-        args = dict(inputs, hidden_states=model_x.astype(dtype), timestep=t)
-        v = fwd(state, *(args[n] for n in names))
-        if branches == 2:
-            v = combine_branches(v, cfg_scale, mesh, seq_sharded=True)
-        return x + (sigma_next - sigma) * v.astype(jnp.float32)  # Euler, in fp32
-
-    def spec(name: str) -> jax.ShapeDtypeStruct:
-        arg = module.FORWARD_INPUTS[name]
-        shape = list(cond[name][0])
-        if arg.group is not None:
-            shape[arg.seq_axis] = layout.padded_lengths[arg.group]
-        return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(cond[name][1]), sharding=forward.sharding(arg))
-
-    state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        forward.state,
-        forward.param_shardings,
+    pipe = w.family.bare_pipeline(
+        _abstract_model(w.family, w.model, w.dtype), mesh, compiler_options=FAST_COMPILE
     )
-    group = layout.padded_lengths[-1]
-    x = jax.ShapeDtypeStruct((w.requests, group, features), jnp.float32, sharding=latent_sharding)
-    scalar = jax.ShapeDtypeStruct((), jnp.float32)
-    jitted = jax.jit(step, out_shardings=latent_sharding, donate_argnums=(1,), compiler_options=FAST_COMPILE)
-    lowered = jitted.lower(state, x, {n: spec(n) for n in cond}, scalar, scalar, scalar)
-    return lowered, forward
+    inputs = pipe.prepare(w.family.example_request(w)).inputs
+    return pipe.denoiser.lower(inputs), pipe.forward
 
 
 def _bf16_weight_bytes(forward) -> int:
@@ -384,7 +319,7 @@ def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1,
         raise ValueError(f"warmup_steps={warmup_steps} for {w.steps} steps")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
-    if w.family == "wan":
+    if w.family.name == "wan":
         return _lower_pipefusion_wan(w, config, mesh, warmup_steps)
     from jaxdit.pipelines import pipefusion_flux as pf
 
@@ -412,7 +347,7 @@ def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None
     The plan models a full pipeline (M = V x P patches); the Wan runner's patches are whole latent rows,
     so when P does not divide the rows (720p: 45) the runner takes a larger M that the model does not
     price, and the comparison would not be like for like."""
-    if w.family != "wan":
+    if w.family.name != "wan":
         return None
     from jaxdit.pipelines import pipefusion_wan as pw
     from jaxdit.plan.cost import pipeline_shape

@@ -1,8 +1,9 @@
 """What one denoising step computes: a model's shapes, its token counts, its batch and its step count.
 
 A :class:`Workload` is the input of the cost model. It is built from a model preset and an output size
-(``Workload.create("flux-dev", height=1024, width=1024)``) or from any ``FluxConfig`` / ``WanConfig``
-(the tests use small ones). Token counts follow the pipelines:
+(``Workload.create("flux-dev", height=1024, width=1024)``) or from any registered family's config (the
+tests use small ones); the family (``jaxdit.families``) says how an output size becomes token counts.
+For the two families today:
 
 - FLUX: latents are [16, H/8, W/8], packed into 2 x 2 patches: (H/16)(W/16) image tokens, joined with
   512 T5 tokens (``max_sequence_length``) in every attention layer.
@@ -18,30 +19,13 @@ cfg parallelism has nothing to split there (xDiT refuses it for FLUX too).
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Literal
+from typing import Any
 
-from jaxdit.models.flux import FluxConfig
-from jaxdit.models.wan import TEXT_LEN as WAN_TEXT_LEN
-from jaxdit.models.wan import WanConfig
+from jaxdit import families
+from jaxdit.families.base import ModelFamily
 
-Family = Literal["flux", "wan"]
+__all__ = ["ALIASES", "Workload"]
 
-#: T5 tokens FLUX pipelines pad the prompt to (diffusers' ``max_sequence_length`` default).
-FLUX_TEXT_LEN = 512
-#: CLIP ViT-H/14 image tokens of Wan 2.1 I2V (penultimate layer, 257 x 1280).
-WAN_IMAGE_TOKENS = 257
-#: VAE spatial / temporal compression of both families' latents.
-VAE_SPATIAL, WAN_VAE_TEMPORAL = 8, 4
-
-#: preset -> (family, default steps, default branches, default (height, width, frames)).
-MODELS: dict[str, tuple[Family, int, int, tuple[int, int, int]]] = {
-    "flux-dev": ("flux", 28, 1, (1024, 1024, 1)),
-    "flux-schnell": ("flux", 4, 1, (1024, 1024, 1)),
-    "wan2.1-t2v-1.3b": ("wan", 50, 2, (480, 832, 81)),
-    "wan2.1-t2v-14b": ("wan", 50, 2, (720, 1280, 81)),
-    "wan2.1-i2v-14b": ("wan", 40, 2, (720, 1280, 81)),
-}
 #: Short names accepted on the command line.
 ALIASES = {"wan-1.3b": "wan2.1-t2v-1.3b", "wan-14b": "wan2.1-t2v-14b", "wan-i2v-14b": "wan2.1-i2v-14b"}
 
@@ -57,8 +41,8 @@ class Workload:
     """
 
     name: str
-    family: Family
-    model: FluxConfig | WanConfig
+    family: ModelFamily
+    model: Any  # the family's config
     tokens: tuple[int, ...]
     context: tuple[int, ...] = ()
     branches: int = 1
@@ -80,11 +64,11 @@ class Workload:
     # ------------------------------------------------------------------ shapes
     @property
     def hidden(self) -> int:
-        return self.model.hidden_size if self.family == "flux" else self.model.dim
+        return self.family.hidden(self.model)
 
     @property
     def mlp_hidden(self) -> int:
-        return self.model.mlp_hidden if self.family == "flux" else self.model.ffn_dim
+        return self.family.mlp_hidden(self.model)
 
     @property
     def num_heads(self) -> int:
@@ -95,11 +79,14 @@ class Workload:
         return self.model.head_dim
 
     @property
+    def stack_depths(self) -> tuple[int, ...]:
+        """Blocks per stack (``STACKS`` order)."""
+        return self.family.stack_depths(self.model)
+
+    @property
     def attention_layers(self) -> int:
-        """Layers with a sequence-parallel self-attention (FLUX: double + single blocks)."""
-        if self.family == "flux":
-            return self.model.depth + self.model.depth_single_blocks
-        return self.model.num_layers
+        """Layers with a sequence-parallel self-attention (every block of every stack)."""
+        return sum(self.stack_depths)
 
     @property
     def batch(self) -> int:
@@ -117,7 +104,7 @@ class Workload:
 
     @property
     def output_features(self) -> int:
-        return self.model.out_channels if self.family == "flux" else self.model.out_features
+        return self.family.output_features(self.model)
 
     @property
     def itemsize(self) -> int:
@@ -125,7 +112,7 @@ class Workload:
 
     def describe(self) -> str:
         h, w, f = self.size
-        frames = f" x {f} frames" if self.family == "wan" else ""
+        frames = f" x {f} frames" if self.family.makes_video else ""
         cfg = "CFG: 2 branches" if self.branches == 2 else "no CFG"
         return (
             f"{self.name} {w}x{h}{frames}: {' + '.join(map(str, self.tokens))} tokens"
@@ -148,23 +135,18 @@ class Workload:
         text_tokens: int | None = None,
         dtype: str = "bfloat16",
     ) -> Workload:
-        """A preset (``flux-dev``, ``flux-schnell``, ``wan2.1-t2v-1.3b``, ``wan2.1-t2v-14b``,
-        ``wan2.1-i2v-14b``) at an output size; unset arguments take the model's defaults."""
+        """A preset of any registered family (``flux-dev``, ``wan2.1-t2v-14b``, ...) at an output size;
+        unset arguments take the preset's defaults."""
         name = ALIASES.get(model, model)
-        if name not in MODELS:
-            known = ", ".join([*MODELS, *ALIASES])
-            raise ValueError(f"unknown model {model!r}; known: {known}")
-        family, default_steps, default_branches, (dh, dw, df) = MODELS[name]
-        height, width = height or dh, width or dw
-        config = FluxConfig.preset(name) if family == "flux" else WanConfig.preset(name)
+        family, preset = families.preset(name)
         return cls.for_config(
-            config,
+            family.preset_config(name),
             name=name,
-            height=height,
-            width=width,
-            frames=frames if frames is not None else df,
-            steps=steps or default_steps,
-            branches=branches or default_branches,
+            height=height or preset.height,
+            width=width or preset.width,
+            frames=frames if frames is not None else preset.frames,
+            steps=steps or preset.steps,
+            branches=branches or preset.branches,
             requests=requests,
             text_tokens=text_tokens,
             dtype=dtype,
@@ -173,7 +155,7 @@ class Workload:
     @classmethod
     def for_config(
         cls,
-        config: FluxConfig | WanConfig,
+        config: Any,
         *,
         height: int,
         width: int,
@@ -185,42 +167,19 @@ class Workload:
         text_tokens: int | None = None,
         dtype: str = "bfloat16",
     ) -> Workload:
-        """Any FLUX or Wan architecture at an output size (pixels; frames for Wan)."""
-        factor = 2 * VAE_SPATIAL  # VAE x 2x2 patches
+        """Any architecture of a registered family at an output size (pixels; frames for video)."""
+        family = families.for_config(config)
+        factor = family.size_multiple(None)
         if height % factor or width % factor or height < factor or width < factor:
             raise ValueError(f"height and width must be positive multiples of {factor}; got {height}x{width}")
-        if isinstance(config, FluxConfig):
-            if frames != 1:
-                raise ValueError(f"FLUX makes images: frames must be 1, got {frames}")
-            image = (height // factor) * (width // factor)
-            text = FLUX_TEXT_LEN if text_tokens is None else text_tokens
-            return cls(
-                name=name,
-                family="flux",
-                model=config,
-                tokens=(text, image),
-                branches=branches or 1,
-                requests=requests,
-                steps=steps,
-                dtype=dtype,
-                size=(height, width, 1),
-            )
-        if frames < 1 or (frames - 1) % WAN_VAE_TEMPORAL:
-            raise ValueError(f"Wan needs 4n + 1 frames (the VAE compresses time 4x), got {frames}")
-        pt, ph, pw = config.patch_size
-        latent = ((frames - 1) // WAN_VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
-        if latent[0] % pt or latent[1] % ph or latent[2] % pw:
-            raise ValueError(f"latent {latent} is not a multiple of the patch {config.patch_size}")
-        video = math.prod((latent[0] // pt, latent[1] // ph, latent[2] // pw))
-        text = WAN_TEXT_LEN if text_tokens is None else text_tokens
-        context = (text, WAN_IMAGE_TOKENS) if config.is_i2v else (text,)
+        tokens, context = family.workload_shape(config, height, width, frames, text_tokens)
         return cls(
             name=name,
-            family="wan",
+            family=family,
             model=config,
-            tokens=(video,),
+            tokens=tokens,
             context=context,
-            branches=branches or 2,
+            branches=branches or (2 if family.makes_video else 1),
             requests=requests,
             steps=steps,
             dtype=dtype,

@@ -1,0 +1,217 @@
+"""The model-family registry: everything outside a family's own files finds the family here.
+
+``FAMILIES`` holds every registered :class:`~jaxdit.families.base.ModelFamily` (FLUX.1, Wan). The
+functions below are the family-agnostic entry points built on it: which family a checkpoint, a folder
+or a preset name belongs to, :func:`load_transformer` (a checkpoint on a mesh, called like diffusers'
+model), :func:`load_params` and :func:`convert_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh
+
+from converters import orbax_io
+from converters.errors import CheckpointError
+from converters.safetensors_io import open_checkpoint
+from jaxdit import loading
+from jaxdit.families.base import ModelFamily, Preset
+from jaxdit.families.flux import FLUX
+from jaxdit.families.wan import WAN
+from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.models.sharded_forward import validate_forward
+from jaxdit.pipelines.model_folder import ModelFolder, open_diffusers_folder
+
+__all__ = [
+    "FAMILIES",
+    "ModelFamily",
+    "Preset",
+    "convert_checkpoint",
+    "detect_family",
+    "for_config",
+    "get",
+    "load_params",
+    "load_transformer",
+    "open_folder",
+    "preset",
+    "presets",
+    "register",
+]
+
+PathLike = str | os.PathLike[str]
+
+#: name -> family, in the order checkpoints are tried.
+FAMILIES: dict[str, ModelFamily] = {}
+
+
+def register(family: ModelFamily) -> None:
+    if family.name in FAMILIES:
+        raise ValueError(f"a model family named {family.name!r} is registered already")
+    FAMILIES[family.name] = family
+
+
+register(FLUX)
+register(WAN)
+
+
+def get(name: str) -> ModelFamily:
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def for_config(config: Any) -> ModelFamily:
+    """The family whose config class ``config`` is an instance of."""
+    for family in FAMILIES.values():
+        if isinstance(config, family.checkpoints.config_class):
+            return family
+    raise ValueError(f"{type(config).__name__} is the config of no registered model family")
+
+
+def presets() -> dict[str, tuple[ModelFamily, Preset]]:
+    """Every preset name -> (its family, the preset)."""
+    return {name: (f, p) for f in FAMILIES.values() for name, p in f.presets.items()}
+
+
+def preset(name: str) -> tuple[ModelFamily, Preset]:
+    known = presets()
+    if name not in known:
+        raise ValueError(f"unknown model preset {name!r}; known: {', '.join(known)}")
+    return known[name]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checkpoints
+# --------------------------------------------------------------------------------------------------------
+
+
+def detect_family(path: PathLike) -> ModelFamily:
+    """The family of a transformer checkpoint (BFL / diffusers / original file or folder, or an orbax
+    folder written by ``jaxdit convert``); a ``CheckpointError`` naming the path otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or folder")
+    if orbax_io.is_orbax_checkpoint(path):
+        name = orbax_io.read_metadata(path)["family"]
+        if name not in FAMILIES:
+            raise CheckpointError(f"{path}: checkpoint of unknown family {name!r}")
+        return FAMILIES[name]
+    for family in FAMILIES.values():
+        if family.checkpoints.detect(path):
+            return family
+    # Nothing recognised it. A damaged file is the likelier story: let the reader say what is wrong with
+    # it (truncated, bad header), naming the file.
+    open_checkpoint(path)
+    raise CheckpointError(
+        f"{path}: not a checkpoint of a known model family ({', '.join(FAMILIES)}); expected a BFL or "
+        "diffusers file/folder, an original Wan folder, or a folder written by `jaxdit convert`"
+    )
+
+
+def load_params(
+    path: PathLike,
+    mesh: Mesh,
+    dtype: Any = None,
+    *,
+    config: Any = None,
+    rules: Mapping[str, object] | None = None,
+    check: Callable[[Any], None] | None = None,
+) -> tuple[ModelFamily, Any]:
+    """Read any supported checkpoint into a model on ``mesh``; returns (its family, the model)."""
+    family = detect_family(path)
+    model = loading.load_params(
+        path, mesh, dtype, family=family.checkpoints, config=config, rules=rules, check=check
+    )
+    return family, model
+
+
+def load_transformer(
+    path: PathLike,
+    parallel: ParallelConfig | Mesh | None = None,
+    dtype: Any = None,
+    *,
+    config: Any = None,
+    kernel: Mapping[str, Any] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """Load a transformer checkpoint onto a mesh; returns a callable mirroring diffusers' ``forward``.
+
+    Args:
+      path: a BFL ``.safetensors`` file, a diffusers model or pipeline folder, an original Wan 2.1
+        folder or file, or a folder written by ``jaxdit convert`` (orbax).
+      parallel: a :class:`ParallelConfig` (its mesh uses the first ``num_devices`` devices) or a mesh;
+        None runs on one device.
+      dtype: parameter and compute dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's.
+      config: overrides the config read or inferred from the checkpoint (needed for BFL files whose RoPE
+        split is not FLUX.1's).
+      kernel: options of the local attention kernel (tile sizes ``block_q``, ``block_k``).
+      compiler_options: XLA options for the compiled step (see ``ShardedForward``).
+
+    The callable is the family's (``FluxForward``, ``WanForward``).
+    """
+    mesh = mesh_for(parallel)
+    # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
+    check = lambda cfg: validate_forward(ParallelConfig.from_mesh(mesh), cfg.num_heads)
+    family, model = load_params(path, mesh, dtype, config=config, check=check)
+    return family.wrap(model, mesh, kernel=kernel, compiler_options=compiler_options)
+
+
+def convert_checkpoint(
+    src: PathLike, dst: PathLike, dtype: Any = None, *, config: Any = None, overwrite: bool = False
+) -> Path:
+    """Convert any supported checkpoint into a jaxdit (orbax) folder, atomically."""
+    family = detect_family(src)
+    return loading.convert_checkpoint(
+        src, dst, dtype, family=family.checkpoints, config=config, overwrite=overwrite
+    )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Folders
+# --------------------------------------------------------------------------------------------------------
+
+
+def open_folder(path: PathLike) -> tuple[ModelFamily, ModelFolder]:
+    """Which family's pipeline a downloaded folder holds, with every component found (see
+    ``jaxdit.pipelines.model_folder``); one ``ValueError`` naming what is wrong otherwise."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(
+            f"{root} is not a folder (a downloaded diffusers pipeline or a model's release folder)"
+        )
+    if (root / "model_index.json").is_file():
+        classes = {name: c for f in FAMILIES.values() for name, c in f.folder_classes.items()}
+        folder = open_diffusers_folder(root, classes)
+        family = FAMILIES[folder.family]
+        family.check_folder(folder)
+        return family, folder
+    for family in FAMILIES.values():
+        folder = family.original_folder(root)
+        if folder is not None:
+            return family, folder
+    if (root / "config.json").is_file() and not (root / "vae").exists():
+        raise ValueError(
+            f"{root} holds a single model (config.json) but no pipeline: a prompt needs the text encoders and "
+            "the VAE too; pass the pipeline folder (with model_index.json), or prompt embeddings and latents"
+        )
+    raise ValueError(
+        f"{root} is neither a diffusers pipeline folder (no model_index.json) nor a release folder of a "
+        f"known family ({', '.join(f.display for f in FAMILIES.values())})"
+    )
+
+
+def is_pipeline_folder(path: PathLike | None) -> bool:
+    """Does ``path`` look like a whole pipeline (as opposed to a transformer checkpoint)?"""
+    if path is None or not Path(path).is_dir():
+        return False
+    root = Path(path)
+    if (root / "model_index.json").exists():
+        return True
+    try:
+        return any(f.original_folder(root) is not None for f in FAMILIES.values())
+    except ValueError:
+        return True  # one of them recognised it and found it broken: opening it says why

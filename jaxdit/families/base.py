@@ -1,0 +1,183 @@
+"""The contract a model family fulfils to plug into jaxdit: :class:`ModelFamily`.
+
+A family (FLUX.1, Wan) is ONE object, registered in ``jaxdit.families``; ``jaxdit.load_transformer``,
+``jaxdit generate``, ``jaxdit plan`` and the service look it up there and never name it. Its pieces live
+in the layer each belongs to, one family-named file per layer:
+
+- ``jaxdit/models/<family>.py``: config + presets, the staged forward (embed -> block stacks -> output),
+  the forward's input layout (``FORWARD_INPUTS``);
+- ``converters/<family>.py``: checkpoint detection and key tables, and its ``CHECKPOINTS`` format;
+- ``jaxdit/pipelines/<family>.py``: the pipeline (conditioning, latents, sampler) on the shared loop, its
+  ``from_pretrained`` and the downloaded folders it recognises;
+- ``jaxdit/families/<family>.py``: this object, which ties them together and adds what only it knows:
+  the diffusers call surface of its forward, the presets and defaults of ``jaxdit generate`` and its cost
+  terms for ``jaxdit plan``.
+
+Adding a family is adding those files and one ``register`` call (docs/architecture.md walks through it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+from jax.sharding import Mesh
+
+from converters.checkpoints import CheckpointFormat
+from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.pipelines.model_folder import FolderClass, ModelFolder
+
+__all__ = ["ModelFamily", "Preset", "Reduction", "StepTerms"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named full-size model (its config is the config class's preset of that name) and the defaults
+    of a generation with it (the model's published ones)."""
+
+    steps: int
+    height: int
+    width: int
+    frames: int = 1
+    #: Forward passes per step by default: 2 with classifier-free guidance, 1 without (FLUX.1-dev's
+    #: guidance is an embedded input).
+    branches: int = 1
+    #: The folder kind (``ModelFolder.kind``) a downloaded copy of this model has.
+    kind: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduction:
+    """A tensor-parallel all-reduce the family's blocks run: ``per_block`` of them in every block of stack
+    ``stack``, each of ``elements`` fp32 values (per device)."""
+
+    what: str
+    stack: int
+    per_block: int
+    elements: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTerms:
+    """One denoising step's family-specific costs on one device (``jaxdit.plan.cost`` adds the rest).
+
+    FLOPs count matmuls only (2 per multiply-add), replicated work included; ``block_flops`` and
+    ``param_block_bytes`` hold one block of each stack (``STACKS`` order). ``context_bytes``: activation
+    memory of cross-attention context (embedded tokens and their K/V) per device.
+    """
+
+    nonblock_flops: float
+    block_flops: tuple[float, ...]
+    attention_flops: float  # one self-attention layer, as the kernel tiles it
+    param_nonblock_bytes: int
+    param_block_bytes: tuple[int, ...]
+    reductions: tuple[Reduction, ...] = ()
+    context_bytes: int = 0
+
+
+class ModelFamily:
+    """One model family (see the module docstring). Subclasses set the attributes and methods below."""
+
+    #: Registry key; also the ``family`` an orbax checkpoint written by ``jaxdit convert`` records.
+    name: ClassVar[str]
+    #: For messages ("FLUX.1", "Wan").
+    display: ClassVar[str]
+    #: How its checkpoints are recognised and read (``converters/<family>.py``).
+    checkpoints: ClassVar[CheckpointFormat]
+    #: The forward's inputs as the mesh lays them out (diffusers' argument names).
+    forward_inputs: ClassVar[Mapping[str, Arg]]
+    #: Named full-size models.
+    presets: ClassVar[Mapping[str, Preset]]
+    #: diffusers pipeline ``_class_name`` -> what it is (``model_index.json`` recognition).
+    folder_classes: ClassVar[Mapping[str, FolderClass]]
+    #: The family's pipeline class (``from_pretrained``, ``from_checkpoint``, ``__call__``).
+    pipeline_class: ClassVar[type]
+    #: Images or videos (what ``jaxdit generate`` writes).
+    makes_video: ClassVar[bool] = False
+    #: Frames per second of the videos it makes.
+    fps: ClassVar[int] = 16
+    #: The call argument that, above 1, turns classifier-free guidance on, and what CFG needs, in words.
+    cfg_scale_argument: ClassVar[str]
+    cfg_needs: ClassVar[str]
+    #: Why CFG parallelism has nothing to split by default, if the family says so (for ``jaxdit plan``).
+    cfg_note: ClassVar[str] = ""
+    #: Arrays a ``--prompt_embeds`` file may hold (the pipeline's call arguments of those names).
+    embedding_names: ClassVar[tuple[str, ...]]
+
+    def preset_config(self, name: str) -> Any:
+        """The config of preset ``name`` (read when asked, so a test may register a tiny one)."""
+        return self.checkpoints.config_class.preset(name)
+
+    def original_folder(self, root: Path) -> ModelFolder | None:
+        """A folder in the family's own (non-diffusers) release layout, else None."""
+        return None
+
+    def check_folder(self, folder: ModelFolder) -> None:
+        """What its folder classes cannot say (e.g. a variant the family does not run): raise ValueError."""
+
+    # ------------------------------------------------------------------ forward
+    def sharded(self, model: Any, mesh: Mesh, **options: Any) -> ShardedForward:
+        """The model's forward as one jitted ``shard_map`` (options: ``kernel``, ``compiler_options``)."""
+        raise NotImplementedError
+
+    def wrap(self, model: Any, mesh: Mesh, **options: Any) -> Callable[..., Any]:
+        """The diffusers-style callable of a loaded model (``jaxdit.load_transformer``'s result)."""
+        raise NotImplementedError
+
+    def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
+        """The family's pipeline around a loaded (or abstract) model, without encoders or VAE: calls take
+        prompt embeddings and return latents."""
+        return self.pipeline_class(model, mesh, **options)
+
+    def example_request(self, workload: Any) -> Any:
+        """A ``GenerationRequest`` of ``workload``'s shape with zero embeddings: what ``jaxdit plan
+        --verify`` lowers the real denoising step with."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ jaxdit generate
+    def size_multiple(self, folder: ModelFolder | None) -> int:
+        """Height and width must be multiples of this (the VAE's factor x the patch size)."""
+        raise NotImplementedError
+
+    def check_generate(self, request: Any, config: Any | None, parallel: Any) -> None:
+        """The family's own checks of a ``jaxdit generate`` request (before jax starts); ``config`` is
+        the transformer's when known (a preset or an embeddings run), else None."""
+
+    def check_pipefusion(self, request: Any, config: Any, parallel: Any) -> None:
+        """PipeFusion's options against the model and the request's size (before jax starts)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ jaxdit plan
+    def workload_shape(
+        self, config: Any, height: int, width: int, frames: int, text_tokens: int | None
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(self-attention token groups, cross-attention context lengths) of one generation."""
+        raise NotImplementedError
+
+    def hidden(self, config: Any) -> int:
+        raise NotImplementedError
+
+    def mlp_hidden(self, config: Any) -> int:
+        raise NotImplementedError
+
+    def output_features(self, config: Any) -> int:
+        """Features of each predicted token (what CFG exchanges and PipeFusion hands back per token)."""
+        raise NotImplementedError
+
+    def stack_depths(self, config: Any) -> tuple[int, ...]:
+        """Blocks per stack, in the model's ``STACKS`` order (PipeFusion makes one pass per stack)."""
+        raise NotImplementedError
+
+    def prediction_dtype(self, dtype: str) -> str:
+        """The dtype the model's prediction leaves in, for a model served in ``dtype``."""
+        return dtype
+
+    def step_terms(self, workload: Any, parallel: Any, shapes: Any) -> StepTerms:
+        """The step's FLOPs, parameter bytes and tensor all-reduces on one device of ``parallel``;
+        ``shapes`` are the per-device sizes (``jaxdit.plan.cost.Shapes``)."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<model family {self.name}>"

@@ -1,0 +1,288 @@
+"""Wan 2.1 (T2V 1.3B / 14B, I2V 14B) as a jaxdit model family (see ``jaxdit.families.base``).
+
+Ties ``models/wan.py`` (the transformer), ``converters/wan.py`` (original and diffusers checkpoints) and
+``pipelines/wan.py`` (the text/image-to-video pipeline, both folder layouts) together, and adds the
+diffusers call surface of the forward (:class:`WanForward`), the presets, and the cost terms
+``jaxdit plan`` prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from converters import wan as wan_converters
+from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
+from jaxdit.families.forward import as_float, per_batch
+from jaxdit.models import wan
+from jaxdit.models.sharded_forward import ShardedForward
+from jaxdit.parallel.flops import attention_flops
+from jaxdit.pipelines.model_folder import ModelFolder
+from jaxdit.pipelines.request import GenerationRequest
+from jaxdit.pipelines.wan import (
+    FOLDER_CLASSES,
+    WanPipeline,
+    check_folder,
+    check_inputs,
+    nearest,
+    open_original_folder,
+)
+
+__all__ = ["WAN", "WanFamily", "WanForward"]
+
+#: CLIP ViT-H/14 image tokens of Wan 2.1 I2V (penultimate layer, 257 x 1280).
+IMAGE_TOKENS = 257
+#: The Wan VAE's spatial and temporal compression.
+VAE_SPATIAL, VAE_TEMPORAL = 8, 4
+#: CLIP ViT-H/14 feature width (I2V's image context).
+CLIP_DIM = 1280
+
+
+class WanForward:
+    """A Wan 2.1 transformer on a mesh, called like diffusers' ``WanTransformer3DModel.forward``.
+
+    ``hidden_states`` [B, C, F, H, W] latents (C = 16, or 36 for I2V: noise, mask, condition),
+    ``timestep`` [B] (or a scalar) in [0, 1000), ``encoder_hidden_states`` [B, T, 4096] umT5 tokens
+    (the original model zero-pads them to 512), ``encoder_hidden_states_image`` [B, 257, 1280] CLIP
+    features for I2V, None for T2V. numpy or jax arrays; returns [B, 16, F, H, W] as an fp32 jax array
+    (as the original model does). Any F, H, W that the patch divides: the video tokens are padded for the
+    mesh and the padding removed.
+    """
+
+    def __init__(self, model: nnx.Module, mesh: Mesh, **options: Any) -> None:
+        self.config = model.config
+        self.mesh = mesh
+        self.dtype = model.dtype
+        self.forward = wan.sharded(model, mesh, **options)
+
+    @property
+    def params(self) -> nnx.State:
+        return self.forward.state
+
+    def __call__(
+        self,
+        hidden_states: Any,
+        timestep: Any,
+        encoder_hidden_states: Any,
+        encoder_hidden_states_image: Any = None,
+    ) -> jax.Array:
+        cfg = self.config
+        shape = np.shape(hidden_states)
+        if len(shape) != 5 or shape[1] != cfg.in_channels:
+            raise ValueError(f"hidden_states has shape {shape}; expected [B, {cfg.in_channels}, F, H, W]")
+        grid = wan.latent_grid(shape, cfg.patch_size)
+        image = encoder_hidden_states_image
+        out = self.forward(
+            hidden_states=wan.patchify(as_float(hidden_states, self.dtype), cfg.patch_size),
+            positions=wan.token_positions(grid),
+            timestep=per_batch(timestep, shape[0], "timestep"),
+            encoder_hidden_states=as_float(encoder_hidden_states, self.dtype),
+            encoder_hidden_states_image=None if image is None else as_float(image, self.dtype),
+        )
+        return wan.unpatchify(out, grid, cfg.patch_size, cfg.out_channels)
+
+
+def _preset(steps: int, height: int, width: int, kind: str) -> Preset:
+    return Preset(steps, height, width, frames=81, branches=2, kind=kind)
+
+
+class WanFamily(ModelFamily):
+    name = "wan"
+    display = "Wan"
+    checkpoints = wan_converters.CHECKPOINTS
+    forward_inputs = wan.FORWARD_INPUTS
+    presets = {
+        "wan2.1-t2v-1.3b": _preset(50, 480, 832, "wan-t2v"),
+        "wan2.1-t2v-14b": _preset(50, 720, 1280, "wan-t2v"),
+        "wan2.1-i2v-14b": _preset(40, 720, 1280, "wan-i2v"),
+    }
+    folder_classes = FOLDER_CLASSES
+    pipeline_class = WanPipeline
+    makes_video = True
+    fps = 16  # Wan 2.1 is trained at 16 fps
+    cfg_scale_argument = "guidance_scale"
+    cfg_needs = "--guidance_scale > 1 (Wan's CFG)"
+    embedding_names = ("prompt_embeds", "negative_prompt_embeds", "image_embeds", "condition")
+
+    def example_request(self, w: Any) -> GenerationRequest:
+        m, rows, (height, width, frames) = w.model, w.requests, w.size
+        embeds = np.zeros((rows, w.context[0], m.text_dim), np.float32)
+        image = {}
+        if m.is_i2v:
+            latent = ((frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
+            image = dict(
+                image_embeds=np.zeros((rows, w.context[1], m.image_dim), np.float32),
+                condition=np.zeros((rows, m.in_channels - m.out_channels, *latent), np.float32),
+            )
+        return GenerationRequest(
+            prompt_embeds=embeds,
+            negative_prompt_embeds=embeds if w.branches == 2 else None,
+            guidance_scale=5.0 if w.branches == 2 else 1.0,
+            height=height,
+            width=width,
+            num_frames=frames,
+            num_inference_steps=w.steps,
+            output_type="latent",
+            **image,
+        )
+
+    def size_multiple(self, folder: ModelFolder | None) -> int:
+        return VAE_SPATIAL * 2  # the VAE's 8 x the 2x2 patches
+
+    def check_generate(self, request: Any, config: wan.WanConfig | None, parallel: Any) -> None:
+        frames = request.num_frames
+        if frames < 1 or (frames - 1) % VAE_TEMPORAL:
+            raise ValueError(
+                f"num_frames {frames} must be 4n + 1 (the VAE keeps the first frame and folds every 4 after "
+                f"it into one latent frame); nearest: {nearest(frames, VAE_TEMPORAL, 1)}"
+            )
+        if config is not None and request.embeddings is not None:
+            # The pipeline's own checks, on the file's shapes (PipeFusion's split is checked apart).
+            check_inputs(
+                config,
+                dataclasses.replace(parallel, pipefusion=1),
+                height=request.height,
+                width=request.width,
+                num_frames=frames,
+                num_inference_steps=request.num_inference_steps,
+                guidance_scale=request.guidance_scale,
+                prompt_embeds=request.embeddings["prompt_embeds"],
+                negative_prompt_embeds=request.embeddings.get("negative_prompt_embeds"),
+                image_embeds=request.embeddings.get("image_embeds"),
+                condition=request.embeddings.get("condition"),
+                flow_shift=request.flow_shift,
+            )
+
+    def check_pipefusion(self, request: Any, config: wan.WanConfig, parallel: Any, multiple: int) -> None:
+        """M >= P patches of whole latent rows (after patchify) that ring x ulysses splits, blocks to split
+        over the stages, 1 <= warmup_steps <= steps."""
+        from jaxdit.parallel.pipefusion import validate_pipefusion
+        from jaxdit.pipelines.pipefusion_wan import default_num_patches, validate_patches
+
+        if config.num_layers < parallel.pipefusion:
+            raise ValueError(
+                f"--pipefusion_parallel_degree {parallel.pipefusion} exceeds the model's {config.num_layers} "
+                "blocks: every stage needs at least one block"
+            )
+        latent = (1, config.out_channels, (request.num_frames - 1) // VAE_TEMPORAL + 1)
+        latent += (request.height // VAE_SPATIAL, request.width // VAE_SPATIAL)
+        grid = wan.latent_grid(latent, config.patch_size)
+        patches = request.num_pipeline_patch or default_num_patches(
+            parallel.pipefusion, grid, parallel.sequence_degree
+        )
+        validate_pipefusion(
+            parallel.pipefusion, patches, request.warmup_steps or 1, request.num_inference_steps
+        )
+        validate_patches(grid, patches, parallel.sequence_degree)
+
+    def original_folder(self, root: Path) -> ModelFolder | None:
+        return open_original_folder(root)
+
+    def check_folder(self, folder: ModelFolder) -> None:
+        check_folder(folder)
+
+    def sharded(self, model: nnx.Module, mesh: Mesh, **options: Any) -> ShardedForward:
+        return wan.sharded(model, mesh, **options)
+
+    def wrap(self, model: nnx.Module, mesh: Mesh, **options: Any) -> WanForward:
+        return WanForward(model, mesh, **options)
+
+    def hidden(self, config: wan.WanConfig) -> int:
+        return config.dim
+
+    def mlp_hidden(self, config: wan.WanConfig) -> int:
+        return config.ffn_dim
+
+    def output_features(self, config: wan.WanConfig) -> int:
+        return config.out_features
+
+    def stack_depths(self, config: wan.WanConfig) -> tuple[int, ...]:
+        return (config.num_layers,)
+
+    def prediction_dtype(self, dtype: str) -> str:
+        return "float32"  # Wan's head returns fp32 whatever the model's dtype
+
+    def step_terms(self, w: Any, parallel: Any, sh: Any) -> StepTerms:
+        """Wan's blocks (``models/wan.py``): self-attention (q, k, v, o + sequence-parallel attention),
+        cross-attention to the context (its K/V computed on every sequence shard), FFN; the time path,
+        norms and modulation in fp32; q/k RMSNorm across all heads (two small all-reduces per block
+        under tensor parallelism)."""
+        m, e, b, n = w.model, w.hidden, sh.b, sh.n
+        e_t, f_t, text = sh.e_t, sh.f_t, w.context[0]
+        nonblock = (
+            2 * b * n * m.patch_features * e  # patch embedding
+            + 2 * b * text * (m.text_dim * e + e * e)  # text embedding: every shard embeds the whole prompt
+            + 2 * b * (m.freq_dim * e + e * e)  # time embedding
+            + 2 * b * e * 6 * e  # time projection
+            + 2 * b * n * e * m.out_features  # head
+        )
+        att = sh.self_attention_flops
+        block = (
+            2 * b * n * e * e_t * 4  # self-attention q, k, v, o
+            + att
+            + 2 * b * n * e * e_t * 2  # cross-attention q, o
+            + 2 * b * text * e * e_t * 2  # cross-attention text k, v: on every sequence shard
+            + attention_flops(b, sh.h_t, n, text, w.head_dim)
+            + 2 * b * n * e * f_t * 2  # FFN
+        )
+        a = w.itemsize  # matmul weights in the model dtype; norms, modulation, time path in fp32
+        param_nonblock = (
+            (m.patch_features * e + e) * a
+            + (m.text_dim * e + e + e * e + e) * a
+            + (m.freq_dim * e + e + e * e + e + e * 6 * e + 6 * e) * 4  # time embedding + projection
+            + 2 * e * 4  # head modulation
+            + (e * m.out_features + m.out_features) * a
+        )
+        attn = 3 * (e * e_t + e_t) + e_t * e + e  # q, k, v column-parallel, o row-parallel (bias replicated)
+        param_block = (
+            6 * e * 4  # modulation
+            + attn * a
+            + 2 * e_t * 4  # self-attention q/k RMSNorm weights ("heads": split over tensor)
+            + 2 * e * 4  # cross-attention LayerNorm
+            + attn * a
+            + 2 * e_t * 4
+            + (e * f_t + f_t + f_t * e + e) * a
+        )
+        if m.is_i2v:
+            image = w.context[1]
+            nonblock += 2 * b * image * (CLIP_DIM * CLIP_DIM + CLIP_DIM * e)
+            block += 2 * b * image * e * e_t * 2 + attention_flops(b, sh.h_t, n, image, w.head_dim)
+            param_nonblock += 2 * CLIP_DIM * 4 + (CLIP_DIM * CLIP_DIM + CLIP_DIM + CLIP_DIM * e + e) * a
+            param_nonblock += 2 * e * 4
+            param_block += 2 * (e * e_t + e_t) * a + e_t * 4
+        context = sum(w.context)
+        reductions = (
+            Reduction("self-attention o, cross-attention o, FFN-down partial sums", 0, 3, b * n * e),
+            Reduction("RMSNorm sums of squares across heads: self q, k", 0, 1, b * 2 * n),
+            Reduction("RMSNorm sums of squares across heads: cross q, context k", 0, 1, b * (n + context)),
+        )
+        return StepTerms(
+            nonblock_flops=nonblock,
+            block_flops=(block,),
+            attention_flops=att,
+            param_nonblock_bytes=param_nonblock,
+            param_block_bytes=(param_block,),
+            reductions=reductions,
+            context_bytes=b * context * e * a + 2 * b * context * e_t * a,
+        )
+
+    def workload_shape(self, config, height, width, frames, text_tokens):
+        if frames < 1 or (frames - 1) % VAE_TEMPORAL:
+            raise ValueError(f"Wan needs 4n + 1 frames (the VAE compresses time 4x), got {frames}")
+        pt, ph, pw = config.patch_size
+        latent = ((frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
+        if latent[0] % pt or latent[1] % ph or latent[2] % pw:
+            raise ValueError(f"latent {latent} is not a multiple of the patch {config.patch_size}")
+        video = math.prod((latent[0] // pt, latent[1] // ph, latent[2] // pw))
+        text = wan.TEXT_LEN if text_tokens is None else text_tokens
+        return (video,), ((text, IMAGE_TOKENS) if config.is_i2v else (text,))
+
+
+WAN = WanFamily()

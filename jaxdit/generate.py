@@ -1,0 +1,518 @@
+"""What ``jaxdit generate`` does, as a library: a request, its checks, and the run.
+
+A request names what to run in one of three ways, each resolved to a model family through the registry
+(``jaxdit.families``), never by name here:
+
+- nothing (or ``--model tiny-digits``): the bundled tiny-digits model (a FLUX-architecture preset);
+- ``--weights FOLDER``, a whole downloaded pipeline (diffusers layout, or a family's own release
+  layout): prompt -> pixels, with the folder's text encoders and VAE;
+- ``--model PRESET --weights CHECKPOINT --prompt_embeds FILE``: a transformer checkpoint alone, from
+  prompt embeddings to latents (``.npy``).
+
+Everything that can be wrong with a request (degrees, CFG without a negative, sizes the VAE and patches
+do not divide, PipeFusion options, the output's suffix) is reported by :func:`check_request` before jax
+starts, weights load or anything compiles. Defaults that the flags leave unset are the family
+pipeline's own call defaults (diffusers'), read from its signature, so the CLI and the Python API agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import inspect
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxdit import families
+from jaxdit.families.base import ModelFamily
+from jaxdit.mesh import ParallelConfig
+from jaxdit.pipelines import tiny_digits as tiny
+from jaxdit.pipelines.model_folder import ModelFolder
+from jaxdit.pipelines.request import GenerationRequest
+
+__all__ = ["GenerateRequest", "check_request", "run"]
+
+TINY = tiny.NAME
+#: T5 / umT5 prompt length in FLUX's and Wan's pipelines (diffusers refuses more).
+MAX_SEQUENCE_LENGTH = 512
+IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".npy"), (".mp4", ".gif", ".npy")
+#: The tiny model's training record fixes its sampling (pixel space, 16 x 16, CFG with the empty prompt).
+TINY_DEFAULTS = dict(height=16, width=16, num_inference_steps=20, true_cfg_scale=3.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateRequest:
+    """The flags of ``jaxdit generate`` (xDiT's names); None means "the model's default"."""
+
+    model: str = TINY
+    weights: str | None = None
+    prompt: str | None = None
+    negative_prompt: str | None = None
+    prompt_embeds: str | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = None
+    seed: int = 0
+    output: str | None = None
+    emulate_devices: int | None = None
+    compare_single_device: bool = False
+    dtype: str | None = None
+    data_parallel_degree: int = 1
+    use_cfg_parallel: bool = False
+    ulysses_degree: int = 1
+    ring_degree: int = 1
+    tensor_parallel_degree: int = 1
+    pipefusion_parallel_degree: int = 1
+    num_pipeline_patch: int | None = None
+    warmup_steps: int | None = None
+    num_frames: int | None = None  # video families
+    flow_shift: float | None = None  # Wan
+    image: str | None = None  # image-to-video (pipeline folders): the first frame
+    max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
+
+    @classmethod
+    def from_args(cls, args: Any) -> GenerateRequest:
+        return cls(
+            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        )
+
+    # ------------------------------------------------------------------ what runs
+    @property
+    def is_tiny(self) -> bool:
+        return self.model == TINY and self.weights is None
+
+    @functools.cached_property
+    def folder(self) -> ModelFolder | None:
+        """The downloaded pipeline folder ``--weights`` names, if it is one (None for a checkpoint)."""
+        if not families.is_pipeline_folder(self.weights):
+            return None
+        return families.open_folder(self.weights)[1]
+
+    @functools.cached_property
+    def family(self) -> ModelFamily:
+        if self.is_tiny:
+            return families.FLUX
+        if self.folder is not None:
+            return families.get(self.folder.family)
+        if self.model != TINY:
+            return families.preset(self.model)[0]
+        return families.detect_family(self.weights)  # a checkpoint without --model: its headers say
+
+    @property
+    def default_output(self) -> str:
+        if self.is_tiny:
+            return "digits.png"
+        if self.folder is None:
+            return "latents.npy"
+        return "video.mp4" if self.family.makes_video else "image.png"
+
+    def parallel(self) -> ParallelConfig:
+        return ParallelConfig(
+            data=self.data_parallel_degree,
+            cfg=2 if self.use_cfg_parallel else 1,
+            pipefusion=self.pipefusion_parallel_degree,
+            ring=self.ring_degree,
+            ulysses=self.ulysses_degree,
+            tensor=self.tensor_parallel_degree,
+        )
+
+    # ------------------------------------------------------------------ the call
+    @functools.cached_property
+    def embeddings(self) -> dict[str, tuple[int, ...]] | None:
+        """Names and shapes of the arrays in the ``--prompt_embeds`` file (read without jax)."""
+        return None if self.prompt_embeds is None else _embedding_shapes(self.prompt_embeds)
+
+    def call(self) -> GenerationRequest:
+        """The pipeline call: every unset flag takes the family pipeline's call default (tiny-digits: its
+        training record's), so ``jaxdit generate`` and ``pipe(...)`` agree."""
+        defaults = _call_defaults(self.family.pipeline_class)
+        if self.is_tiny:
+            defaults.update(TINY_DEFAULTS)
+        pick = lambda name, value: defaults.get(name) if value is None else value
+        negative = self.negative_prompt
+        if self.is_tiny and negative is None:
+            negative = ""  # the tiny model's empty prompt is its unconditional branch: CFG by default
+        return GenerationRequest(
+            prompt=(self.prompt or "0123456789") if self.is_tiny else self.prompt,
+            negative_prompt=negative,
+            height=pick("height", self.height),
+            width=pick("width", self.width),
+            num_frames=pick("num_frames", self.num_frames),
+            num_inference_steps=pick("num_inference_steps", self.num_inference_steps),
+            guidance_scale=pick("guidance_scale", self.guidance_scale),
+            true_cfg_scale=pick("true_cfg_scale", self.true_cfg_scale) or 1.0,
+            flow_shift=self.flow_shift,
+            seed=self.seed,
+            max_sequence_length=self.max_sequence_length,
+        )
+
+
+def _call_defaults(pipeline_class: type) -> dict[str, Any]:
+    signature = inspect.signature(pipeline_class.__call__)
+    return {
+        name: p.default
+        for name, p in signature.parameters.items()
+        if p.default is not inspect.Parameter.empty and p.default is not None
+    }
+
+
+def _takes(pipeline_class: type, argument: str) -> bool:
+    return argument in inspect.signature(pipeline_class.__call__).parameters
+
+
+def _embedding_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the arrays in a .npz / .safetensors file (numpy only: no jax)."""
+    if not Path(path).is_file():
+        raise ValueError(f"--prompt_embeds {path}: no such file")
+    if path.endswith(".npz"):
+        with np.load(path) as f:
+            return {k: f[k].shape for k in f.files}
+    from converters.safetensors_io import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    return {k: tuple(ckpt.shape(k)) for k in ckpt}
+
+
+def _load_embeddings(path: str) -> dict[str, np.ndarray]:
+    if path.endswith(".npz"):
+        with np.load(path) as f:
+            return {k: f[k] for k in f.files}
+    from converters.safetensors_io import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    return {k: ckpt.read(k) for k in ckpt}
+
+
+# --------------------------------------------------------------------------------------------------------
+# Checks (no jax)
+# --------------------------------------------------------------------------------------------------------
+
+
+def check_request(r: GenerateRequest) -> None:
+    """Raise ValueError naming the problem; needs no devices."""
+    known = families.presets()
+    if r.weights is None and r.model != TINY:
+        if r.model not in known:
+            raise ValueError(
+                f"unknown --model {r.model!r}; use tiny-digits (bundled, the default) or, with --weights, "
+                f"one of {', '.join(known)}"
+            )
+        raise ValueError(
+            f"--model {r.model} needs --weights (a {known[r.model][0].display} checkpoint or pipeline folder)"
+        )
+    parallel = r.parallel()  # every degree >= 1
+    if parallel.pipefusion == 1 and (r.num_pipeline_patch is not None or r.warmup_steps is not None):
+        raise ValueError(
+            "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
+        )
+    if r.emulate_devices is not None:
+        if r.emulate_devices < 1:
+            raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
+        parallel.validate_devices(r.emulate_devices)
+    for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
+        value = getattr(r, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{name} must be a finite number, got {value}")
+    if r.folder is not None:
+        _check_folder(r)
+    elif r.image is not None or r.max_sequence_length is not None:
+        raise ValueError(
+            "--image and --max_sequence_length need a pipeline folder as --weights (text encoders)"
+        )
+    elif not r.is_tiny:
+        _check_checkpoint(r)
+    else:
+        _check_tiny(r)
+    _check_call(r, parallel)
+
+
+def _check_tiny(r: GenerateRequest) -> None:
+    tiny.parse_prompt(r.prompt or "0123456789")
+    if r.prompt_embeds is not None:
+        raise ValueError("tiny-digits takes digit prompts, not --prompt_embeds")
+
+
+def _check_folder(r: GenerateRequest) -> None:
+    """``--model`` is optional with a folder (the folder says what it is); a preset given must be of the
+    folder's family and kind (its exact architecture is not compared)."""
+    folder, family = r.folder, r.family
+    if r.model != TINY:
+        owner, preset = families.preset(r.model) if r.model in families.presets() else (None, None)
+        if owner is not family or preset.kind != folder.kind:
+            raise ValueError(
+                f"--model {r.model} does not match {r.weights}, a {family.display} folder ({folder.kind})"
+            )
+    if r.prompt is None:
+        raise ValueError(f"{r.weights} is a whole pipeline: give --prompt (its text encoders encode it)")
+    if r.prompt_embeds is not None:
+        raise ValueError("--prompt_embeds and a pipeline folder: the folder's text encoders encode --prompt")
+    if r.pipefusion_parallel_degree > 1:
+        raise ValueError(
+            "PipeFusion runs from transformer checkpoints with --prompt_embeds; from a pipeline folder use "
+            "--ulysses_degree / --ring_degree / --use_cfg_parallel / --tensor_parallel_degree"
+        )
+    takes_image = "image_encoder" in folder or folder.kind.endswith("i2v")
+    if takes_image and r.image is None:
+        raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
+    if not takes_image and r.image is not None:
+        raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
+    if r.image is not None and not Path(r.image).is_file():
+        raise ValueError(f"--image {r.image}: no such file")
+    if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= MAX_SEQUENCE_LENGTH:
+        raise ValueError(
+            f"--max_sequence_length must be in 1..{MAX_SEQUENCE_LENGTH} (the T5 encoders' length), "
+            f"got {r.max_sequence_length}"
+        )
+
+
+def _check_checkpoint(r: GenerateRequest) -> None:
+    family = r.family
+    if not Path(r.weights).exists():
+        raise ValueError(f"--weights {r.weights}: no such file or folder")
+    if r.prompt is not None or r.negative_prompt is not None:
+        raise ValueError(
+            f"{r.weights} is a transformer checkpoint without text encoders: put "
+            f"{' / '.join(family.embedding_names[:2])} in --prompt_embeds, or give a pipeline folder"
+        )
+    if r.prompt_embeds is None:
+        raise ValueError(
+            f"a {family.display} checkpoint needs --prompt_embeds (a .npz/.safetensors with "
+            f"{', '.join(family.embedding_names)}), or a whole pipeline folder as --weights"
+        )
+    shapes = r.embeddings
+    unknown = sorted(set(shapes) - set(family.embedding_names))
+    if unknown or "prompt_embeds" not in shapes:
+        raise ValueError(
+            f"{r.prompt_embeds} holds {sorted(shapes)}; a {family.display} embeddings file holds "
+            f"{', '.join(family.embedding_names)}" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+
+
+def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
+    """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
+    family, call, pipeline = r.family, r.call(), r.family.pipeline_class
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",)):
+        if any(getattr(r, f) is not None for f in flags) and not _takes(pipeline, flags[0]):
+            owners = " / ".join(
+                f.display for f in families.FAMILIES.values() if _takes(f.pipeline_class, flags[0])
+            )
+            if flags[0] == "true_cfg_scale":
+                raise ValueError(
+                    f"--true_cfg_scale is {owners}'s; {family.display}'s classifier-free guidance scale is "
+                    f"--{family.cfg_scale_argument}"
+                )
+            raise ValueError(f"{' and '.join('--' + f for f in flags)} apply to {owners} models")
+    if call.num_inference_steps < 1:
+        raise ValueError(f"--num_inference_steps must be >= 1, got {call.num_inference_steps}")
+    config = _model_config(r)
+    # The family's own checks first: with a known model and embeddings they are the pipeline's, whose
+    # messages name the nearest valid sizes and frame counts.
+    family.check_generate(call_view(r, call), config, parallel)
+    multiple = 2 if r.is_tiny else family.size_multiple(r.folder)
+    if call.height % multiple or call.width % multiple or min(call.height, call.width) < multiple:
+        raise ValueError(
+            f"{family.display}: height and width must be positive multiples of {multiple}; "
+            f"got {call.height}x{call.width}"
+        )
+    cfg = getattr(call, family.cfg_scale_argument) > 1.0
+    if family.cfg_scale_argument == "true_cfg_scale":
+        cfg = cfg and (call.negative_prompt is not None or "negative_prompt_embeds" in (r.embeddings or {}))
+    if parallel.cfg == 2 and not cfg:
+        value = getattr(call, family.cfg_scale_argument)
+        raise ValueError(
+            f"--use_cfg_parallel needs classifier-free guidance: {family.cfg_needs} "
+            f"(got --{family.cfg_scale_argument} {value})"
+        )
+    if config is not None:
+        parallel.validate_heads(config.num_heads)
+    if parallel.pipefusion > 1:
+        if config is None:  # a folder's transformer: its config (and headers) only
+            config = family.checkpoints.open(r.folder["transformer"], None).config
+        family.check_pipefusion(call_view(r, call), config, parallel, multiple)
+    _check_output(r)
+
+
+def call_view(r: GenerateRequest, call: GenerationRequest) -> Any:
+    """The call's arguments plus the request's PipeFusion options and embeddings, for family checks."""
+    return _CallView(call, r)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallView:
+    call: GenerationRequest
+    request: GenerateRequest
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("num_pipeline_patch", "warmup_steps", "embeddings"):
+            return getattr(self.request, name)
+        return getattr(self.call, name)
+
+
+def _model_config(r: GenerateRequest) -> Any:
+    if r.is_tiny:
+        return tiny.CONFIG
+    if r.folder is None:
+        return r.family.preset_config(r.model)
+    return None  # read from the folder's transformer when the pipeline is built
+
+
+def _check_output(r: GenerateRequest) -> None:
+    output = r.output or r.default_output
+    suffix = Path(output).suffix.lower()
+    if r.folder is None and not r.is_tiny:
+        if suffix != ".npy":
+            raise ValueError(
+                f"a transformer checkpoint alone makes latents: --output must end in .npy; got {output}"
+            )
+        return
+    if r.family.makes_video:
+        if suffix not in VIDEO_SUFFIXES:
+            raise ValueError(f"--output must end in .mp4 / .gif (video) or .npy (latents); got {output}")
+        if suffix == ".mp4" and importlib.util.find_spec("av") is None:
+            raise ValueError(
+                "writing MP4 needs PyAV: pip install 'jaxdit[video]', or pass --output with .gif (or .npy)"
+            )
+    elif suffix not in IMAGE_SUFFIXES:
+        raise ValueError(f"--output must end in .png (image) or .npy (latents); got {output}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------------------
+
+
+def build(r: GenerateRequest, mesh: Any) -> Any:
+    """The pipeline of a checked request, on ``mesh``."""
+    import jax.numpy as jnp
+
+    from jaxdit.pipelines.flux import tiny_digits
+
+    dtype = jnp.dtype(r.dtype) if r.dtype else None
+    pipefusion = r.pipefusion_parallel_degree > 1
+    if r.is_tiny:
+        return _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh)
+    pipeline = r.family.pipeline_class
+    if r.folder is not None:
+        return pipeline.from_pretrained(r.folder.root, mesh, dtype)
+    if pipefusion:
+        return _legacy_pipefusion(r, mesh, dtype)
+    return pipeline.from_checkpoint(r.weights, mesh, dtype, preset=None if r.model == TINY else r.model)
+
+
+def _legacy_pipefusion(r: GenerateRequest, mesh: Any, dtype: Any) -> Any:
+    # PipeFusion's pipelines until its runner serves every pipeline as a denoiser.
+    if r.family.makes_video:
+        from jaxdit.pipelines.pipefusion_wan import PipeFusionWanPipeline
+
+        return PipeFusionWanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
+    from jaxdit.pipelines import pipefusion_flux as pf
+
+    if r.is_tiny:
+        return pf.tiny_digits(mesh)
+    return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype))
+
+
+def generate(pipe: Any, r: GenerateRequest) -> Any:
+    """Run the request's call on ``pipe`` (a folder's image, a file's embeddings included)."""
+    call = r.call()
+    if r.prompt_embeds is not None:
+        call = call.replace(**_load_embeddings(r.prompt_embeds))
+    if r.image is not None:
+        from PIL import Image
+
+        call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
+    if r.folder is None and not r.is_tiny:
+        call = call.replace(output_type="latent")
+    if r.pipefusion_parallel_degree > 1:
+        kwargs = {
+            f.name: getattr(call, f.name) for f in dataclasses.fields(call) if _takes(type(pipe), f.name)
+        }
+        kwargs = {k: v for k, v in kwargs.items() if v is not None}
+        return pipe(**kwargs, num_pipeline_patch=r.num_pipeline_patch, warmup_steps=r.warmup_steps or 1)
+    return pipe.generate(call)
+
+
+def write(r: GenerateRequest, result: Any) -> Path:
+    """PNG (a grid for several images), MP4/GIF (videos), or the latents as .npy; atomically."""
+    from jaxdit.pipelines import output as out
+
+    path = Path(r.output or r.default_output)
+    if path.suffix.lower() == ".npy" or result.images is None:
+        return out.save_array(path.with_suffix(".npy"), result.latents)
+    pixels = out.to_uint8(result.images)
+    if r.family.makes_video:
+        return out.save_video(path, list(pixels[0]), fps=r.family.fps)
+    columns = 10 if r.is_tiny else 4
+    picture = out.grid(pixels, columns=min(columns, len(pixels))) if len(pixels) > 1 else pixels[0]
+    return out.save_image(path, picture, scale=8 if r.is_tiny else 1)
+
+
+def run(r: GenerateRequest) -> int:
+    """Build, generate, optionally compare with one device, write; prints what it did."""
+    import jax
+
+    if r.emulate_devices:
+        # Must happen before jax's backend starts (nothing above touched devices).
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", r.emulate_devices)
+    parallel = r.parallel()
+    devices = jax.devices()
+    if len(devices) < parallel.num_devices:
+        raise ValueError(
+            f"{parallel.describe()} needs {parallel.num_devices} devices; {len(devices)} are available"
+        )
+    mesh = parallel.make_mesh(devices[: parallel.num_devices])
+    label = r.weights if r.folder is not None else r.model
+    print(f"{label}: {parallel.describe()} on {parallel.num_devices} {devices[0].platform} device(s)")
+    start = time.perf_counter()
+    pipe = build(r, mesh)
+    if r.folder is not None:
+        print(
+            f"loaded {r.folder.root.name} ({r.folder.kind}, {r.folder.layout} layout) in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
+    result = generate(pipe, r)
+    print(
+        f"generated in {time.perf_counter() - start:.1f} s ({result.seconds:.1f} s denoising, compile included)"
+    )
+    if r.compare_single_device:
+        single_mesh = ParallelConfig().make_mesh(devices[:1])
+        single = generate(build(dataclasses.replace(r, **_single_device_degrees()), single_mesh), r)
+        pick = lambda x: x.images if x.images is not None else x.latents
+        print(
+            f"max |difference| to the single-device result: {np.abs(pick(single) - pick(result)).max():.2e}"
+        )
+    if r.is_tiny:
+        _judge(r, result)
+    print(f"wrote {write(r, result)}")
+    return 0
+
+
+def _single_device_degrees() -> dict[str, Any]:
+    return dict(
+        data_parallel_degree=1,
+        use_cfg_parallel=False,
+        ulysses_degree=1,
+        ring_degree=1,
+        tensor_parallel_degree=1,
+        pipefusion_parallel_degree=1,
+        num_pipeline_patch=None,
+        warmup_steps=None,
+    )
+
+
+def _judge(r: GenerateRequest, result: Any) -> None:
+    """tiny-digits: how many pictures a held-out classifier reads as the digit asked for."""
+    from jaxdit.pipelines.digits import DigitJudge
+
+    labels = np.asarray(tiny.parse_prompt(r.prompt or "0123456789"))
+    if (labels != tiny.NULL_LABEL).all():
+        judged = DigitJudge().predict(result.images)
+        print(f"held-out digit judge recognises {int((judged == labels).sum())} of {len(labels)} as asked")

@@ -1,0 +1,145 @@
+"""What every pipeline does around its family's specifics: request -> conditioning -> denoise -> decode.
+
+A family's pipeline (``pipelines/flux.py``, ``pipelines/wan.py``) subclasses :class:`DiffusionPipeline`
+and implements one method, :meth:`DiffusionPipeline.prepare`: from a :class:`GenerationRequest` to the
+denoiser's inputs (latent tokens, the forward's context, the sampler's schedule) and the function that
+turns the final tokens back into latents. Everything else is here, once:
+
+- the call template (checks, the denoising loop, decoding, ``output_type`` np / pil / latent);
+- the choice of denoiser: the plain loop (:class:`~jaxdit.pipelines.denoiser.Denoiser`) or, when the mesh
+  has ``pipefusion > 1``, the PipeFusion runner;
+- prompt encoding with classifier-free guidance branches laid out for the ``cfg`` axis, and
+  ``num_images_per_prompt``.
+
+Text encoders and the VAE plug in as callables (``encode(prompts, **options)``, ``decode(latents)``), so
+a pipeline runs as well with embeddings only (``output_type="latent"`` without a decoder) as from a
+downloaded folder (``jaxdit.families`` builds those).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxdit.mesh import ParallelConfig
+from jaxdit.parallel.cfg import interleave_branches
+from jaxdit.pipelines.denoiser import DenoiseInputs
+from jaxdit.pipelines.request import GenerationRequest, prompt_list
+
+__all__ = ["DiffusionPipeline", "GenerationOutput", "Prepared", "to_pil"]
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    #: Decoded pictures: np [B, H, W(, C)] (videos [B, F, H, W, C]) in [-1, 1]; PIL images for
+    #: output_type="pil" (a list, or a list of frame lists for videos); None for "latent".
+    images: Any
+    latents: np.ndarray  # the family's latents, e.g. [B, C, h, w] (FLUX) or [B, C, F', h, w] (Wan)
+    seconds: float  # wall time of the denoising loop (compile included on a first call)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A request turned into the denoiser's inputs, and how to read its final tokens back."""
+
+    inputs: DenoiseInputs
+    to_latents: Callable[[np.ndarray], np.ndarray]
+
+
+def to_pil(images: np.ndarray) -> list:
+    """[-1, 1] pictures [B, H, W(, 3)] (or videos [B, F, H, W, 3]) -> PIL images (lists of frames)."""
+    from PIL import Image
+
+    pixels = np.round((np.clip(np.asarray(images, np.float32), -1, 1) + 1) * 127.5).astype(np.uint8)
+    if pixels.ndim == 5:
+        return [[Image.fromarray(frame) for frame in video] for video in pixels]
+    return [Image.fromarray(p) for p in pixels]
+
+
+class DiffusionPipeline:
+    """A transformer on a mesh, a sampler, optional encoders and decoder (see the module docstring).
+
+    Subclasses set :meth:`prepare`; ``denoiser`` is built by :meth:`make_denoiser` (the plain loop, or the
+    PipeFusion runner on a mesh with ``pipefusion > 1``).
+    """
+
+    #: What a cfg=2 mesh needs, in the family's own words (completes the error message).
+    cfg_hint: str = "pass negative conditioning with a guidance scale > 1"
+
+    def __init__(self, mesh: Mesh, *, encode: Any = None, decode: Any = None) -> None:
+        self.mesh = mesh
+        self.parallel = ParallelConfig.from_mesh(mesh)
+        self.encode = encode
+        self.decode = decode
+
+    # ------------------------------------------------------------------ family hook
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ the call
+    def generate(self, request: GenerationRequest) -> GenerationOutput:
+        """Run one request: checks, conditioning, the denoising loop, decoding."""
+        request.check()
+        if request.output_type != "latent" and self.decode is None:
+            raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
+        prepared = self.prepare(request)
+        result = self.denoiser.run(prepared.inputs, progress=request.progress, callback=request.callback)
+        latents = prepared.to_latents(result.tokens)
+        images = None
+        if request.output_type != "latent":
+            images = self.decode(latents)
+            if request.output_type == "pil":
+                images = to_pil(images)
+        return GenerationOutput(images=images, latents=latents, seconds=result.seconds)
+
+    # ------------------------------------------------------------------ helpers for prepare
+    def check_cfg(self, cfg: bool) -> None:
+        if self.parallel.cfg == 2 and not cfg:
+            raise ValueError(
+                "cfg=2 (--use_cfg_parallel) splits the conditional and unconditional branches over two "
+                f"devices, but this call runs no classifier-free guidance; {self.cfg_hint}, or put the "
+                "devices on ulysses/ring instead"
+            )
+
+    def check_batch(self, batch: int, what: str = "images") -> None:
+        if batch % self.parallel.data:
+            raise ValueError(f"{batch} {what} cannot be split over data={self.parallel.data}")
+
+    def encode_prompts(
+        self,
+        prompt: str | Sequence[str] | None,
+        request: GenerationRequest,
+        *,
+        batch: int | None = None,
+        what: str = "prompt",
+    ) -> Any:
+        """The text encoder's output for ``prompt`` (a single prompt repeated to ``batch`` rows), each
+        prompt repeated ``num_images_per_prompt`` times; None without a prompt."""
+        prompts = prompt_list(prompt)
+        if prompts is None:
+            return None
+        if self.encode is None:
+            raise ValueError(f"this pipeline has no text encoder: pass {what}_embeds")
+        if batch is not None and len(prompts) == 1:
+            prompts = prompts * batch
+        else:
+            prompts = [p for p in prompts for _ in range(request.num_images_per_prompt)]
+        options = {}
+        if request.max_sequence_length is not None:
+            options["max_sequence_length"] = request.max_sequence_length
+        return self.encode(prompts, **options)
+
+    @staticmethod
+    def repeat_per_prompt(x: np.ndarray | None, request: GenerationRequest) -> np.ndarray | None:
+        """Given embeddings: each row repeated ``num_images_per_prompt`` times (as diffusers)."""
+        if x is None or request.num_images_per_prompt == 1:
+            return x
+        return np.repeat(np.asarray(x), request.num_images_per_prompt, axis=0)
+
+    def branches(self, negative: np.ndarray, positive: np.ndarray) -> np.ndarray:
+        """[B, ...] x 2 -> [2B, ...] in the (data shard, branch, request) order the cfg axis splits."""
+        return np.asarray(interleave_branches(negative, positive, self.parallel.data))

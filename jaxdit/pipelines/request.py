@@ -1,0 +1,90 @@
+"""One generation request, as a frozen value: what a pipeline call asks for, checked once.
+
+The pipelines' ``__call__`` take diffusers' keyword arguments (that is what users know); they are turned
+into a :class:`GenerationRequest` at once, and everything below the call (conditioning, the denoisers,
+PipeFusion, decoding) reads this one object instead of repeating an 18-argument signature. Fields a
+family does not use stay None (a FLUX request has no ``num_frames``; Wan has no ``true_cfg_scale``).
+
+Family-independent checks live here (:meth:`GenerationRequest.check`); what depends on the model
+(sizes its VAE and patches divide, the text width of embeddings) is checked by the family's pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OUTPUT_TYPES", "GenerationRequest", "prompt_list"]
+
+#: ``output_type`` values every pipeline accepts (diffusers' names).
+OUTPUT_TYPES = ("np", "pil", "latent")
+
+
+def prompt_list(prompt: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
+    """A prompt or a list of prompts -> a list (None stays None)."""
+    if prompt is None:
+        return None
+    if isinstance(prompt, str):
+        return [prompt]
+    prompts = list(prompt)
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise ValueError(f"prompt must be a string or a non-empty list of strings, got {prompt!r}")
+    return prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """A pipeline call's arguments (diffusers' names). Arrays are kept as given (numpy or None)."""
+
+    prompt: Any = None
+    negative_prompt: Any = None
+    prompt_embeds: Any = None
+    pooled_prompt_embeds: Any = None  # FLUX (CLIP pooled)
+    negative_prompt_embeds: Any = None
+    negative_pooled_prompt_embeds: Any = None  # FLUX
+    image: Any = None  # image-to-video: the first frame
+    image_embeds: Any = None  # Wan I2V: CLIP features
+    condition: Any = None  # Wan I2V: mask + first-frame latent
+    height: int = 1024
+    width: int = 1024
+    num_frames: int | None = None  # video families
+    num_inference_steps: int = 28
+    guidance_scale: float = 3.5
+    true_cfg_scale: float = 1.0  # FLUX's classifier-free guidance (guidance_scale is its embedded one)
+    flow_shift: float | None = None  # Wan: UniPC sigma shift (default: the scheduler's or by resolution)
+    seed: int = 0
+    latents: Any = None  # initial noise instead of the seed's, shaped like the family's latents
+    max_sequence_length: int | None = None
+    num_images_per_prompt: int = 1
+    output_type: str = "np"
+    progress: bool = True
+    #: Called on the host after each denoising step as ``callback(step, total)``; returning False stops
+    #: the loop there (the result is then not produced: :class:`GenerationCancelled` is raised).
+    callback: Any = None
+
+    def check(self) -> None:
+        """Family-independent checks; raise ``ValueError`` naming the argument."""
+        if self.output_type not in OUTPUT_TYPES:
+            raise ValueError(
+                f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {self.output_type!r}"
+            )
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if self.num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
+        for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(float(value)):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.height < 1 or self.width < 1:
+            raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
+        if self.prompt is not None and self.prompt_embeds is not None:
+            raise ValueError("pass either a prompt or prompt embeddings, not both")
+        if self.latents is not None and not np.isfinite(np.asarray(self.latents, np.float32)).all():
+            raise ValueError("latents hold NaN or inf")
+
+    def replace(self, **changes: Any) -> GenerationRequest:
+        return dataclasses.replace(self, **changes)
