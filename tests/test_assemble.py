@@ -23,7 +23,7 @@ def test_broken_transformer_is_reported_before_the_text_encoders_load(tmp_path, 
     def must_not_load(*args, **kwargs):
         raise AssertionError("the text encoders were read before the transformer was checked")
 
-    monkeypatch.setattr("jaxdit.text_encoders.FluxTextEncoders.from_folder", must_not_load)
+    monkeypatch.setattr("jaxdit.pipelines.flux.load_flux_text_encoders", must_not_load)
     with pytest.raises(CheckpointError, match=f"missing tensor {dropped!r}"):
         FluxPipeline.from_pretrained(folder)
 

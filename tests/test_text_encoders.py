@@ -22,19 +22,21 @@ from converters.clip import TEXT_PREFIX, open_clip_text, open_clip_vision, text_
 from converters.errors import CheckpointError
 from converters.keymap import invert
 from converters.t5 import WAN_T5_FILE, hf_table, hf_to_params, open_t5, write_wan_original
+from jaxdit.loading import encoders as encoders_module
+from jaxdit.loading.encoders import (
+    load_clip_text,
+    load_clip_vision,
+    load_flux_text_encoders,
+    load_t5,
+    load_wan_image_encoder,
+    load_wan_text_encoder,
+)
 from jaxdit.text_encoders import (
     CLIPTextConfig,
     CLIPVisionConfig,
-    FluxTextEncoders,
     T5Config,
-    WanImageEncoder,
-    WanTextEncoder,
-    load_clip_text,
-    load_clip_vision,
-    load_t5,
     prompt_clean,
 )
-from jaxdit.text_encoders import encoders as encoders_module
 from jaxdit.text_encoders.clip import abstract_text_model, abstract_vision_model
 from jaxdit.text_encoders.common import jit_forward, parameter_shapes
 from jaxdit.text_encoders.t5 import abstract_model as abstract_t5
@@ -236,7 +238,7 @@ def test_flux_text_encoders_match_diffusers_on_a_chosen_device(root):
     with torch.no_grad():
         ref_embeds, ref_pooled, _ = pipe.encode_prompt(PROMPTS, prompt_2=None, max_sequence_length=24)
     device = jax.devices()[7]
-    enc = FluxTextEncoders.from_folder(folder, device=device, compiler_options=FAST)
+    enc = load_flux_text_encoders(folder, device=device, compiler_options=FAST)
     embeds, pooled = enc(PROMPTS, max_sequence_length=24)
     assert embeds.dtype == np.float32 and embeds.shape == (2, 24, 32) and pooled.shape == (2, 32)
     e1, e2 = _err(embeds, ref_embeds.numpy()), _err(pooled, ref_pooled.numpy())
@@ -262,7 +264,7 @@ def test_wan_text_encoder_matches_diffusers(root):
     with torch.no_grad():
         ref, _ = pipe.encode_prompt(PROMPTS, do_classifier_free_guidance=False, max_sequence_length=40)
     device = jax.devices()[5]
-    enc = WanTextEncoder.from_folder(folder, device=device, compiler_options=FAST)
+    enc = load_wan_text_encoder(folder, device=device, compiler_options=FAST)
     out = enc(PROMPTS, max_sequence_length=40)
     assert out.shape == (2, 40, 16) and out.dtype == np.float32
     err = _err(out, ref.numpy())
@@ -298,8 +300,8 @@ def test_wan_original_pth_layout(root, tmp_path):
     shutil.copytree(src / "tokenizer", orig / "google" / "umt5-xxl")
     assert open_t5(orig / WAN_T5_FILE).config == cfg  # inferred from the shapes
 
-    ref = WanTextEncoder.from_folder(src, compiler_options=FAST)(PROMPTS, 32)
-    out = WanTextEncoder.from_folder(orig, compiler_options=FAST)(PROMPTS, 32)
+    ref = load_wan_text_encoder(src, compiler_options=FAST)(PROMPTS, 32)
+    out = load_wan_text_encoder(orig, compiler_options=FAST)(PROMPTS, 32)
     print(f"Wan original .pth vs diffusers folder: {_err(out, ref):.2e}")
     np.testing.assert_array_equal(out, ref)
 
@@ -327,7 +329,7 @@ def test_wan_image_encoder_matches_diffusers(root):
         pixels = processor(images=images, return_tensors="pt")
         ref = vision(**pixels, output_hidden_states=True).hidden_states[-2].numpy()
     device = jax.devices()[6]
-    enc = WanImageEncoder.from_folder(folder, device=device, compiler_options=FAST)
+    enc = load_wan_image_encoder(folder, device=device, compiler_options=FAST)
     out = enc(images)
     assert out.shape == (2, 5, 24)
     err = _err(out, ref)
@@ -543,7 +545,7 @@ def test_missing_torch_is_a_clear_error(tmp_path, monkeypatch):
 
 def test_folder_errors(tmp_path):
     with pytest.raises(CheckpointError, match="neither a diffusers WanPipeline folder"):
-        WanTextEncoder.from_folder(tmp_path)
+        load_wan_text_encoder(tmp_path)
     with pytest.raises(CheckpointError, match="no such file"):
-        FluxTextEncoders.from_folder(tmp_path / "nowhere")
+        load_flux_text_encoders(tmp_path / "nowhere")
     assert encoders_module.WAN_T5_FILE == WAN_T5_FILE

@@ -28,6 +28,7 @@ from converters.vae_kl import (
     infer_config,
     write_bfl,
 )
+from jaxdit.loading.vae import load_flux_vae
 from jaxdit.vae.autoencoder_kl import FluxVAE, VAEConfig, num_parameters, parameter_shapes
 
 TOL = 1e-4
@@ -91,7 +92,7 @@ def _flat(vae: FluxVAE) -> dict[str, np.ndarray]:
 
 def test_decode_and_encode_match_diffusers(case):
     name, model, folder = case
-    vae = FluxVAE.from_folder(folder, compiler_options=FAST)
+    vae = load_flux_vae(folder, compiler_options=FAST)
     assert vae.config.block_out_channels == tuple(CONFIGS[name]["block_out_channels"])
     assert vae.config.scaling_factor == 0.3611 and vae.config.shift_factor == 0.1159
     g = torch.Generator().manual_seed(1)
@@ -139,9 +140,9 @@ def test_bfl_layout_round_trip(case, tmp_path):
     )
     with pytest.raises(CheckpointError, match="pass config="):
         detect(path)  # BFL's 32 groups do not divide these channels
-    a = _flat(FluxVAE.from_folder(folder))
-    b = _flat(FluxVAE.from_folder(path, config=cfg))
-    c = _flat(FluxVAE.from_folder(folder.parent))  # a pipeline folder holding vae/
+    a = _flat(load_flux_vae(folder))
+    b = _flat(load_flux_vae(path, config=cfg))
+    c = _flat(load_flux_vae(folder.parent))  # a pipeline folder holding vae/
     assert a.keys() == b.keys() == c.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -220,7 +221,7 @@ def test_corrupt_diffusers_checkpoint(tiny_state, tmp_path, damage):
         state[key] = state[key][:, :, 0]
     folder = _folder(tmp_path, _config_json(), state)
     with pytest.raises(CheckpointError) as e:
-        FluxVAE.from_folder(folder)
+        load_flux_vae(folder)
     msg = str(e.value)
     assert ("conv3" if damage == "extra" else key) in msg
     assert "diffusion_pytorch_model.safetensors" in msg
@@ -236,19 +237,19 @@ def test_corrupt_bfl_checkpoint(tiny_state, tmp_path):
         CheckpointError,
         match=r"decoder\.mid\.attn_1\.k\.weight.*bad\.safetensors|bad\.safetensors.*decoder\.mid\.attn_1\.k\.weight",
     ):
-        FluxVAE.from_folder(bad, config=cfg)
+        load_flux_vae(bad, config=cfg)
     del tensors["decoder.mid.attn_1.k.weight"]
     bad = write_safetensors(tmp_path / "bad2.safetensors", tensors)
     with pytest.raises(CheckpointError, match=r"decoder\.mid\.attn_1\.k\.weight"):
-        FluxVAE.from_folder(bad, config=cfg)
+        load_flux_vae(bad, config=cfg)
 
 
 def test_not_a_vae(tmp_path):
     path = write_safetensors(tmp_path / "x.safetensors", {"foo": np.zeros(2, np.float32)})
     with pytest.raises(CheckpointError, match="not an AutoencoderKL"):
-        FluxVAE.from_folder(path)
+        load_flux_vae(path)
     with pytest.raises(CheckpointError, match="no such file"):
-        FluxVAE.from_folder(tmp_path / "nope")
+        load_flux_vae(tmp_path / "nope")
 
 
 def test_diffusers_to_params_and_config_checks(tiny_state):

@@ -27,6 +27,8 @@ from jax.sharding import Mesh
 
 from converters.flux import CHECKPOINTS
 from jaxdit.loading import load_params
+from jaxdit.loading.encoders import load_flux_text_encoders
+from jaxdit.loading.vae import load_flux_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import flux
 from jaxdit.pipelines import latents as latent_ops
@@ -38,8 +40,6 @@ from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
-from jaxdit.text_encoders import FluxTextEncoders
-from jaxdit.vae.autoencoder_kl import FluxVAE
 
 __all__ = ["DEFAULT_SCHEDULER", "FOLDER_CLASSES", "FluxPipeline", "GenerationOutput", "tiny_digits"]
 
@@ -130,10 +130,10 @@ class FluxPipeline(DiffusionPipeline):
         mesh = mesh_for(parallel)
         check_transformer(folder["transformer"], mesh, CHECKPOINTS)
         dtype = as_dtype(dtype)
-        encoders = FluxTextEncoders.from_folder(
+        encoders = load_flux_text_encoders(
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
-        vae = FluxVAE.from_folder(folder["vae"], dtype=dtype, compiler_options=compiler_options)
+        vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
         model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS)
         return cls(
             model,

@@ -47,6 +47,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
+from jaxdit.loading.encoders import load_wan_image_encoder, load_wan_text_encoder
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import validate_forward
@@ -65,7 +66,6 @@ from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan_image import ImageCondition
 from jaxdit.samplers import unipc
 from jaxdit.samplers.sampler import UniPCSampler
-from jaxdit.text_encoders import WanImageEncoder, WanTextEncoder
 from jaxdit.vae.wan_vae import WanVAE
 
 __all__ = [
@@ -402,13 +402,13 @@ class WanPipeline(DiffusionPipeline):
         mesh = mesh_for(parallel)
         check_transformer(folder["transformer"], mesh, CHECKPOINTS)
         dtype = as_dtype(dtype)
-        text = WanTextEncoder.from_folder(
+        text = load_wan_text_encoder(
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
         vae = WanVAE.from_folder(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
         encode_image = None
         if "image_encoder" in folder:
-            image_encoder = WanImageEncoder.from_folder(
+            image_encoder = load_wan_image_encoder(
                 folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
             )
             encode_image = ImageCondition(image_encoder, vae, mesh=mesh)

@@ -1,16 +1,9 @@
 """Text and image encoders (T5 / umT5, CLIP text and vision) in Flax NNX, with prompt encoders mirroring
-diffusers' FLUX and Wan pipelines. Each runs on one device of its own; see ``encoders.py``."""
+diffusers' FLUX and Wan pipelines. Each runs on one device of its own; see ``encoders.py``
+(``jaxdit.loading.encoders`` loads them from a model folder)."""
 
 from jaxdit.text_encoders.clip import CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, CLIPVisionModel
-from jaxdit.text_encoders.encoders import (
-    FluxTextEncoders,
-    WanImageEncoder,
-    WanTextEncoder,
-    load_clip_text,
-    load_clip_vision,
-    load_t5,
-    prompt_clean,
-)
+from jaxdit.text_encoders.encoders import FluxTextEncoders, WanImageEncoder, WanTextEncoder, prompt_clean
 from jaxdit.text_encoders.t5 import T5Config, T5Encoder
 
 __all__ = [
@@ -23,8 +16,5 @@ __all__ = [
     "T5Encoder",
     "WanImageEncoder",
     "WanTextEncoder",
-    "load_clip_text",
-    "load_clip_vision",
-    "load_t5",
     "prompt_clean",
 ]

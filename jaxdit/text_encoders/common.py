@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from converters.safetensors_io import LazyTensor, place
 from jaxdit.models import partitioning
 
 PathLike = str | os.PathLike[str]
@@ -109,24 +108,6 @@ def resolve_device(device: jax.Device | None) -> jax.Device:
     return device
 
 
-def load_module(
-    abstract: nnx.Module,
-    tensors: Mapping[str, LazyTensor],
-    device: jax.Device,
-    dtype: Any,
-) -> nnx.Module:
-    """Place every lazy target on ``device`` in ``dtype`` and merge them into the abstract module."""
-    sharding = jax.sharding.SingleDeviceSharding(device)
-    graphdef, state = nnx.split(abstract)
-    flat = nnx.to_flat_state(state)
-    arrays = {}
-    for path, _ in flat:
-        key = ".".join(map(str, path))
-        arrays[key] = place(tensors[key], sharding, dtype=dtype)
-    filled = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
-    return nnx.merge(graphdef, filled)
-
-
 def parameter_shapes(abstract: nnx.Module) -> dict[str, tuple[int, ...]]:
     return partitioning.parameter_shapes(abstract)
 
@@ -150,7 +131,6 @@ __all__ = [
     "default_dtype",
     "heads",
     "jit_forward",
-    "load_module",
     "parameter_shapes",
     "read_json",
     "resolve_device",

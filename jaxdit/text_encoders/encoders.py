@@ -21,100 +21,32 @@ What each returns mirrors diffusers, call for call:
   [B, 257, 1280] for ViT-H/14.
 
 ``__call__`` returns numpy float32 arrays on the host; ``encode`` returns the same as ``jax.Array`` on the
-encoder's device. Tokenizers come from the model folder through transformers' ``AutoTokenizer``.
+encoder's device. ``jaxdit.loading.encoders`` builds them from a model folder (weights through the
+converters, tokenizers through transformers' ``AutoTokenizer``).
 """
 
 from __future__ import annotations
 
 import html
 import logging
-import os
-from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
-from converters.errors import CheckpointError
 from jaxdit.text_encoders import clip as clip_model
 from jaxdit.text_encoders import t5 as t5_model
-from jaxdit.text_encoders.common import (
-    default_dtype,
-    jit_forward,
-    load_module,
-    parameter_shapes,
-    resolve_device,
-)
+from jaxdit.text_encoders.common import jit_forward
 
-__all__ = [
-    "FluxTextEncoders",
-    "WanImageEncoder",
-    "WanTextEncoder",
-    "load_clip_text",
-    "load_clip_vision",
-    "load_t5",
-    "prompt_clean",
-]
+__all__ = ["FluxTextEncoders", "WanImageEncoder", "WanTextEncoder", "prompt_clean"]
 
 logger = logging.getLogger(__name__)
 
-PathLike = str | os.PathLike[str]
 #: CLIP's context length, used when a tokenizer does not say.
 CLIP_MAX_LENGTH = 77
-#: Wan's original release keeps the umT5 tokenizer here.
-WAN_TOKENIZER_DIR = Path("google") / "umt5-xxl"
-#: Wan's original umT5 checkpoint (the same name as ``converters.t5.WAN_T5_FILE``).
-WAN_T5_FILE = "models_t5_umt5-xxl-enc-bf16.pth"
-
-# The converters import the model modules, and this package's __init__ imports this module: the
-# converters are imported inside the loaders so that either side can be imported first.
-
-
-# --------------------------------------------------------------------------------------------------------
-# Loading one encoder onto one device
-# --------------------------------------------------------------------------------------------------------
-
-
-def _load(opened: Any, abstract: Callable[[Any, Any], Any], device: Any, dtype: Any) -> Any:
-    dtype = dtype if dtype is not None else default_dtype(opened.dtype)
-    model = abstract(opened.config, dtype)
-    tensors = opened.resolve(parameter_shapes(model))
-    return load_module(model, tensors, resolve_device(device), dtype)
-
-
-def load_t5(path: PathLike, *, device: jax.Device | None = None, dtype: Any = None) -> t5_model.T5Encoder:
-    """A T5/umT5 encoder (transformers folder, or Wan's ``.pth``) with its weights on ``device``."""
-    from converters.t5 import open_t5
-
-    return _load(open_t5(path), t5_model.abstract_model, device, dtype)
-
-
-def load_clip_text(
-    path: PathLike, *, device: jax.Device | None = None, dtype: Any = None
-) -> clip_model.CLIPTextModel:
-    """A CLIP text model (transformers ``CLIPTextModel`` folder) with its weights on ``device``."""
-    from converters.clip import open_clip_text
-
-    return _load(open_clip_text(path), clip_model.abstract_text_model, device, dtype)
-
-
-def load_clip_vision(
-    path: PathLike, *, device: jax.Device | None = None, dtype: Any = None
-) -> clip_model.CLIPVisionModel:
-    """A CLIP vision model (transformers ``CLIPVisionModel`` folder) with its weights on ``device``."""
-    from converters.clip import open_clip_vision
-
-    return _load(open_clip_vision(path), clip_model.abstract_vision_model, device, dtype)
-
-
-def _tokenizer(path: Path) -> Any:
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no tokenizer folder")
-    from transformers import AutoTokenizer  # deferred: importing transformers is slow
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def _prompts(prompts: str | Sequence[str]) -> list[str]:
@@ -164,28 +96,6 @@ class FluxTextEncoders:
         )
         self._clip = jit_forward(clip, lambda m, ids: m(ids)[1], compiler_options)
         self._t5 = jit_forward(t5, lambda m, ids: m(ids), compiler_options)
-
-    @classmethod
-    def from_folder(
-        cls,
-        folder: PathLike,
-        dtype: Any = None,
-        device: jax.Device | None = None,
-        *,
-        compiler_options: Mapping[str, Any] | None = None,
-    ) -> FluxTextEncoders:
-        """From a diffusers FluxPipeline folder: ``text_encoder/`` + ``tokenizer/`` (CLIP),
-        ``text_encoder_2/`` + ``tokenizer_2/`` (T5). ``dtype`` defaults to the checkpoints' (float16 ->
-        float32); ``device`` to ``jax.local_devices()[0]``."""
-        folder = Path(folder)
-        device = resolve_device(device)
-        return cls(
-            load_clip_text(folder / "text_encoder", device=device, dtype=dtype),
-            load_t5(folder / "text_encoder_2", device=device, dtype=dtype),
-            _tokenizer(folder / "tokenizer"),
-            _tokenizer(folder / "tokenizer_2"),
-            compiler_options=compiler_options,
-        )
 
     def tokenize(
         self, prompts: str | Sequence[str], max_sequence_length: int = 512
@@ -246,18 +156,6 @@ def prompt_clean(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip()
 
 
-def _wan_text_paths(folder: Path) -> tuple[Path, Path]:
-    """(encoder checkpoint, tokenizer folder) of a diffusers WanPipeline folder or Wan's original one."""
-    if (folder / "text_encoder").is_dir():
-        return folder / "text_encoder", folder / "tokenizer"
-    if (folder / WAN_T5_FILE).is_file():
-        return folder / WAN_T5_FILE, folder / WAN_TOKENIZER_DIR
-    raise CheckpointError(
-        f"{folder}: neither a diffusers WanPipeline folder (text_encoder/, tokenizer/) nor Wan's original "
-        f"folder ({WAN_T5_FILE}, {WAN_TOKENIZER_DIR}/)"
-    )
-
-
 class WanTextEncoder:
     """Wan 2.1's umT5-XXL prompt encoder."""
 
@@ -267,23 +165,6 @@ class WanTextEncoder:
         self.t5, self.tokenizer = t5, tokenizer
         self.device = _device_of(t5)
         self._encode = jit_forward(t5, _wan_forward, compiler_options)
-
-    @classmethod
-    def from_folder(
-        cls,
-        folder: PathLike,
-        dtype: Any = None,
-        device: jax.Device | None = None,
-        *,
-        compiler_options: Mapping[str, Any] | None = None,
-    ) -> WanTextEncoder:
-        """From a diffusers WanPipeline folder or Wan's original folder (see the module docstring)."""
-        checkpoint, tokenizer = _wan_text_paths(Path(folder))
-        return cls(
-            load_t5(checkpoint, device=device, dtype=dtype),
-            _tokenizer(tokenizer),
-            compiler_options=compiler_options,
-        )
 
     def tokenize(
         self, prompts: str | Sequence[str], max_sequence_length: int = 512
@@ -334,30 +215,6 @@ class WanImageEncoder:
         self.device = _device_of(vision)
         self._encode = jit_forward(vision, lambda m, px: m(px, hidden_layer=-2), compiler_options)
 
-    @classmethod
-    def from_folder(
-        cls,
-        folder: PathLike,
-        dtype: Any = None,
-        device: jax.Device | None = None,
-        *,
-        compiler_options: Mapping[str, Any] | None = None,
-    ) -> WanImageEncoder:
-        """From a diffusers WanImageToVideoPipeline folder: ``image_encoder/`` + ``image_processor/``."""
-        folder = Path(folder)
-        if not (folder / "image_processor").is_dir():
-            raise CheckpointError(
-                f"{folder}: no image_processor/ folder (a diffusers Wan I2V pipeline has one)"
-            )
-        from transformers import CLIPImageProcessor  # deferred: importing transformers is slow
-
-        processor = CLIPImageProcessor.from_pretrained(str(folder / "image_processor"))
-        return cls(
-            load_clip_vision(folder / "image_encoder", device=device, dtype=dtype),
-            processor,
-            compiler_options=compiler_options,
-        )
-
     def preprocess(self, images: Any) -> np.ndarray:
         """PIL image(s) or HWC arrays -> pixel_values [B, 3, S, S] float32 (``CLIPImageProcessor``)."""
         return np.asarray(self.processor(images=images, return_tensors="np")["pixel_values"], np.float32)
@@ -374,8 +231,6 @@ class WanImageEncoder:
 
 def _device_of(model: Any) -> jax.Device:
     """The one device a loaded encoder's parameters live on."""
-    from flax import nnx
-
     devices = {d for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)) for d in leaf.devices()}
     if len(devices) != 1:
         raise ValueError(

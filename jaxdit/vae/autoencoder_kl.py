@@ -80,10 +80,11 @@ class VAEConfig:
 
     @classmethod
     def preset(cls, name: str = "flux") -> VAEConfig:
-        """``"flux"``: FLUX.1's AE (black-forest-labs/FLUX.1-dev ``vae/config.json``)."""
-        if name != "flux":
-            raise ValueError(f"unknown VAE preset {name!r}; known: 'flux'")
-        return cls()
+        """``"flux"``: FLUX.1's AE (black-forest-labs/FLUX.1-dev ``vae/config.json``: the defaults)."""
+        presets = {"flux": {}}
+        if name not in presets:
+            raise ValueError(f"unknown VAE preset {name!r}; known: {', '.join(presets)}")
+        return cls(**presets[name])
 
     @classmethod
     def from_diffusers(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> VAEConfig:
@@ -363,33 +364,6 @@ class FluxVAE:
         self._programs: dict[Any, Any] = {}
 
     # ---------------------------------------------------------------------------------- construction
-    @classmethod
-    def from_folder(
-        cls,
-        path: str | os.PathLike[str],
-        dtype: Any = None,
-        *,
-        config: VAEConfig | Mapping[str, Any] | None = None,
-        compiler_options: Mapping[str, Any] | None = None,
-    ) -> FluxVAE:
-        """Load a diffusers ``vae/`` folder (or a pipeline folder holding one) or a BFL ``ae.safetensors``.
-
-        ``dtype`` defaults to the checkpoint's storage dtype; ``config`` overrides the one read (diffusers)
-        or inferred from the keys (BFL).
-        """
-        from converters.vae_kl import detect
-
-        ckpt = detect(path, config)
-        dtype = jnp.dtype(dtype or ckpt.dtype)
-        model = abstract_model(ckpt.config, dtype)
-        graphdef, abstract = nnx.split(model)
-        flat = nnx.to_flat_state(abstract)
-        lazies = ckpt.resolve({".".join(map(str, p)): tuple(v.shape) for p, v in flat})
-        filled = [
-            (p, v.replace(jnp.asarray(np.asarray(lazies[".".join(map(str, p))]), dtype))) for p, v in flat
-        ]
-        return cls(nnx.merge(graphdef, nnx.from_flat_state(filled)), compiler_options=compiler_options)
-
     @classmethod
     def random(cls, config: VAEConfig, dtype: Any = jnp.float32, seed: int = 0, **kw) -> FluxVAE:
         """Random weights drawn with numpy (no per-shape device compiles): kernels N(0, 1/fan_in), norm
