@@ -1,6 +1,7 @@
 """FLUX.1 checkpoints -> jaxdit parameters: the BFL and diffusers key tables, layout detection, BFL export.
 
-Layouts (../reference/flux-wan-facts.md section 2 has every key and shape):
+Layouts (BFL's ``src/flux/model.py`` and diffusers' ``convert_flux_transformer_checkpoint_to_diffusers`` in
+``loaders/single_file_utils.py`` name every key and shape):
 
 - BFL single file (``flux1-dev.safetensors``, ``flux1-schnell.safetensors``), also with ComfyUI's
   ``model.diffusion_model.`` prefix. Fused ``qkv`` and single-block ``linear1``/``linear2``; the final

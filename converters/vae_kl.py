@@ -1,6 +1,6 @@
 """AutoencoderKL (FLUX's AE) checkpoints -> jaxdit parameters: diffusers and BFL key tables, detection.
 
-Layouts (``reference/flux-wan-facts.md`` section 6):
+Layouts (diffusers' ``models/autoencoders/autoencoder_kl.py`` and BFL's ``src/flux/modules/autoencoder.py``):
 
 - diffusers ``AutoencoderKL`` folder: ``config.json`` + ``diffusion_pytorch_model.safetensors``, on its
   own or as the ``vae/`` folder of a pipeline. ``down_blocks.i.resnets.j``, ``downsamplers.0.conv``,

@@ -1,7 +1,8 @@
 """Wan 2.1 checkpoints -> jaxdit parameters: the original and diffusers key tables, layout detection, and
 export of the original layout.
 
-Layouts (../reference/flux-wan-facts.md section 4 has every key and shape):
+Layouts (Wan-Video/Wan2.1 ``wan/modules/model.py`` and diffusers' ``scripts/convert_wan_to_diffusers.py``
+name every key and shape):
 
 - Original (``Wan-AI/Wan2.1-T2V-1.3B``, ``-T2V-14B``, ``-I2V-14B-480P/720P``): a folder of
   ``diffusion_pytorch_model*.safetensors`` (the 14B ones sharded, with their ``*.index.json``) and a

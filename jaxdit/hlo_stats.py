@@ -839,7 +839,8 @@ def memory_per_device(compiled: Any) -> dict[str, int]:
     Keys: ``argument``, ``output``, ``alias`` (output bytes that reuse argument buffers), ``temp``,
     ``generated_code``, ``peak`` (when the backend reports it, else 0), the ``host_*`` counterparts, and
     ``total = argument + output - alias + temp + generated_code``. On the CPU backend bf16 programs keep
-    f32 upcast copies in ``temp``; see reference/jax-facts.md.
+    f32 upcast copies in ``temp`` (XLA's CPU backend computes bf16 dots in f32; ``tests/test_flux_fullsize.py``
+    prints both).
     """
     m = compiled.memory_analysis()
     if m is None:

@@ -1,8 +1,8 @@
 """FLUX.1 [dev] and [schnell] rectified-flow transformer in Flax NNX, written as the local view of one shard.
 
 Follows Black Forest Labs' reference (``src/flux/model.py`` and ``modules/layers.py`` of
-black-forest-labs/flux) and diffusers' ``FluxTransformer2DModel``; ../reference/flux-wan-facts.md
-section 1 lists where the two differ. Parameters are named after BFL's modules; the FLUX.1 checkpoint keys
+black-forest-labs/flux) and diffusers' ``FluxTransformer2DModel`` (they differ in naming and in the
+final layer's (shift, scale) order, not in what they compute). Parameters are named after BFL's modules; the FLUX.1 checkpoint keys
 map onto them in ``converters/flux.py``.
 
 Shape letters: B batch, T text tokens, N image tokens, L = T + N joint tokens (all local to one sequence

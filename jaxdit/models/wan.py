@@ -2,7 +2,8 @@
 one sequence shard.
 
 Follows ``wan/modules/model.py`` (``WanModel``, Wan-Video/Wan2.1) and diffusers'
-``WanTransformer3DModel``; ../reference/flux-wan-facts.md sections 3-4 list the differences between them.
+``WanTransformer3DModel`` (``models/transformers/transformer_wan.py``), which compute the same thing under
+different names; ``converters/wan.py`` maps one onto the other.
 
 Shape letters: B batch, N video tokens (local to a sequence shard inside ``shard_map``), T text tokens,
 I image tokens, H heads, D head_dim, E hidden (``dim``), K patch features (in_channels * pt * ph * pw).
@@ -44,6 +45,7 @@ from typing import Any, ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -278,20 +280,16 @@ def patchify(video: jax.Array, patch_size: Sequence[int]) -> jax.Array:
     The patch embedding is a Conv3d with kernel = stride = patch, i.e. one linear map per patch; the
     feature order (c, t, h, w) matches the Conv3d weight flattened as [E, C*pt*ph*pw].
     """
-    b, c = video.shape[:2]
-    (f, h, w), (pt, ph, pw) = latent_grid(video.shape, patch_size), patch_size
-    x = video.reshape(b, c, f, pt, h, ph, w, pw)
-    x = x.transpose(0, 2, 4, 6, 1, 3, 5, 7)  # b f h w c pt ph pw
-    return x.reshape(b, f * h * w, c * pt * ph * pw)
+    latent_grid(video.shape, patch_size)  # the sizes must be multiples of the patch
+    pt, ph, pw = patch_size
+    return rearrange(video, "b c (f pt) (h ph) (w pw) -> b (f h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
 
 
 def unpatchify(tokens: jax.Array, grid: Sequence[int], patch_size: Sequence[int], channels: int) -> jax.Array:
     """[B, N, pt*ph*pw*C] -> [B, C, F, H, W]; the output channel is the fastest feature (unlike FLUX)."""
-    b = tokens.shape[0]
     (f, h, w), (pt, ph, pw) = grid, patch_size
-    x = tokens.reshape(b, f, h, w, pt, ph, pw, channels)
-    x = x.transpose(0, 7, 1, 4, 2, 5, 3, 6)  # b c f pt h ph w pw
-    return x.reshape(b, channels, f * pt, h * ph, w * pw)
+    pattern = "b (f h w) (pt ph pw c) -> b c (f pt) (h ph) (w pw)"
+    return rearrange(tokens, pattern, f=f, h=h, w=w, pt=pt, ph=ph, pw=pw, c=channels)
 
 
 def token_positions(grid: Sequence[int]) -> np.ndarray:

@@ -9,25 +9,23 @@ picture on every mesh.
 from __future__ import annotations
 
 import numpy as np
+from einops import rearrange
 
 
 def pack(latents: np.ndarray) -> np.ndarray:
     """[B, C, H, W] -> [B, (H/2)(W/2), 4C]."""
-    b, c, h, w = latents.shape
+    h, w = latents.shape[2:]
     if h % 2 or w % 2:
         raise ValueError(f"latent height and width must be even to pack 2x2 patches, got {h}x{w}")
-    x = latents.reshape(b, c, h // 2, 2, w // 2, 2)
-    return x.transpose(0, 2, 4, 1, 3, 5).reshape(b, (h // 2) * (w // 2), c * 4)
+    return rearrange(latents, "b c (h ph) (w pw) -> b (h w) (c ph pw)", ph=2, pw=2)
 
 
 def unpack(tokens: np.ndarray, height: int, width: int) -> np.ndarray:
     """Inverse of :func:`pack`: [B, (H/2)(W/2), 4C] -> [B, C, H, W] for a latent of height x width."""
-    b, n, d = tokens.shape
+    _, n, d = tokens.shape
     if n != (height // 2) * (width // 2) or d % 4:
         raise ValueError(f"{n} tokens of {d} features do not unpack to a {height}x{width} latent")
-    c = d // 4
-    x = tokens.reshape(b, height // 2, width // 2, c, 2, 2)
-    return x.transpose(0, 3, 1, 4, 2, 5).reshape(b, c, height, width)
+    return rearrange(tokens, "b (h w) (c ph pw) -> b c (h ph) (w pw)", h=height // 2, ph=2, pw=2)
 
 
 def image_positions(height: int, width: int) -> np.ndarray:

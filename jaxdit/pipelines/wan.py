@@ -44,6 +44,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from einops import rearrange
 from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
@@ -285,8 +286,7 @@ def swap_features(tokens: Any, outer: int, inner: int) -> Any:
     (patch, channel) -> (channel, patch) turns the head's (t, h, w, c) features into the patch embedding's
     (c, t, h, w) order, and back. numpy or jax; only each token's own features move.
     """
-    x = tokens.reshape(*tokens.shape[:-1], outer, inner)
-    return x.swapaxes(-1, -2).reshape(*tokens.shape[:-1], outer * inner)
+    return rearrange(tokens, "... (outer inner) -> ... (inner outer)", outer=outer, inner=inner)
 
 
 # --------------------------------------------------------------------------------------------------------
