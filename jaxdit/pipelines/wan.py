@@ -451,7 +451,7 @@ class WanPipeline(DiffusionPipeline):
         flow_shift: float | None = None,
         seed: int = 0,
         latents: np.ndarray | None = None,
-        num_images_per_prompt: int = 1,
+        num_videos_per_prompt: int = 1,
         max_sequence_length: int | None = None,
         output_type: str = "np",
         progress: bool = True,
@@ -465,8 +465,10 @@ class WanPipeline(DiffusionPipeline):
         (default: the scheduler's, else 5.0 at 720p / 3.0 at 480p). ``latents``: initial noise instead of
         the seed's. I2V: ``image`` (with an image encoder) or ``image_embeds`` and ``condition``.
         ``max_sequence_length``: the text encoder's token count (default: the encoder's, 512 for umT5).
+        ``output_type``: np, pil (a list of frame lists) or latent.
         """
-        return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
+        kwargs = {k: v for k, v in locals().items() if k not in ("self", "num_videos_per_prompt")}
+        return self.generate(GenerationRequest(**kwargs, num_images_per_prompt=num_videos_per_prompt))
 
     def lower_step(self, **kwargs: Any):
         """The compiled denoising step of a call with these keyword arguments (as ``__call__``'s), lowered
