@@ -388,7 +388,7 @@ def _infer_config(files: Any, layout: str, where: str) -> WanVAEConfig:
         if key not in files:
             raise CheckpointError(f"{where}: missing tensor {key!r} for the {layout} Wan VAE layout")
     preset = WanVAEConfig.preset("wan2.2-vae" if RESIDUAL_MARKERS[layout] in files else "wan2.1-vae")
-    c_in, base = (int(d) for d in files.tensor(conv_in).shape[1::-1])
+    base, c_in = (int(d) for d in files.tensor(conv_in).shape[:2])  # torch conv weights: [O, I, *k]
     c_out, decoder_base = (int(d) for d in files.tensor(conv_out).shape[:2])
     z = int(files.tensor(post).shape[0])
     found = dict(in_channels=c_in, out_channels=c_out, base_dim=base, z_dim=z)

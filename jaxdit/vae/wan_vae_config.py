@@ -222,7 +222,7 @@ class WanVAEConfig:
     # ------------------------------------------------------------------ presets and diffusers configs
     @classmethod
     def preset(cls, name: str = "wan2.1-vae") -> WanVAEConfig:
-        """``wan2.1-vae``: Wan 2.1's VAE (126.9 M parameters); ``wan2.2-vae``: Wan 2.2's (TI2V-5B)."""
+        """``wan2.1-vae``: Wan 2.1's VAE (126.9 M parameters); ``wan2.2-vae``: Wan 2.2's (TI2V-5B, 704.7 M)."""
         if name not in cls.PRESETS:
             raise ValueError(f"unknown Wan VAE preset {name!r}; known: {', '.join(sorted(cls.PRESETS))}")
         return cls(**cls.PRESETS[name])
