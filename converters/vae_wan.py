@@ -1,17 +1,24 @@
-"""Wan 2.1 VAE checkpoints -> jaxdit parameters: diffusers and original key tables, detection, export.
+"""Wan VAE (2.1 and 2.2) checkpoints -> jaxdit parameters: diffusers and original key tables, detection.
 
 Layouts:
 
 - diffusers ``AutoencoderKLWan``: ``vae/config.json`` + ``vae/diffusion_pytorch_model.safetensors``.
-- Wan's original ``Wan2.1_VAE.pth`` (``WanVAE_`` of ``wan/modules/vae.py``), a torch zip archive read
-  only through ``torch.load(..., weights_only=True, mmap=True)`` (no arbitrary unpickling), or the same
-  keys in a ``.safetensors`` (as ComfyUI ships it).
+- Wan's original ``Wan2.1_VAE.pth`` (``WanVAE_`` of ``wan/modules/vae.py``) and ``Wan2.2_VAE.pth``
+  (``WanVAE_`` of ``wan/modules/vae2_2.py``), torch zip archives read only through
+  ``torch.load(..., weights_only=True, mmap=True)`` (no arbitrary unpickling), or the same keys in a
+  ``.safetensors`` (as ComfyUI ships them).
 
 The two are renamings of each other (diffusers renames one into the other in
-``scripts/convert_wan_to_diffusers.py`` and ``loaders/single_file_utils.convert_wan_vae_to_diffusers``;
-the tests check this table against the latter at full size): the original keeps the residual blocks as ``residual.{0,2,3,6}`` of an ``nn.Sequential``
-(norm, SiLU, conv, norm, SiLU, dropout, conv), the mid-block as ``middle.{0,1,2}``, the decoder's levels
-as one flat ``upsamples.{k}`` list, the output as ``head.{0,2}``, and the quant convs as ``conv1``/``conv2``.
+``scripts/convert_wan_to_diffusers.py`` (``convert_vae``, ``convert_vae_22``) and
+``loaders/single_file_utils.convert_wan_vae_to_diffusers``; the tests check the Wan 2.1 table against the
+latter at full size): the original keeps the residual blocks as ``residual.{0,2,3,6}`` of an
+``nn.Sequential`` (norm, SiLU, conv, norm, SiLU, dropout, conv), the mid-block as ``middle.{0,1,2}``, the
+output as ``head.{0,2}``, and the quant convs as ``conv1``/``conv2``. Wan 2.1's encoder and decoder are
+flat lists (``downsamples.{k}``, ``upsamples.{k}``: residual blocks, attention blocks, resamplers);
+Wan 2.2's are one block per level whose residual blocks and resampler form an inner list
+(``downsamples.{i}.downsamples.{j}``, ``upsamples.{i}.upsamples.{j}``; diffusers:
+``down_blocks.{i}.resnets.{j}`` + ``.downsampler``, ``up_blocks.{i}.resnets.{j}`` + ``.upsampler``). The
+avg-down / dup-up shortcuts have no parameters.
 jaxdit stores convolution kernels channels last ([kt, kh, kw, I, O], hook :class:`ConvKernel`) and the
 RMS_norm gammas ``[C, 1, 1(, 1)]`` as ``[C]`` (hook :class:`NormScale`).
 
@@ -54,7 +61,13 @@ DIFFUSERS_CLASS = "AutoencoderKLWan"
 #: A key only each layout has.
 ORIGINAL_MARKER = "decoder.conv1.weight"
 DIFFUSERS_MARKER = "decoder.conv_in.weight"
-ORIGINAL_FILE = "Wan2.1_VAE.pth"
+#: A key only the residual (Wan 2.2) VAE has, per layout.
+RESIDUAL_MARKERS = {
+    "original": "encoder.downsamples.0.downsamples.0.residual.0.gamma",
+    "diffusers": "encoder.down_blocks.0.resnets.0.norm1.gamma",
+}
+ORIGINAL_FILES = ("Wan2.1_VAE.pth", "Wan2.2_VAE.pth")
+ORIGINAL_FILE = ORIGINAL_FILES[0]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -141,8 +154,9 @@ class _Names:
     conv_in: str
     head: tuple[str, str]  # norm, conv
     quant: tuple[str, str]  # quant conv, post-quant conv
-    encoder_down: str
+    encoder_down: str  # Wan 2.1: the flat list
     decoder_up: Callable[[int, int | None], str]  # (level, resnet j or None for the upsampler) -> prefix
+    encoder_level: Callable[[int, int | None], str]  # Wan 2.2: (level, resnet j or None: downsampler)
 
 
 def _resblock(target: str, source: str, c_in: int, c_out: int, names: _Names) -> list[KeyRule]:
@@ -156,12 +170,19 @@ def _resblock(target: str, source: str, c_in: int, c_out: int, names: _Names) ->
     return rules
 
 
+def _attention(target: str, source: str) -> list[KeyRule]:
+    rules = [KeyRule(f"{target}.norm.scale", f"{source}.norm.gamma", IMAGE_NORM)]
+    return (
+        rules
+        + _conv(f"{target}.qkv", f"{source}.to_qkv", CONV2D)
+        + _conv(f"{target}.proj", f"{source}.proj", CONV2D)
+    )
+
+
 def _mid(target: str, source: str, dim: int, names: _Names) -> list[KeyRule]:
     res0, attn, res1 = (f"{source}.{m}" for m in names.mid)
     rules = _resblock(f"{target}.res0", res0, dim, dim, names)
-    rules.append(KeyRule(f"{target}.attn.norm.scale", f"{attn}.norm.gamma", IMAGE_NORM))
-    rules += _conv(f"{target}.attn.qkv", f"{attn}.to_qkv", CONV2D)
-    rules += _conv(f"{target}.attn.proj", f"{attn}.proj", CONV2D)
+    rules += _attention(f"{target}.attn", attn)
     return rules + _resblock(f"{target}.res1", res1, dim, dim, names)
 
 
@@ -176,18 +197,32 @@ def _table(cfg: WanVAEConfig, layout: str, names: _Names) -> KeyTable:
     rules: list[KeyRule] = []
     levels = len(cfg.dim_mult)
 
-    # Encoder: one flat list of residual blocks and resamplers in both layouts and in jaxdit.
+    # Encoder. Wan 2.1: one flat list of residual blocks, attention blocks (attn_scales) and resamplers
+    # in both layouts and in jaxdit. Wan 2.2: one block per level (residual blocks, then a resampler).
     dims = cfg.encoder_dims()
     rules += _conv("encoder.conv_in", f"encoder.{names.conv_in}")
-    k = 0
+    k, scale = 0, 1.0
     for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
+        if cfg.is_residual:
+            for j in range(cfg.num_res_blocks):
+                target = f"encoder.down.{i}.resnets.{j}"
+                rules += _resblock(target, names.encoder_level(i, j), c_in, c_out, names)
+                c_in = c_out
+            ft, fs = cfg.down_factors(i)
+            if fs > 1:
+                mode = "downsample3d" if ft > 1 else "downsample2d"
+                rules += _resample(f"encoder.down.{i}.downsample", names.encoder_level(i, None), mode)
+            continue
         for _ in range(cfg.num_res_blocks):
             rules += _resblock(f"encoder.down.{k}", f"encoder.{names.encoder_down}.{k}", c_in, c_out, names)
             c_in, k = c_out, k + 1
+            if scale in cfg.attn_scales:
+                rules += _attention(f"encoder.down.{k}", f"encoder.{names.encoder_down}.{k}")
+                k += 1
         if i != levels - 1:
-            mode = "downsample3d" if cfg.temperal_downsample[i] else "downsample2d"
+            mode = "downsample3d" if cfg.encoder_temporal[i] else "downsample2d"
             rules += _resample(f"encoder.down.{k}", f"encoder.{names.encoder_down}.{k}", mode)
-            k += 1
+            k, scale = k + 1, scale / 2
     rules += _mid("encoder.mid", "encoder", dims[-1], names)
     rules.append(KeyRule("encoder.norm_out.scale", f"encoder.{names.head[0]}.gamma", VIDEO_NORM))
     rules += _conv("encoder.conv_out", f"encoder.{names.head[1]}")
@@ -196,11 +231,11 @@ def _table(cfg: WanVAEConfig, layout: str, names: _Names) -> KeyTable:
 
     # Decoder: levels of num_res_blocks + 1 residual blocks, then an upsampler (all but the last).
     dims = cfg.decoder_dims()
-    temporal_up = cfg.temperal_downsample[::-1]
+    temporal_up = cfg.decoder_temporal
     rules += _conv("decoder.conv_in", f"decoder.{names.conv_in}")
     rules += _mid("decoder.mid", "decoder", dims[0], names)
     for i, (c_in, c_out) in enumerate(zip(dims[:-1], dims[1:], strict=True)):
-        c_in = c_in // 2 if i > 0 else c_in
+        c_in = c_in // 2 if i > 0 and not cfg.is_residual else c_in
         for j in range(cfg.num_res_blocks + 1):
             rules += _resblock(f"decoder.up.{i}.resnets.{j}", names.decoder_up(i, j), c_in, c_out, names)
             c_in = c_out
@@ -216,7 +251,11 @@ def diffusers_table(cfg: WanVAEConfig) -> KeyTable:
     """diffusers ``AutoencoderKLWan`` state dict -> jaxdit parameters."""
 
     def up(i: int, j: int | None) -> str:
-        return f"decoder.up_blocks.{i}." + (f"resnets.{j}" if j is not None else "upsamplers.0")
+        upsampler = "upsampler" if cfg.is_residual else "upsamplers.0"
+        return f"decoder.up_blocks.{i}." + (f"resnets.{j}" if j is not None else upsampler)
+
+    def level(i: int, j: int | None) -> str:
+        return f"encoder.down_blocks.{i}." + (f"resnets.{j}" if j is not None else "downsampler")
 
     names = _Names(
         res=lambda p: {
@@ -232,16 +271,29 @@ def diffusers_table(cfg: WanVAEConfig) -> KeyTable:
         quant=("quant_conv", "post_quant_conv"),
         encoder_down="down_blocks",
         decoder_up=up,
+        encoder_level=level,
     )
     return _table(cfg, "diffusers", names)
 
 
 def original_table(cfg: WanVAEConfig) -> KeyTable:
-    """Wan's original ``WanVAE_`` state dict (``Wan2.1_VAE.pth``) -> jaxdit parameters."""
+    """Wan's original ``WanVAE_`` state dict (``Wan2.1_VAE.pth``, ``Wan2.2_VAE.pth``) -> jaxdit parameters."""
+    if cfg.attn_scales and not cfg.is_residual:
+        raise ValueError(
+            f"attn_scales={cfg.attn_scales}: Wan's original code also puts attention blocks in the decoder "
+            "at those scales, which diffusers' AutoencoderKLWan (and jaxdit) leaves out; no released "
+            "original-layout VAE has them"
+        )
     per_level = cfg.num_res_blocks + 2  # residual blocks, then the upsampler
 
     def up(i: int, j: int | None) -> str:
-        return f"decoder.upsamples.{i * per_level + (j if j is not None else cfg.num_res_blocks + 1)}"
+        index = j if j is not None else cfg.num_res_blocks + 1
+        if cfg.is_residual:
+            return f"decoder.upsamples.{i}.upsamples.{index}"
+        return f"decoder.upsamples.{i * per_level + index}"
+
+    def level(i: int, j: int | None) -> str:
+        return f"encoder.downsamples.{i}.downsamples.{j if j is not None else cfg.num_res_blocks}"
 
     names = _Names(
         # nn.Sequential(RMS_norm, SiLU, conv, RMS_norm, SiLU, Dropout, conv): parameters at 0, 2, 3, 6.
@@ -258,6 +310,7 @@ def original_table(cfg: WanVAEConfig) -> KeyTable:
         quant=("conv1", "conv2"),
         encoder_down="downsamples",
         decoder_up=up,
+        encoder_level=level,
     )
     return _table(cfg, "original", names)
 
@@ -301,8 +354,8 @@ def _find(path: Path) -> tuple[Path, Path | None]:
     """(weights file or folder, diffusers config.json or None) for any accepted ``path``.
 
     A folder is a diffusers ``vae/`` folder (its config.json names ``AutoencoderKLWan``), a pipeline
-    folder holding one in ``vae/``, or a folder holding ``Wan2.1_VAE.pth`` (Wan's original release,
-    whose other ``.pth`` files are the text and image encoders).
+    folder holding one in ``vae/``, or a folder holding ``Wan2.1_VAE.pth`` or ``Wan2.2_VAE.pth`` (Wan's
+    original releases, whose other ``.pth`` files are the text and image encoders).
     """
     if path.is_file():
         config = path.parent / "config.json"
@@ -312,36 +365,44 @@ def _find(path: Path) -> tuple[Path, Path | None]:
         config = folder / "config.json"
         if config.is_file() and _is_vae_config(config):
             return folder, config
-    candidates = [path / ORIGINAL_FILE] + sorted(p for p in path.glob("*.pth") if "vae" in p.name.lower())
+    candidates = [path / f for f in ORIGINAL_FILES]
+    candidates += sorted(p for p in path.glob("*.pth") if "vae" in p.name.lower())
     for candidate in candidates:
         if candidate.is_file():
             return candidate, None
     raise CheckpointError(
         f"{path}: no Wan VAE here (expected a diffusers vae/ folder whose config.json names "
-        f"{DIFFUSERS_CLASS}, or {ORIGINAL_FILE})"
+        f"{DIFFUSERS_CLASS}, or {' / '.join(ORIGINAL_FILES)})"
     )
 
 
 def _infer_config(files: Any, layout: str, where: str) -> WanVAEConfig:
-    """A file without a config: the Wan 2.1 preset with base_dim and z_dim read from the tensors."""
-    conv_in = "encoder.conv1.weight" if layout == "original" else "encoder.conv_in.weight"
-    post = "conv2.weight" if layout == "original" else "post_quant_conv.weight"
-    for key in (conv_in, post):
+    """A file without a config: the preset of its generation (Wan 2.2 if it has the residual blocks),
+    with the encoder and decoder widths, z_dim and channels read from the tensors; latent statistics
+    of the preset when z_dim is the preset's, else zero mean and unit std."""
+    original = layout == "original"
+    conv_in = "encoder.conv1.weight" if original else "encoder.conv_in.weight"
+    conv_out = "decoder.head.2.weight" if original else "decoder.conv_out.weight"
+    post = "conv2.weight" if original else "post_quant_conv.weight"
+    for key in (conv_in, conv_out, post):
         if key not in files:
             raise CheckpointError(f"{where}: missing tensor {key!r} for the {layout} Wan VAE layout")
-    base, z = int(files.tensor(conv_in).shape[0]), int(files.tensor(post).shape[0])
-    preset = WanVAEConfig.preset()
-    if z == preset.z_dim:
-        return dataclasses.replace(preset, base_dim=base)
-    return dataclasses.replace(
-        preset, base_dim=base, z_dim=z, latents_mean=(0.0,) * z, latents_std=(1.0,) * z
-    )
+    preset = WanVAEConfig.preset("wan2.2-vae" if RESIDUAL_MARKERS[layout] in files else "wan2.1-vae")
+    base, c_in = (int(d) for d in files.tensor(conv_in).shape[:2])  # torch conv weights: [O, I, *k]
+    c_out, decoder_base = (int(d) for d in files.tensor(conv_out).shape[:2])
+    z = int(files.tensor(post).shape[0])
+    found = dict(in_channels=c_in, out_channels=c_out, base_dim=base, z_dim=z)
+    decoder_base //= preset.dim_mult[0]  # the decoder's last level is dim_mult[0] times its base
+    found["decoder_base_dim"] = None if decoder_base == base else decoder_base
+    if z != preset.z_dim:
+        found.update(latents_mean=(0.0,) * z, latents_std=(1.0,) * z)
+    return dataclasses.replace(preset, **found)
 
 
 def detect(
     path: str | os.PathLike[str], config: WanVAEConfig | Mapping[str, Any] | None = None
 ) -> WanVAECheckpoint:
-    """Open a Wan 2.1 VAE of either layout (see the module docstring) and work out its config."""
+    """Open a Wan VAE (2.1 or 2.2) of either layout (see the module docstring) and work out its config."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
@@ -358,7 +419,7 @@ def detect(
     elif ORIGINAL_MARKER in files:
         layout = "original"
     else:
-        raise CheckpointError(f"{where}: not a Wan 2.1 VAE (no {DIFFUSERS_MARKER!r} or {ORIGINAL_MARKER!r})")
+        raise CheckpointError(f"{where}: not a Wan VAE (no {DIFFUSERS_MARKER!r} or {ORIGINAL_MARKER!r})")
     if isinstance(config, Mapping):
         config = WanVAEConfig.from_diffusers(config)
     if config is None and config_file is not None:
