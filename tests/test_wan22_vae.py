@@ -16,8 +16,9 @@ from flax import nnx
 
 from converters import vae_wan
 from converters.errors import CheckpointError, CheckpointKeyError
+from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig
-from jaxdit.vae.wan_vae import WAN22_LATENTS_MEAN, WanVAE, WanVAEConfig, parameter_shapes
+from jaxdit.vae.wan_vae import WAN22_LATENTS_MEAN, WanVAEConfig, parameter_shapes
 
 #: Quick CPU compiles: the models are tiny, compile time dominates.
 FAST = {"xla_backend_optimization_level": 0}
@@ -66,7 +67,7 @@ def folder(reference, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vae(folder):
-    return WanVAE.from_folder(folder, compiler_options=FAST)
+    return load_wan_vae(folder, compiler_options=FAST)
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +210,7 @@ def test_original_pth_round_trip(reference, vae, tmp_path):
     # Loaded from the file, and from a folder as Wan's release lays it out: bit-identical parameters.
     torch.save({"shared.weight": torch.zeros(2, 2)}, tmp_path / "models_t5_umt5-xxl-enc-bf16.pth")
     for source in (path, tmp_path):
-        loaded = WanVAE.from_folder(source, config=cfg)
+        loaded = load_wan_vae(source, config=cfg)
         for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(vae.state), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # Without a config: the Wan 2.2 preset (residual blocks found) with widths read from the tensors.
@@ -227,14 +228,14 @@ def test_corrupt_original_names_key_and_file(vae, tmp_path):
     path = tmp_path / "Wan2.2_VAE.pth"
     torch.save(bad, path)
     with pytest.raises(CheckpointError, match=r"upsamples\.1\.upsamples\.0\.residual\.2\.weight") as info:
-        WanVAE.from_folder(path, config=vae.config)
+        load_wan_vae(path, config=vae.config)
     assert str(path) in str(info.value)
     missing = {k: v for k, v in state.items() if k != "encoder.downsamples.2.downsamples.1.resample.1.bias"}
     torch.save(missing, path)
     with pytest.raises(
         CheckpointKeyError, match=r"downsamples\.2\.downsamples\.1\.resample\.1\.bias"
     ) as info:
-        WanVAE.from_folder(path, config=vae.config)
+        load_wan_vae(path, config=vae.config)
     assert str(path) in str(info.value)
 
 

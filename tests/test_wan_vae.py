@@ -17,8 +17,9 @@ import torch
 from converters import vae_wan
 from converters.errors import CheckpointError, CheckpointKeyError
 from converters.safetensors_io import open_checkpoint, write_safetensors
+from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig
-from jaxdit.vae.wan_vae import WanVAE, WanVAEConfig, parameter_shapes
+from jaxdit.vae.wan_vae import WanVAEConfig, parameter_shapes
 
 #: Quick CPU compiles: the models are tiny, compile time dominates.
 FAST = {"xla_backend_optimization_level": 0}
@@ -53,7 +54,7 @@ def folder(reference, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def vae(folder):
-    return WanVAE.from_folder(folder, compiler_options=FAST)
+    return load_wan_vae(folder, compiler_options=FAST)
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +98,7 @@ def test_widening_levels_match_diffusers(tmp_path):
             if name.endswith(("gamma", "bias")):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(tmp_path / "vae")
-    vae = WanVAE.from_folder(tmp_path / "vae", compiler_options=FAST)
+    vae = load_wan_vae(tmp_path / "vae", compiler_options=FAST)
     z = np.random.default_rng(1).standard_normal((1, 16, 2, 3, 4)).astype(np.float32)
     video = np.random.default_rng(2).uniform(-1, 1, (1, 3, 5, 24, 32)).astype(np.float32)
     with torch.no_grad():
@@ -227,7 +228,7 @@ def test_original_pth_round_trip(reference, vae, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"_class_name": "WanModel", "dim": 1536}))
     torch.save({"shared.weight": torch.zeros(2, 2)}, tmp_path / "models_t5_umt5-xxl-enc-bf16.pth")
     for source in (path, tmp_path):
-        loaded = WanVAE.from_folder(source, config=cfg)
+        loaded = load_wan_vae(source, config=cfg)
         assert jax.tree.structure(loaded.state) == jax.tree.structure(vae.state)
         for a, b in zip(jax.tree.leaves(loaded.state), jax.tree.leaves(vae.state), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -293,19 +294,19 @@ def test_corrupt_checkpoints_name_key_and_file(folder, vae, tmp_path):
     for name, edit, error in (("missing", missing, CheckpointKeyError), ("extra", extra, CheckpointError)):
         dst, file = _copy(folder, tmp_path / name, edit)
         with pytest.raises(error) as info:
-            WanVAE.from_folder(dst)
+            load_wan_vae(dst)
         assert ("conv3" if name == "extra" else key) in str(info.value)
         assert str(file) in str(info.value)
 
     dst, file = _copy(folder, tmp_path / "misshaped", misshaped)
     with pytest.raises(CheckpointError, match=r"conv2\.weight.*\(4, 4, 2, 3, 3\)") as info:
-        WanVAE.from_folder(dst)
+        load_wan_vae(dst)
     assert str(file) in str(info.value)
 
     # A config that does not match the tensors: the first mismatching tensor is named.
     config = json.loads((folder / "config.json").read_text())
     with pytest.raises(CheckpointError, match="encoder.conv_in.weight"):
-        WanVAE.from_folder(folder, config={**config, "base_dim": 8})
+        load_wan_vae(folder, config={**config, "base_dim": 8})
 
     # The original layout: a .pth with a tensor missing names it and the file.
     good = vae_wan.write_original_pth(vae.config, _params(vae), tmp_path / "good.pth")
@@ -314,7 +315,7 @@ def test_corrupt_checkpoints_name_key_and_file(folder, vae, tmp_path):
     path = tmp_path / "Wan2.1_VAE.pth"
     torch.save(state, path)
     with pytest.raises(CheckpointKeyError, match=r"decoder\.head\.2\.bias") as info:
-        WanVAE.from_folder(path, config=vae.config)
+        load_wan_vae(path, config=vae.config)
     assert str(path) in str(info.value)
 
 

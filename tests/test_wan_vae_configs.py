@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig
 from jaxdit.vae.wan_vae import WanVAE, WanVAEConfig, abstract_model
 
@@ -33,7 +34,7 @@ def _diffusers(tmp_path, seed, **config):
             if name.endswith(("gamma", "bias")):
                 p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(tmp_path / "vae")
-    return model, WanVAE.from_folder(tmp_path / "vae", compiler_options=FAST)
+    return model, load_wan_vae(tmp_path / "vae", compiler_options=FAST)
 
 
 def _errors(model, vae, z, video):

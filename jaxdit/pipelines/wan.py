@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
 from jaxdit.loading.encoders import load_wan_image_encoder, load_wan_text_encoder
+from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import validate_forward
@@ -67,7 +68,6 @@ from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan_image import ImageCondition
 from jaxdit.samplers import unipc
 from jaxdit.samplers.sampler import UniPCSampler
-from jaxdit.vae.wan_vae import WanVAE
 
 __all__ = [
     "FOLDER_CLASSES",
@@ -405,7 +405,7 @@ class WanPipeline(DiffusionPipeline):
         text = load_wan_text_encoder(
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
-        vae = WanVAE.from_folder(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
+        vae = load_wan_vae(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
         encode_image = None
         if "image_encoder" in folder:
             image_encoder = load_wan_image_encoder(

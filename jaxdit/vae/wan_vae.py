@@ -8,9 +8,9 @@ diffusers' ``AutoencoderKLWan`` (``models/autoencoders/autoencoder_kl_wan.py``) 
 
 Constructing and loading::
 
-    vae = WanVAE.from_folder("Wan2.2-TI2V-5B-Diffusers/vae")   # or the pipeline folder
-    vae = WanVAE.from_folder("Wan2.2-TI2V-5B")                 # Wan-AI's release: Wan2.2_VAE.pth
-    vae = WanVAE.from_folder("Wan2.1_VAE.pth")                 # Wan 2.1, original layout
+    vae = jaxdit.loading.vae.load_wan_vae("Wan2.2-TI2V-5B-Diffusers/vae")   # or the pipeline folder
+    vae = jaxdit.loading.vae.load_wan_vae("Wan2.2-TI2V-5B")                 # Wan-AI's release: Wan2.2_VAE.pth
+    vae = jaxdit.loading.vae.load_wan_vae("Wan2.1_VAE.pth")                 # Wan 2.1, original layout
     vae = WanVAE(abstract_model(WanVAEConfig.preset("wan2.2-vae")))  # no weights: compile / memory
 
 A ``.pth`` carries no config: the preset of its generation (residual blocks present: ``wan2.2-vae``,
@@ -58,13 +58,11 @@ Without a mesh the same program runs on one tile (no collectives).
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -116,32 +114,6 @@ class WanVAE:
         self._states: dict[Any, Any] = {}
 
     # ------------------------------------------------------------------ loading
-    @classmethod
-    def from_folder(
-        cls,
-        path: str | os.PathLike[str],
-        dtype: Any = None,
-        *,
-        config: WanVAEConfig | Mapping[str, Any] | None = None,
-        compiler_options: Mapping[str, Any] | None = None,
-    ) -> WanVAE:
-        """Load a diffusers ``vae/`` folder (or a pipeline folder holding one), Wan's ``Wan2.1_VAE.pth`` or
-        ``Wan2.2_VAE.pth`` (or a folder holding it), or a single ``.safetensors`` of either key layout.
-
-        ``dtype`` defaults to the checkpoint's storage dtype; ``config`` overrides the one read or inferred
-        (a ``.pth`` has none: the Wan 2.1 or 2.2 preset, by its keys, with widths read from the tensors).
-        """
-        from converters import vae_wan
-
-        ckpt = vae_wan.detect(path, config)
-        dtype = jnp.dtype(dtype or ckpt.dtype)
-        graphdef, abstract = nnx.split(abstract_model(ckpt.config, dtype))
-        flat = nnx.to_flat_state(abstract)
-        lazies = ckpt.resolve({".".join(map(str, p)): tuple(v.shape) for p, v in flat})
-        arrays = {k: jnp.asarray(np.asarray(t).astype(dtype)) for k, t in lazies.items()}
-        state = nnx.from_flat_state([(p, v.replace(arrays[".".join(map(str, p))])) for p, v in flat])
-        return cls(nnx.merge(graphdef, state), compiler_options=compiler_options)
-
     # ------------------------------------------------------------------ programs
     @staticmethod
     def tiles(mesh: Mesh | None) -> Mesh:
