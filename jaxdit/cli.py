@@ -20,8 +20,10 @@ DTYPES = ("float32", "bfloat16", "float16")
 
 def _convert(args: argparse.Namespace) -> int:
     from jaxdit.families import convert_checkpoint
+    from jaxdit.generate import parse_lora
 
-    out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite)
+    loras = [parse_lora(arg) for arg in args.lora or ()]
+    out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras)
     print(f"wrote {out}")
     return 0
 
@@ -121,6 +123,15 @@ def _add_generate(sub) -> None:
         help="also run on one device and print the max difference",
     )
     _flag(gen, "dtype", choices=DTYPES, default=None)
+    _flag(
+        gen,
+        "lora",
+        action="append",
+        default=None,
+        metavar="FILE[:SCALE]",
+        help="a LoRA file (.safetensors: kohya, BFL/ComfyUI, diffusers/PEFT, XLabs, musubi layouts), fused "
+        "into the weights on the mesh; repeatable, each with its own scale (default 1)",
+    )
     par = gen.add_argument_group("parallelism (xDiT's flags)")
     _flag(par, "data_parallel_degree", type=int, default=1)
     _flag(par, "use_cfg_parallel", action="store_true", help="split the CFG branches over 2 devices")
@@ -183,6 +194,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
     convert.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    convert.add_argument(
+        "--lora",
+        action="append",
+        metavar="FILE[:SCALE]",
+        help="fuse this LoRA into the written checkpoint (repeatable, each with its own scale)",
+    )
     convert.set_defaults(func=_convert)
     _add_plan(sub)
     return parser

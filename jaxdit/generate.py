@@ -76,12 +76,18 @@ class GenerateRequest:
     flow_shift: float | None = None  # Wan
     image: str | None = None  # image-to-video (pipeline folders): the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
+    lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
-        return cls(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        )
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        values["lora"] = tuple(values.get("lora") or ())
+        return cls(**values)
+
+    @functools.cached_property
+    def loras(self) -> list[tuple[str, float]]:
+        """``--lora FILE[:SCALE]`` as (path, scale) pairs (the scale defaults to 1)."""
+        return [parse_lora(arg) for arg in self.lora]
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -152,6 +158,21 @@ class GenerateRequest:
             seed=self.seed,
             max_sequence_length=self.max_sequence_length,
         )
+
+
+def parse_lora(arg: str) -> tuple[str, float]:
+    """``FILE`` or ``FILE:SCALE`` -> (FILE, SCALE); a colon inside the path is kept (the scale is what
+    follows the last one, if it is a number)."""
+    path, sep, scale = arg.rpartition(":")
+    if sep:
+        try:
+            value = float(scale)
+        except ValueError:
+            return arg, 1.0
+        if not math.isfinite(value):
+            raise ValueError(f"--lora {arg}: the scale {scale} is not a finite number")
+        return path, value
+    return arg, 1.0
 
 
 def _call_defaults(pipeline_class: type) -> dict[str, Any]:
@@ -332,11 +353,25 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
         )
     if config is not None:
         parallel.validate_heads(config.num_heads)
+    if config is None and (parallel.pipefusion > 1 or r.lora) and r.folder is not None:
+        config = family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
     if parallel.pipefusion > 1:
-        if config is None:  # a folder's transformer: its config (and headers) only
-            config = family.checkpoints.open(r.folder["transformer"], None).config
         family.check_pipefusion(call_view(r, call), config, parallel, multiple)
+    _check_loras(r, config)
     _check_output(r)
+
+
+def _check_loras(r: GenerateRequest, config: Any) -> None:
+    """Every ``--lora`` file read and checked against the model (layout, family, sizes, values) before any
+    weight loads; they are small. Without a known config (a checkpoint without --model) the files are
+    checked when the pipeline loads them, still before the first step."""
+    from converters.lora import read_lora
+
+    for path, _ in r.loras:
+        if not Path(path).exists():
+            raise ValueError(f"--lora {path}: no such file")
+        if config is not None:
+            read_lora(path, config)
 
 
 def call_view(r: GenerateRequest, call: GenerationRequest) -> Any:
@@ -396,14 +431,18 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
 
     dtype = jnp.dtype(r.dtype) if r.dtype else None
     pipefusion = r.pipefusion_parallel_degree > 1
-    if r.is_tiny:
-        return _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh)
     pipeline = r.family.pipeline_class
-    if r.folder is not None:
-        return pipeline.from_pretrained(r.folder.root, mesh, dtype)
-    if pipefusion:
-        return _legacy_pipefusion(r, mesh, dtype)
-    return pipeline.from_checkpoint(r.weights, mesh, dtype, preset=None if r.model == TINY else r.model)
+    if r.is_tiny:
+        pipe = _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh)
+    elif r.folder is not None:
+        pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype)
+    elif pipefusion:
+        pipe = _legacy_pipefusion(r, mesh, dtype)
+    else:
+        pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=None if r.model == TINY else r.model)
+    if r.loras:
+        pipe.load_lora(r.loras)
+    return pipe
 
 
 def _legacy_pipefusion(r: GenerateRequest, mesh: Any, dtype: Any) -> Any:
@@ -491,6 +530,8 @@ def run(r: GenerateRequest) -> int:
         )
     if r.is_tiny:
         _judge(r, result)
+    if r.loras:
+        print(f"LoRAs fused: {', '.join(f'{p} x {s:g}' for p, s in r.loras)}")
     print(f"wrote {write(r, result)}")
     return 0
 

@@ -161,12 +161,19 @@ def load_transformer(
 
 
 def convert_checkpoint(
-    src: PathLike, dst: PathLike, dtype: Any = None, *, config: Any = None, overwrite: bool = False
+    src: PathLike,
+    dst: PathLike,
+    dtype: Any = None,
+    *,
+    config: Any = None,
+    overwrite: bool = False,
+    loras: Any = (),
 ) -> Path:
-    """Convert any supported checkpoint into a jaxdit (orbax) folder, atomically."""
+    """Convert any supported checkpoint into a jaxdit (orbax) folder, atomically; ``loras`` ((path,
+    scale) pairs) are fused into the weights first."""
     family = detect_family(src)
     return loading.convert_checkpoint(
-        src, dst, dtype, family=family.checkpoints, config=config, overwrite=overwrite
+        src, dst, dtype, family=family.checkpoints, config=config, overwrite=overwrite, loras=loras
     )
 
 

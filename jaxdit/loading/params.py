@@ -25,6 +25,7 @@ from converters import orbax_io
 from converters.checkpoints import CheckpointFormat, Source
 from converters.errors import CheckpointError
 from converters.keymap import place_params
+from jaxdit.lora import fuse_loras, read_loras
 from jaxdit.mesh import ParallelConfig, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
 from sharding_rules import rules_for
@@ -115,9 +116,19 @@ def convert_checkpoint(
     family: CheckpointFormat,
     config: Any = None,
     overwrite: bool = False,
+    loras: Any = (),
 ) -> Path:
-    """Convert ``family``'s checkpoint into a jaxdit (orbax) folder, atomically; loaded on one device."""
+    """Convert ``family``'s checkpoint into a jaxdit (orbax) folder, atomically; loaded on one device.
+
+    ``loras``: (path, scale) pairs fused into the weights before they are written (every file checked
+    against the model before the checkpoint's tensors are read)."""
+    if loras:
+        source = family.open(Path(src), config) if not orbax_io.is_orbax_checkpoint(Path(src)) else None
+        if source is not None:
+            read_loras(loras, source.config)
     model = load_params(src, single_device_mesh(), dtype, family=family, config=config)
+    if loras:
+        fuse_loras(model, model.config, loras)
     state = nnx.state(model, nnx.Param)
     dtype = jax.tree.leaves(state)[0].dtype
     meta = {

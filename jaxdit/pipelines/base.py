@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import Mesh
 
+from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, unfuse_loras
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.pipelines.denoiser import DenoiseInputs
@@ -75,6 +76,38 @@ class DiffusionPipeline:
         self.parallel = ParallelConfig.from_mesh(mesh)
         self.encode = encode
         self.decode = decode
+        #: The LoRAs fused into the transformer's weights now (``load_lora``), or None.
+        self.loras: FusedLoras | None = None
+
+    # ------------------------------------------------------------------ LoRA
+    def lora_targets(self) -> tuple[Any, Any, Any]:
+        """(the transformer's parameter state as the denoiser reads it, its config, the stack layout
+        of PipeFusion's stage slots or None): what ``load_lora`` fuses into."""
+        return self.forward.state, self.config, None
+
+    def load_lora(self, loras: LoraArg | list[LoraArg], scale: float = 1.0) -> FusedLoras:
+        """Fuse LoRA file(s) into the transformer's weights where they lie on the mesh, on top of those
+        already loaded (diffusers' ``load_lora_weights`` + ``fuse_lora``). ``loras``: a path, or a list of
+        paths / ``(path, scale)`` pairs; ``scale`` applies to the ones given without one.
+
+        Every file is read and checked against the model first (layout, family, sizes, finite values):
+        a bad file changes nothing. Shapes and shardings stay, so the compiled step is reused.
+        """
+        items = loras if isinstance(loras, list) else [loras]
+        new = [item if isinstance(item, tuple) else (item, scale) for item in items]
+        state, config, orders = self.lora_targets()
+        fused = fuse_loras(state, config, new, stack_orders=orders)
+        if self.loras is not None:
+            fused = dataclasses.replace(fused, loras=self.loras.loras + fused.loras)
+        self.loras = fused
+        return fused
+
+    def unload_lora(self) -> None:
+        """Take every loaded LoRA out of the weights (each weight back within one rounding)."""
+        if self.loras is not None:
+            state, _, _ = self.lora_targets()
+            unfuse_loras(state, self.loras)
+            self.loras = None
 
     # ------------------------------------------------------------------ family hook
     def prepare(self, request: GenerationRequest) -> Prepared:
