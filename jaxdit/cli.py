@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: jaxdit.parallel.kernels.CHOICES, spelled out so that parsing flags does not import jax.
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "triton", "splash")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -121,6 +123,14 @@ def _add_generate(sub) -> None:
         help="also run on one device and print the max difference",
     )
     _flag(gen, "dtype", choices=DTYPES, default=None)
+    _flag(
+        gen,
+        "attention_backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="per-device attention kernel (default auto: cuDNN on NVIDIA GPUs for bf16/fp16, splash on TPUs, "
+        "XLA otherwise); one that cannot serve falls back with a warning",
+    )
     par = gen.add_argument_group("parallelism (xDiT's flags)")
     _flag(par, "data_parallel_degree", type=int, default=1)
     _flag(par, "use_cfg_parallel", action="store_true", help="split the CFG branches over 2 devices")

@@ -30,6 +30,7 @@ from converters.safetensors_io import LazyTensor, open_checkpoint
 from jaxdit.mesh import ParallelConfig, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
 from jaxdit.models.sharded_forward import validate_forward
+from jaxdit.parallel.kernels import with_backend
 from sharding_rules import rules_for
 
 __all__ = [
@@ -189,8 +190,9 @@ def load_transformer(
     dtype: Any = None,
     *,
     config: Any = None,
-    kernel: Mapping[str, int] | None = None,
+    kernel: Mapping[str, Any] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    attention_backend: str | None = None,
 ) -> Callable[..., jax.Array]:
     """Load a transformer checkpoint onto a mesh; returns a callable mirroring diffusers' ``forward``.
 
@@ -202,11 +204,14 @@ def load_transformer(
       dtype: parameter and compute dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's.
       config: overrides the config read or inferred from the checkpoint (needed for BFL files whose RoPE
         split is not FLUX.1's).
-      kernel: tile sizes of the local attention kernel (``block_q``, ``block_k``).
+      kernel: local attention kernel options (``backend``, the XLA kernel's ``block_q``/``block_k``).
       compiler_options: XLA options for the compiled step (see ``ShardedForward``).
+      attention_backend: auto (default), xla, cudnn, triton or splash: ``kernel["backend"]``
+        (``jaxdit.parallel.kernels``); checked before any weight is read.
 
     For FLUX the callable is :class:`FluxForward`, for Wan 2.1 :class:`WanForward`.
     """
+    kernel = with_backend(kernel, attention_backend)
     mesh = _mesh(parallel)
     # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
     check = lambda cfg: validate_forward(ParallelConfig.from_mesh(mesh), cfg.num_heads)

@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.parallel.cfg import combine_branches, interleave_branches, replicate_branches
+from jaxdit.parallel.kernels import with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.samplers import flow_match_euler as euler
 from sharding_rules import logical_to_spec
@@ -108,12 +109,14 @@ class FluxPipeline:
         encoder_device: jax.Device | None = None,
         kernel: dict[str, int] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
     ) -> FluxPipeline:
         """A downloaded FLUX.1 diffusers pipeline folder (``model_index.json``, ``transformer/``, ``vae/``,
         ``text_encoder{,_2}/``, ``tokenizer{,_2}/``, ``scheduler/``) on the mesh of ``parallel``.
 
         The transformer is sharded over the mesh; the text encoders run on ``encoder_device`` (default: the
         first local device); the VAE decodes patch-parallel over the mesh. See :mod:`jaxdit.pipelines.assemble`.
+        ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
         from jaxdit.pipelines.assemble import flux_pipeline
 
@@ -122,7 +125,7 @@ class FluxPipeline:
             parallel,
             dtype,
             encoder_device=encoder_device,
-            kernel=kernel,
+            kernel=with_backend(kernel, attention_backend),
             compiler_options=compiler_options,
         )
 
@@ -299,7 +302,10 @@ class FluxPipeline:
 
 
 def tiny_digits(
-    parallel: ParallelConfig | Mesh | None = None, folder=None, compiler_options: dict[str, Any] | None = None
+    parallel: ParallelConfig | Mesh | None = None,
+    folder=None,
+    compiler_options: dict[str, Any] | None = None,
+    kernel: dict[str, Any] | None = None,
 ) -> FluxPipeline:
     """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789")."""
     from jaxdit.loading import _mesh, load_params
@@ -322,5 +328,6 @@ def tiny_digits(
         decode=lambda z: z[:, 0],  # pixel space: the 1-channel latent is the image
         latent_channels=tiny.LATENT_CHANNELS,
         vae_scale_factor=1,
+        kernel=kernel,
         compiler_options=compiler_options,
     )

@@ -52,6 +52,7 @@ class GenerateRequest:
     flow_shift: float | None = None  # Wan
     image: str | None = None  # Wan I2V from a pipeline folder: the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders; default the encoder's)
+    attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -146,6 +147,9 @@ class GenerateRequest:
 def check_request(r: GenerateRequest) -> None:
     """Raise ValueError naming the problem; needs no devices."""
     from jaxdit.mesh import ParallelConfig
+    from jaxdit.parallel.kernels import check_backend
+
+    check_backend(r.attention_backend)
 
     if r.model not in (TINY, *FLUX_PRESETS, *WAN_PRESETS) and r.weights is None:
         raise ValueError(
@@ -331,28 +335,31 @@ def _pipeline(r: GenerateRequest, mesh):
 
     from jaxdit.pipelines.flux import FluxPipeline, tiny_digits
 
+    kernel = {"backend": r.attention_backend}
     if r.is_wan:
         dtype = jnp.dtype(r.dtype) if r.dtype else None
         if r.pipefusion_parallel_degree > 1:
             from jaxdit.pipelines.pipefusion_wan import PipeFusionWanPipeline
 
-            return PipeFusionWanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
+            return PipeFusionWanPipeline.from_checkpoint(
+                r.weights, mesh, dtype, preset=r.model, kernel=kernel
+            )
         from jaxdit.pipelines.wan import WanPipeline
 
-        return WanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
+        return WanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model, kernel=kernel)
     if r.pipefusion_parallel_degree > 1:
         from jaxdit.pipelines import pipefusion_flux as pf
 
         if r.is_tiny:
-            return pf.tiny_digits(mesh)
+            return pf.tiny_digits(mesh, kernel=kernel)
         dtype = jnp.dtype(r.dtype) if r.dtype else None
-        return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype))
+        return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype), kernel=kernel)
     if r.is_tiny:
-        return tiny_digits(mesh)
+        return tiny_digits(mesh, kernel=kernel)
     from jaxdit.loading import load_params
 
     _, model = load_params(r.weights, mesh, jnp.dtype(r.dtype) if r.dtype else None)
-    return FluxPipeline(model, mesh)
+    return FluxPipeline(model, mesh, kernel=kernel)
 
 
 def _call(pipe, r: GenerateRequest, output_type: str):

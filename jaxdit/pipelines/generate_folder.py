@@ -136,7 +136,7 @@ def build(r: Any, folder: ModelFolder, mesh: Any) -> Any:
 
     dtype = jnp.dtype(r.dtype) if r.dtype else None
     cls = FluxPipeline if folder.kind == FLUX else WanPipeline
-    return cls.from_pretrained(folder.root, mesh, dtype)
+    return cls.from_pretrained(folder.root, mesh, dtype, attention_backend=r.attention_backend)
 
 
 def call(pipe: Any, r: Any, folder: ModelFolder) -> Any:

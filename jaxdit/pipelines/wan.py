@@ -50,6 +50,7 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import validate_forward
 from jaxdit.parallel.cfg import combine_branches, interleave_branches, replicate_branches
+from jaxdit.parallel.kernels import with_backend
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.flux import LATENT_AXES, GenerationOutput, _progress
@@ -335,13 +336,15 @@ class WanPipeline:
         vae_dtype: Any = jnp.float32,
         kernel: dict[str, int] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
     ) -> WanPipeline:
         """A downloaded Wan 2.1 folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or
         Wan's original T2V release -- with its umT5 text encoder, VAE (and CLIP image encoder for I2V).
 
         The transformer is sharded over the mesh; the encoders run on ``encoder_device`` (default: the first
         local device); the VAE decodes patch-parallel over the mesh, in ``vae_dtype`` (fp32 by default, as
-        Wan keeps it). See :mod:`jaxdit.pipelines.assemble`.
+        Wan keeps it). See :mod:`jaxdit.pipelines.assemble`. ``attention_backend``: auto, xla, cudnn, triton or
+        splash (``jaxdit.parallel.kernels``).
         """
         from jaxdit.pipelines.assemble import wan_pipeline
 
@@ -351,7 +354,7 @@ class WanPipeline:
             dtype,
             encoder_device=encoder_device,
             vae_dtype=vae_dtype,
-            kernel=kernel,
+            kernel=with_backend(kernel, attention_backend),
             compiler_options=compiler_options,
         )
 
