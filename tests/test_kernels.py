@@ -102,14 +102,6 @@ def test_splash_kernel_is_reused_across_traces():
     assert bool(jnp.all(second > first))  # larger scores, larger log-sum-exp
 
 
-def test_local_attention_dispatches_to_the_kernel_without_a_mask():
-    # Through the entry point, no mask: block padding alone (20 queries, 29 keys) is masked inside.
-    rng = np.random.default_rng(3)
-    q, k, v = _qkv(rng, 1, 20, 29, 2, 16)
-    out, lse = local_attention(q, k, v, backend="triton", interpret=True)
-    _check_against_reference("triton via local_attention", out, lse, q, k, v, jnp.ones((1, 29), bool))
-
-
 # Ring's merge over 2, 4 and 8 K/V blocks, inside the real strategies. Lengths (2, 9) on 8 shards put
 # padding in the middle of shards ([text_r; image_r]) and leave shards 5-7 with no real token at all, so
 # Ring also merges blocks whose keys are all masked (out 0, LSE -inf).
@@ -155,6 +147,8 @@ def triton_calls(monkeypatch):
 
 
 def test_pipefusion_stale_kv_attention_uses_the_backend(triton_calls):
+    # Through local_attention: the fresh K/V without a mask (12 keys: block padding only, masked inside
+    # the kernel), then the stale buffer with one.
     from jaxdit.parallel.pipefusion import patch_attention
 
     rng = np.random.default_rng(6)
