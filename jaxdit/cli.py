@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: jaxdit.parallel.kernels.CHOICES, spelled out so that parsing flags does not import jax.
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "triton", "splash")
 
 
 def _convert(args: argparse.Namespace) -> int:
@@ -123,6 +125,14 @@ def _add_generate(sub) -> None:
         help="also run on one device and print the max difference",
     )
     _flag(gen, "dtype", choices=DTYPES, default=None)
+    _flag(
+        gen,
+        "attention_backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="per-device attention kernel (default auto: cuDNN on NVIDIA GPUs for bf16/fp16, splash on TPUs, "
+        "XLA otherwise); one that cannot serve falls back with a warning",
+    )
     _flag(
         gen,
         "lora",

@@ -31,6 +31,7 @@ import numpy as np
 from jaxdit import families
 from jaxdit.families.base import ModelFamily
 from jaxdit.mesh import ParallelConfig
+from jaxdit.parallel.kernels import check_backend
 from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.model_folder import ModelFolder
 from jaxdit.pipelines.request import GenerationRequest
@@ -77,6 +78,7 @@ class GenerateRequest:
     image: str | None = None  # image-to-video (pipeline folders): the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
     lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
+    attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -218,6 +220,7 @@ def _load_embeddings(path: str) -> dict[str, np.ndarray]:
 
 def check_request(r: GenerateRequest) -> None:
     """Raise ValueError naming the problem; needs no devices."""
+    check_backend(r.attention_backend)
     known = families.presets()
     if r.weights is None and r.model != TINY:
         if r.model not in known:
@@ -431,15 +434,16 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
 
     dtype = jnp.dtype(r.dtype) if r.dtype else None
     pipefusion = r.pipefusion_parallel_degree > 1
-    pipeline = r.family.pipeline_class
+    pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
     if r.is_tiny:
-        pipe = _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh)
+        pipe = _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh, kernel=kernel)
     elif r.folder is not None:
-        pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype)
+        pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel)
     elif pipefusion:
         pipe = _legacy_pipefusion(r, mesh, dtype)
     else:
-        pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=None if r.model == TINY else r.model)
+        preset = None if r.model == TINY else r.model
+        pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, kernel=kernel)
     if r.loras:
         pipe.load_lora(r.loras)
     return pipe
@@ -447,15 +451,16 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
 
 def _legacy_pipefusion(r: GenerateRequest, mesh: Any, dtype: Any) -> Any:
     # PipeFusion's pipelines until its runner serves every pipeline as a denoiser.
+    kernel = {"backend": r.attention_backend}
     if r.family.makes_video:
         from jaxdit.pipelines.pipefusion_wan import PipeFusionWanPipeline
 
-        return PipeFusionWanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
+        return PipeFusionWanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model, kernel=kernel)
     from jaxdit.pipelines import pipefusion_flux as pf
 
     if r.is_tiny:
-        return pf.tiny_digits(mesh)
-    return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype))
+        return pf.tiny_digits(mesh, kernel=kernel)
+    return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype), kernel=kernel)
 
 
 def generate(pipe: Any, r: GenerateRequest) -> Any:

@@ -24,6 +24,7 @@ from jaxdit.families.flux import FLUX
 from jaxdit.families.wan import WAN
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models.sharded_forward import validate_forward
+from jaxdit.parallel.kernels import with_backend
 from jaxdit.pipelines.model_folder import ModelFolder, open_diffusers_folder
 
 __all__ = [
@@ -137,6 +138,7 @@ def load_transformer(
     config: Any = None,
     kernel: Mapping[str, Any] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    attention_backend: str | None = None,
 ) -> Callable[..., Any]:
     """Load a transformer checkpoint onto a mesh; returns a callable mirroring diffusers' ``forward``.
 
@@ -148,11 +150,14 @@ def load_transformer(
       dtype: parameter and compute dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's.
       config: overrides the config read or inferred from the checkpoint (needed for BFL files whose RoPE
         split is not FLUX.1's).
-      kernel: options of the local attention kernel (tile sizes ``block_q``, ``block_k``).
+      kernel: local attention kernel options (``backend``, the XLA kernel's ``block_q``/``block_k``).
       compiler_options: XLA options for the compiled step (see ``ShardedForward``).
+      attention_backend: auto (default), xla, cudnn, triton or splash: ``kernel["backend"]``
+        (``jaxdit.parallel.kernels``); checked before any weight is read.
 
     The callable is the family's (``FluxForward``, ``WanForward``).
     """
+    kernel = with_backend(kernel, attention_backend)
     mesh = mesh_for(parallel)
     # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
     check = lambda cfg: validate_forward(ParallelConfig.from_mesh(mesh), cfg.num_heads)

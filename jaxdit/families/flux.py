@@ -154,7 +154,10 @@ class FluxFamily(ModelFamily):
         rows, cols = request.height // multiple, request.width // multiple
         patches = request.num_pipeline_patch or default_num_patches(parallel.pipefusion, rows)
         validate_pipefusion(
-            parallel.pipefusion, patches, request.warmup_steps or 1, request.num_inference_steps
+            parallel.pipefusion,
+            patches,
+            1 if request.warmup_steps is None else request.warmup_steps,
+            request.num_inference_steps,
         )
         validate_patches(rows, cols, patches, parallel.sequence_degree)
 

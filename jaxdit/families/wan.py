@@ -178,7 +178,10 @@ class WanFamily(ModelFamily):
             parallel.pipefusion, grid, parallel.sequence_degree
         )
         validate_pipefusion(
-            parallel.pipefusion, patches, request.warmup_steps or 1, request.num_inference_steps
+            parallel.pipefusion,
+            patches,
+            1 if request.warmup_steps is None else request.warmup_steps,
+            request.num_inference_steps,
         )
         validate_patches(grid, patches, parallel.sequence_degree)
 

@@ -404,10 +404,11 @@ class WanCrossAttention(nnx.Module):
             for n in _rms_norm_across_heads(xs, scales, cfg.dim, cfg.eps, ctx)
         ]
         q, k = normed[0], normed[1]
-        out, _ = local_attention(q, k, _heads(self.v(text), cfg.head_dim), out_dtype=jnp.float32)
+        kernel = ctx.backend_options()  # the backend of self-attention (auto, xla, cudnn, triton, splash)
+        out, _ = local_attention(q, k, _heads(self.v(text), cfg.head_dim), out_dtype=jnp.float32, **kernel)
         if use_image:
             out_img, _ = local_attention(
-                q, normed[2], _heads(self.v_img(image), cfg.head_dim), out_dtype=jnp.float32
+                q, normed[2], _heads(self.v_img(image), cfg.head_dim), out_dtype=jnp.float32, **kernel
             )
             out = out + out_img
         return self.o(out.reshape(*out.shape[:2], -1).astype(dtype), ctx)

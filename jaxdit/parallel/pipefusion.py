@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -193,7 +194,7 @@ def patch_attention(
     ulysses: int,
     fresh_valid: jax.Array | None,
     stale: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    kernel: Sequence[tuple[str, int]] = (),
+    kernel: Sequence[tuple[str, Any]] = (),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of this device's fresh tokens over (fresh K/V of every sequence shard) + (stale buffer).
 

@@ -31,6 +31,7 @@ from jaxdit.loading.encoders import load_flux_text_encoders
 from jaxdit.loading.vae import load_flux_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import flux
+from jaxdit.parallel.kernels import with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
@@ -116,8 +117,9 @@ class FluxPipeline(DiffusionPipeline):
         dtype: Any = None,
         *,
         encoder_device: jax.Device | None = None,
-        kernel: dict[str, int] | None = None,
+        kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
     ) -> FluxPipeline:
         """A downloaded FLUX.1 diffusers pipeline folder (``model_index.json``, ``transformer/``, ``vae/``,
         ``text_encoder{,_2}/``, ``tokenizer{,_2}/``, ``scheduler/``) on the mesh of ``parallel``.
@@ -125,7 +127,9 @@ class FluxPipeline(DiffusionPipeline):
         The transformer is sharded over the mesh; the text encoders run on ``encoder_device`` (default: the
         first local device); the VAE decodes patch-parallel over the mesh (``jaxdit.pipelines.assemble``).
         The transformer's heads and key table are checked before anything is read.
+        ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
+        kernel = with_backend(kernel, attention_backend)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
         mesh = mesh_for(parallel)
         check_transformer(folder["transformer"], mesh, CHECKPOINTS)
@@ -272,6 +276,7 @@ def tiny_digits(
     parallel: ParallelConfig | Mesh | None = None,
     folder: str | Path | None = None,
     compiler_options: dict[str, Any] | None = None,
+    kernel: dict[str, Any] | None = None,
 ) -> FluxPipeline:
     """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789")."""
     mesh = mesh_for(parallel)
@@ -290,5 +295,6 @@ def tiny_digits(
         decode=lambda z: z[:, 0],  # pixel space: the 1-channel latent is the image
         latent_channels=tiny.LATENT_CHANNELS,
         vae_scale_factor=1,
+        kernel=kernel,
         compiler_options=compiler_options,
     )

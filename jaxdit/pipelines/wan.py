@@ -53,6 +53,7 @@ from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import validate_forward
+from jaxdit.parallel.kernels import with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
@@ -388,8 +389,9 @@ class WanPipeline(DiffusionPipeline):
         *,
         encoder_device: jax.Device | None = None,
         vae_dtype: Any = jnp.float32,
-        kernel: dict[str, int] | None = None,
+        kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
     ) -> WanPipeline:
         """A downloaded Wan 2.1 folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or
         Wan's original T2V release -- with its umT5 text encoder, VAE (and CLIP image encoder for I2V).
@@ -397,7 +399,9 @@ class WanPipeline(DiffusionPipeline):
         The transformer is sharded over the mesh; the encoders run on ``encoder_device`` (default: the first
         local device); the VAE decodes patch-parallel over the mesh, in ``vae_dtype`` (fp32 by default, as
         Wan keeps it). The transformer's heads and key table are checked before anything is read.
+        ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
+        kernel = with_backend(kernel, attention_backend)
         folder = open_folder(path)
         mesh = mesh_for(parallel)
         check_transformer(folder["transformer"], mesh, CHECKPOINTS)
