@@ -151,9 +151,7 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
         raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
-    pipe = w.family.bare_pipeline(
-        _abstract_model(w.family, w.model, w.dtype), mesh, compiler_options=FAST_COMPILE
-    )
+    pipe = w.family.bare_pipeline(_abstract_model(w.model, w.dtype), mesh, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     return pipe.denoiser.lower(inputs), pipe.forward
 
