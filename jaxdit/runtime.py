@@ -3,7 +3,8 @@ persistent compilation cache.
 
 Both have to be in place before jax creates its backend: XLA reads ``XLA_FLAGS`` once, when the first
 client starts (importing jax does not start it), and jax opens the compilation cache at the first
-compile. :func:`configure` therefore runs before anything touches a device, and refuses to run after.
+compile. :func:`configure` therefore runs before anything touches a device (after that it changes
+nothing).
 
 XLA flags. jaxdit adds only flags the user's ``XLA_FLAGS`` does not name (a flag the user set, to any
 value, is left alone), and only on a GPU host: a jax GPU plugin is installed and ``JAX_PLATFORMS`` does
@@ -227,8 +228,13 @@ class RuntimeSetup:
     cache_dir: Path | None
     cache_source: str
     counter: CacheCounter | None = None
+    too_late: bool = False  # jax had started before configure(): nothing was changed
 
     def describe(self) -> list[str]:
+        if self.too_late:
+            return [
+                "XLA flags and compilation cache left as they were: jax had already started in this process"
+            ]
         lines = []
         if not self.gpu_host:
             lines.append("XLA flags: none added (not a GPU host)")
@@ -268,13 +274,15 @@ def configure(
 ) -> RuntimeSetup:
     """Set the GPU XLA flags (if ``gpu``, default :func:`is_gpu_host`) and the compilation cache.
 
-    Must run before jax starts its backend (raises RuntimeError otherwise: the flags would be ignored
-    without a word). ``count_cache`` installs a :class:`CacheCounter` (for ``--verbose``).
+    Takes effect only before jax starts its backend. In a process where jax has already started (a
+    program calling ``jaxdit.cli.main`` after using jax itself) it changes nothing, so that the program's
+    own settings hold for the rest of it, and says so in :meth:`RuntimeSetup.describe`. ``count_cache``
+    installs a :class:`CacheCounter` (for ``--verbose``).
     """
     environ = os.environ if environ is None else environ
-    if _backend_started():
-        raise RuntimeError("jaxdit.runtime.configure() must run before jax starts its backend")
     gpu = is_gpu_host(environ) if gpu is None else gpu
+    if _backend_started():
+        return RuntimeSetup(gpu, [], [], None, "unchanged", too_late=True)
     added, kept = add_xla_flags(environ) if gpu else ([], [])
     path, source = resolve_cache_dir(cache_dir, no_cache, environ)
     if path is not None:

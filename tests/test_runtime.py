@@ -95,10 +95,17 @@ def test_verbose_lines_name_each_flag_and_the_cache(tmp_path):
     assert f"XLA flag kept as the user set it: --{LHS}=false" in kept
 
 
-def test_configure_refuses_once_the_backend_has_started():
+def test_configure_leaves_a_process_whose_jax_has_started_alone():
+    """A program that calls jaxdit.cli.main after using jax keeps its own XLA flags and cache settings."""
     jax.devices()
-    with pytest.raises(RuntimeError, match="before jax starts its backend"):
-        runtime.configure(environ={})
+    env: dict[str, str] = {"XDG_CACHE_HOME": "/nonexistent"}
+    before = jax.config.jax_compilation_cache_dir
+    setup = runtime.configure(gpu=True, count_cache=True, environ=env)
+    assert setup.too_late and env == {"XDG_CACHE_HOME": "/nonexistent"} and setup.counter is None
+    assert jax.config.jax_compilation_cache_dir == before
+    assert setup.describe() == [
+        "XLA flags and compilation cache left as they were: jax had already started in this process"
+    ]
 
 
 def test_an_unwritable_cache_directory_is_named(tmp_path):
