@@ -166,6 +166,7 @@ def attention_worker(emit: Emit, tiny: bool, reps: int) -> None:
     import numpy as np
 
     device = jax.devices()[0]
+    emit(_device_record(device))
     backends = available_backends(device.platform)
     for case in TINY_CASES if tiny else CASES:
         valid = case.key_valid()
@@ -228,6 +229,7 @@ def step_worker(emit: Emit, model_name: str, tiny: bool, steps: int) -> None:
     x = bench_gpu._inputs(w)
     module = flux if w.family == "flux" else wan
     device = jax.devices()[0]
+    emit(_device_record(device))
     mesh = ParallelConfig().make_mesh([device])
     graphdef, abstract = nnx.split(module.abstract_model(w.model, jnp.bfloat16))
     leaves, treedef = jax.tree.flatten(abstract)
@@ -376,6 +378,72 @@ def _targets(attention: list[dict], steps: list[dict], tiny: bool) -> list[str]:
     return out
 
 
+def _device_record(device) -> dict:
+    """What a worker ran on (the parent never starts jax on the GPU: the workers need its memory)."""
+    import jax
+
+    return {
+        "part": "device",
+        "device": device.device_kind,
+        "platform": device.platform,
+        "backends": available_backends(device.platform),
+        "jax": jax.__version__,
+        "jaxlib": importlib.metadata.version("jaxlib"),
+    }
+
+
+def _jaxdit_parts(args, deadline: float) -> tuple[list[dict], list[str]]:
+    """(a)-(c) with jax: in this process (--tiny), else one worker process per part within the budget."""
+    records: list[dict] = []
+    notes: list[str] = []
+    if args.tiny:  # nothing to isolate, and a CPU imports jax once
+        _configure_runtime(args.no_compilation_cache)
+        attention_worker(records.append, True, min(args.reps, 3))
+        for model in MODELS:
+            step_worker(records.append, model, True, min(args.steps, 2))
+        return records, notes
+    jobs = [("attention", None)] + [("step", m) for m in MODELS]
+    for i, (worker, model) in enumerate(jobs):
+        # What is left, less a minute for each later job (a full-size compile takes about that).
+        timeout = deadline - time.monotonic() - 60 * (len(jobs) - i - 1)
+        argv = [
+            os.path.abspath(__file__),
+            "--worker",
+            worker,
+            "--steps",
+            str(args.steps),
+            "--reps",
+            str(args.reps),
+        ]
+        argv += (["--model", model] if model else []) + (
+            ["--no_compilation_cache"] if args.no_compilation_cache else []
+        )
+        got, note = _run(argv, timeout)
+        records += got
+        if note:
+            notes.append(f"{worker} {model or ''}: {note}")
+        print(f"[{worker} {model or ''}] {len(got)} result(s){' - ' + note if note else ''}", file=sys.stderr)
+    return records, notes
+
+
+def _diffusers_parts(args, deadline: float) -> tuple[list[dict], list[str]]:
+    """diffusers' models through ``bench_gpu.py``'s worker, one process per model, with what is left."""
+    if args.no_torch:
+        return [], []
+    if not bench_gpu._have_torch():
+        return [], ["diffusers: not run (torch/diffusers not installed)"]
+    records, notes = [], []
+    for model in MODELS:
+        steps = min(args.steps, 2) if args.tiny else args.steps
+        argv = [bench_gpu.__file__, "--worker", "torch", "--model", model, "--steps", str(steps)]
+        argv += (["--tiny"] if args.tiny else []) + ([] if args.torch_compile else ["--no-torch-compile"])
+        got, note = _run(argv, max(deadline - time.monotonic(), 60 if args.tiny else 1))
+        records += got
+        if note:
+            notes.append(f"diffusers {model}: {note}")
+    return records, notes
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=None, help="write every record as JSON here (jaxdit plan --calibration)")
@@ -384,9 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=10, help="timed attention calls per backend and shape")
     p.add_argument("--no-torch", action="store_true", help="skip diffusers")
     p.add_argument("--torch-compile", action="store_true", help="diffusers with torch.compile as well")
-    p.add_argument(
-        "--no_compilation_cache", action="store_true", help="compile afresh (default: jaxdit's cache)"
-    )
+    p.add_argument("--no-compilation-cache", "--no_compilation_cache", dest="no_compilation_cache",
+                   action="store_true", help="compile afresh (default: jaxdit's persistent cache)")  # fmt: skip
     p.add_argument("--tiny", action="store_true", help="tiny shapes and models, in one process (a CPU check)")
     p.add_argument("--worker", choices=("attention", "step"), help=argparse.SUPPRESS)
     p.add_argument("--model", choices=MODELS, help=argparse.SUPPRESS)
@@ -402,75 +469,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     deadline = time.monotonic() + args.budget
-    records, notes = [], []
-    common = (["--tiny"] if args.tiny else []) + (
-        ["--no_compilation_cache"] if args.no_compilation_cache else []
-    )
-    jobs = [("attention", None)] + [("step", m) for m in MODELS]
-    if args.tiny:  # one process: nothing to isolate, and a CPU imports jax once
-        _configure_runtime(args.no_compilation_cache)
-        attention_worker(records.append, True, min(args.reps, 3))
-        for model in MODELS:
-            step_worker(records.append, model, True, min(args.steps, 2))
-    else:
-        for i, (worker, model) in enumerate(jobs):
-            # What is left, less a minute for each later job (a full-size compile takes about that).
-            timeout = deadline - time.monotonic() - 60 * (len(jobs) - i - 1)
-            argv = [
-                os.path.abspath(__file__),
-                "--worker",
-                worker,
-                "--steps",
-                str(args.steps),
-                "--reps",
-                str(args.reps),
-            ]
-            got, note = _run(argv + (["--model", model] if model else []) + common, timeout)
-            records += got
-            if note:
-                notes.append(f"{worker} {model or ''}: {note}")
-            print(
-                f"[{worker} {model or ''}] {len(got)} result(s){' - ' + note if note else ''}",
-                file=sys.stderr,
-            )
-    diffusers = []
-    if not args.no_torch and bench_gpu._have_torch():
-        for model in MODELS:
-            argv = [
-                bench_gpu.__file__,
-                "--worker",
-                "torch",
-                "--model",
-                model,
-                "--steps",
-                str(min(args.steps, 2) if args.tiny else args.steps),
-            ]
-            argv += (["--tiny"] if args.tiny else []) + ([] if args.torch_compile else ["--no-torch-compile"])
-            got, note = _run(argv, max(deadline - time.monotonic(), 60 if args.tiny else 1))
-            diffusers += got
-            if note:
-                notes.append(f"diffusers {model}: {note}")
-    elif not args.no_torch:
-        notes.append("diffusers: not run (torch/diffusers not installed)")
-
-    import jax
-
-    device = jax.devices()[0]
+    records, notes = _jaxdit_parts(args, deadline)
+    diffusers, torch_notes = _diffusers_parts(args, deadline)
+    device = next((r for r in records if r["part"] == "device"), None)
+    if device is None:
+        print("gpu_check: no worker reported a device; " + "; ".join(notes), file=sys.stderr)
+        return 1
     attention = [r for r in records if r["part"] == "attention"]
     steps = [r for r in records if r["part"] == "step"]
+    meta = {k: v for k, v in device.items() if k != "part"}
+    meta.update(
+        date=datetime.date.today().isoformat(),
+        host=platform.node(),
+        python=platform.python_version(),
+        tiny=args.tiny,
+        notes=notes + torch_notes,
+    )
     data = {
-        "meta": {
-            "date": datetime.date.today().isoformat(),
-            "device": device.device_kind,
-            "platform": device.platform,
-            "host": platform.node(),
-            "python": platform.python_version(),
-            "jax": jax.__version__,
-            "jaxlib": importlib.metadata.version("jaxlib"),
-            "backends": available_backends(device.platform),
-            "tiny": args.tiny,
-            "notes": notes,
-        },
+        "meta": meta,
         "attention": attention,
         "steps": steps,
         "diffusers": diffusers,
