@@ -49,10 +49,10 @@ GPU_XLA_FLAGS: tuple[XlaFlag, ...] = (
     XlaFlag(
         "xla_gpu_enable_latency_hiding_scheduler",
         "true",
-        "schedules asynchronous collectives around independent compute: Ring issues the next hop's K/V "
-        "ppermute before the local block's attention (parallel/ring.py), and only this scheduler moves "
-        "the transfer's wait past that compute; Ulysses' k/v all-to-alls likewise overlap the q "
-        "projection. Off by default in XLA (xla/debug_options_flags.cc)",
+        "schedules asynchronous collectives around the compute that does not depend on them: Ring issues "
+        "the next hop's K/V ppermute before the local block's attention (parallel/ring.py), and this "
+        "scheduler is what moves the transfer's wait past that compute instead of right after the send. "
+        "Off by default in XLA (xla/debug_options_flags.cc)",
     ),
 )
 

@@ -134,7 +134,6 @@ def run(args: argparse.Namespace) -> int:
         measured = read_calibration(args.calibration, backend)
         hw = dataclasses.replace(
             hw,
-            attention_backend=backend,
             attention_tflops=args.attention_tflops or measured["attention_tflops"],
             attention_source=None if args.attention_tflops else measured["source"],
             tflops=args.tflops or measured["tflops"] or hw.tflops,
