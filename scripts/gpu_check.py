@@ -227,7 +227,7 @@ def step_worker(emit: Emit, model_name: str, tiny: bool, steps: int) -> None:
 
     w = bench_gpu._workload(model_name, tiny)
     x = bench_gpu._inputs(w)
-    module = flux if w.family == "flux" else wan
+    module = flux if w.family.name == "flux" else wan
     device = jax.devices()[0]
     emit(_device_record(device))
     mesh = ParallelConfig().make_mesh([device])
@@ -246,7 +246,7 @@ def step_worker(emit: Emit, model_name: str, tiny: bool, steps: int) -> None:
         values = jax.block_until_ready(_random(jax.random.key(0)))
     state = jax.tree.unflatten(treedef, values)
     model = nnx.merge(graphdef, state)
-    if w.family == "wan":
+    if w.family.name == "wan":
         grid = wan.latent_grid(x["hidden_states"].shape, w.model.patch_size)
         x = dict(x, hidden_states=wan.patchify(x["hidden_states"], w.model.patch_size))  # numpy
         x["positions"] = wan.token_positions(grid)
