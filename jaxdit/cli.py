@@ -142,6 +142,15 @@ def _add_generate(sub) -> None:
         help="a LoRA file (.safetensors: kohya, BFL/ComfyUI, diffusers/PEFT, XLabs, musubi layouts), fused "
         "into the weights on the mesh; repeatable, each with its own scale (default 1)",
     )
+    _flag(gen, "verbose", action="store_true", help="print the XLA flags and compilation cache jaxdit set up")
+    gen.add_argument("-v", dest="verbose", action="store_true", help=argparse.SUPPRESS)
+    _flag(
+        gen,
+        "compilation_cache_dir",
+        default=None,
+        help="keep compiled programs here (default: $JAXDIT_COMPILATION_CACHE, else ~/.cache/jaxdit/xla)",
+    )
+    _flag(gen, "no_compilation_cache", action="store_true", help="compile everything afresh, keep nothing")
     par = gen.add_argument_group("parallelism (xDiT's flags)")
     _flag(par, "data_parallel_degree", type=int, default=1)
     _flag(par, "use_cfg_parallel", action="store_true", help="split the CFG branches over 2 devices")
@@ -164,11 +173,23 @@ def _add_generate(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jaxdit import runtime
     from jaxdit.generate import GenerateRequest, check_request, run
 
     request = GenerateRequest.from_args(args)
     check_request(request)  # every flag combination, before jax starts or anything loads
-    return run(request)
+    setup = runtime.configure(
+        cache_dir=args.compilation_cache_dir,
+        no_cache=args.no_compilation_cache,
+        gpu=False if request.emulate_devices else None,  # emulated devices run on the CPU
+        count_cache=args.verbose,
+    )
+    if args.verbose:
+        print("\n".join(setup.describe()))
+    code = run(request)
+    if setup.counter is not None:
+        print(setup.counter.describe())
+    return code
 
 
 def _add_plan(sub) -> None:
