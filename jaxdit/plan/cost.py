@@ -20,7 +20,7 @@ which code it models), so that ``jaxdit plan --verify`` can hold it against the 
   patches; a patch makes V passes over the stages (FLUX: double blocks up, single blocks back down, V=2;
   Wan: V=1), so per tick each device sends V collective-permutes of one patch's fp32 residual stream,
   overlapped with the tick's compute; Wan's pass ends on the last stage, which also sends the updated
-  fp32 latent patch back to stage 0 each tick (``pipelines/pipefusion_wan.py``). M = V x P keeps the
+  fp32 latent patch back to stage 0 each tick (``pipelines/pipefusion/programs.py``). M = V x P keeps the
   pipeline full. Stale K/V never leaves its device but costs memory.
 - Data: nothing.
 

@@ -319,7 +319,7 @@ def verify(
 @dataclasses.dataclass(frozen=True)
 class PipeFusionComparison:
     """A PipeFusion configuration: collective bytes sent per device by each compiled program of
-    ``jaxdit.pipelines.pipefusion_flux`` / ``pipefusion_wan`` beside
+    the PipeFusion runner (``jaxdit.pipelines.pipefusion``, FLUX's or Wan's adapter) beside
     :func:`jaxdit.plan.cost.pipefusion_programs` (CPU dtypes).
 
     ``warmup``: one synchronous warm-up step. ``pipelined``: the asynchronous phase, the S-W remaining
@@ -386,7 +386,7 @@ def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1,
     mesh = config.make_mesh(devices)
     if w.family == "wan":
         return _lower_pipefusion_wan(w, config, mesh, warmup_steps)
-    from jaxdit.pipelines import pipefusion_flux as pf
+    from jaxdit.pipelines.pipefusion import flux as pf
 
     height, width, _ = w.size
     rows, cols = height // 16, width // 16
@@ -414,7 +414,7 @@ def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None
     price, and the comparison would not be like for like."""
     if w.family != "wan":
         return None
-    from jaxdit.pipelines import pipefusion_wan as pw
+    from jaxdit.pipelines.pipefusion import wan as pw
     from jaxdit.plan.cost import pipeline_shape
 
     _, patches = pipeline_shape(w, config)
@@ -439,7 +439,7 @@ def _lower_pipefusion_wan(w: Workload, config: ParallelConfig, mesh, warmup_step
     full pipeline), both CFG branches on each stage when the workload has two."""
     import jax.numpy as jnp
 
-    from jaxdit.pipelines import pipefusion_wan as pw
+    from jaxdit.pipelines.pipefusion import wan as pw
     from jaxdit.plan.cost import pipeline_shape
 
     grid = _wan_grid(w)
