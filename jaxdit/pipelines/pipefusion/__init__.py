@@ -4,6 +4,7 @@
   context, sampler and schedule in; final latent tokens out), warm-up steps then one pipelined call;
 - ``programs``: the two compiled programs (warm-up step, pipelined ``lax.scan`` over ticks), written once,
   generic over the passes (the model's block stacks), the sampler and the family;
+- ``family``: what the runner asks of a family (the adapter's protocol);
 - ``geometry``: how a generation's tokens lie in patches and sequence-shard pieces (layouts, masks);
 - ``stages``: a model's block stacks laid out in stage slots (1/P of every stack per device);
 - ``flux``, ``wan``: each family's adapter: its geometry, checks, cost terms, and how a patch is
@@ -14,14 +15,16 @@ prompt-to-image pipelines over this runner are ``jaxdit.pipelines.pipefusion_flu
 ``pipefusion_wan``.
 """
 
+from jaxdit.pipelines.pipefusion.family import PatchFamily, PatchPieces
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
-from jaxdit.pipelines.pipefusion.programs import PatchFamily, PipeFusionPrograms
+from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
 from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner, RunnerPrograms, lower
 from jaxdit.pipelines.pipefusion.stages import StagedModel, StageOrdered
 
 __all__ = [
     "PatchFamily",
     "PatchGeometry",
+    "PatchPieces",
     "PipeFusionPrograms",
     "PipeFusionRunner",
     "RunnerPrograms",

@@ -15,8 +15,8 @@ default when the rows allow); P <= M < 2P runs with 2P - M idle ticks per step.
 
 Embeddings and the final layer. Embedders (img_in, txt_in, time/guidance/pooled MLPs) and the final
 layer are replicated (0.5% of flux-dev's parameters). Every stage needs the conditioning vector for its
-blocks' AdaLN, and recomputing it from the step's sigma on each device is cheaper than sending it; the
-patch is embedded on stage 0 and the final layer + sampler step run there too.
+blocks' AdaLN: each device computes it itself, for every step once per call, which is cheaper than
+sending it; the patch is embedded on stage 0 and the final layer + sampler step run there too.
 
 Text tokens. The joint sequence is [text; image], and the text stream is updated by every double
 block. The text tokens are split over the patches as the image rows are: patch m carries text chunk m
@@ -283,7 +283,7 @@ class _Pieces:
 
 @dataclasses.dataclass(frozen=True)
 class FluxFamily:
-    """What the PipeFusion runner asks of FLUX (``runner.FamilyRunner``), for a model ``config``.
+    """What the PipeFusion runner asks of FLUX (``family.PatchFamily``), for a model ``config``.
 
     The programs' context is the forward context by diffusers' names, laid out in patches: patch m's
     padded text chunk (``encoder_hidden_states`` [B, M, S*t, C'], ``txt_ids`` [M, S*t, 3]) and image
@@ -361,15 +361,8 @@ def make_programs(
     compiler_options: Mapping[str, Any] | None = None,
 ) -> PipeFusionPrograms:
     """The warm-up step and pipelined phase of ``g`` (compiled lazily), with FLUX's Euler sampler."""
-    return PipeFusionPrograms(
-        FluxFamily(model.config),
-        model,
-        g,
-        true_cfg,
-        EulerSampler(DEFAULT_SCHEDULER),
-        kernel,
-        compiler_options,
-    )
+    family, sampler = FluxFamily(model.config), EulerSampler(DEFAULT_SCHEDULER)
+    return PipeFusionPrograms(family, model, g, true_cfg, sampler, kernel, compiler_options)
 
 
 def lower(

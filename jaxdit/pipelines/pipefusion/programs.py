@@ -18,7 +18,7 @@ Generic over
 - the sampler (``jaxdit.samplers.sampler``): its per-sample state is a tuple of arrays shaped like the
   latents, so patch m's state is their [:, m] slices; the step index of a tick's item is the phase's first
   step plus the item's step in the schedule;
-- the family (:class:`PatchFamily`): how a patch is embedded and conditioned, by the model's own staged
+- the family (``family.PatchFamily``): how a patch is embedded and conditioned, by the model's own staged
   pieces; the blocks run through the model's ``enter`` / ``run_block`` / ``output``.
 
 Hand-over. Between stages a patch travels as ONE fp32 array [b, L, E], its streams' token groups joined
@@ -30,7 +30,7 @@ the device where pass v ends (the turn of the V).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +39,6 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.pipefusion import (
@@ -51,75 +50,18 @@ from jaxdit.parallel.pipefusion import (
     to_first_stage,
     write_patch,
 )
+from jaxdit.pipelines.pipefusion.family import PatchFamily
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 from jaxdit.samplers.sampler import Sampler
 from sharding_rules import logical_to_spec
 
-__all__ = ["LATENT_AXES", "KV_AXES", "PatchFamily", "PatchPieces", "PipeFusionPrograms", "Wire"]
+__all__ = ["KV_AXES", "LATENT_AXES", "PipeFusionPrograms", "Wire"]
 
 #: Latent patches (and the sampler state): one copy per stage [P, requests, M, S*n, K], tokens over seq.
 LATENT_AXES = ("stage", "request", None, "seq", None)
 #: K/V buffers [slots, batch, M, L, H, D]: layer slots split like the stacks, heads as after Ulysses.
 KV_AXES = ("layers", "batch", None, None, "kv_heads", None)
-
-
-class PatchPieces(Protocol):
-    """A family's staged pieces on one generation's patches (local view, inside the program).
-
-    ``patch`` is a traced patch index, or None for every patch at once (the warm-up's full sequence).
-    """
-
-    def step_cond(self, time: jax.Array) -> Any:
-        """The per-step conditioning from the sampler's model time (FLUX: vec; Wan: temb, projection)."""
-
-    def embed(self, x: jax.Array, patch: jax.Array | None) -> Any:
-        """A patch's latent tokens [b, n, K] (requests; CFG not doubled) -> the streams entering stack 0."""
-
-    def cond(self, step_cond: Any, patch: jax.Array | None) -> Any:
-        """The model's ``Cond`` for ``patch`` at the step of ``step_cond``."""
-
-    def prediction(self, pred: jax.Array) -> jax.Array:
-        """The model's ``output`` -> the latent tokens' feature order."""
-
-
-class PatchFamily(Protocol):
-    """A model family's adapter (``pipefusion/flux.py``, ``pipefusion/wan.py``): how one generation's
-    tokens split into patches, and how a patch is embedded and conditioned by the model's own pieces."""
-
-    #: The residual streams' width.
-    width: int
-    #: Features of one latent token (K).
-    latent_features: int
-    #: Program context entry -> logical axes of its array (see ``sharding_rules``).
-    context_axes: Mapping[str, tuple[str | None, ...]]
-
-    def default_patches(self, grid: tuple[int, ...], parallel: ParallelConfig, **options) -> int:
-        """The patch count when a call gives none."""
-
-    def validate_patches(
-        self, grid: tuple[int, ...], patches: int, parallel: ParallelConfig, **options
-    ) -> None:
-        """Raise ValueError (naming the numbers) for patches the token grid or the sequence degree
-        cannot split."""
-
-    def geometry(
-        self, grid: tuple[int, ...], patches: int, parallel: ParallelConfig, requests: int, context, **options
-    ) -> PatchGeometry:
-        """The geometry of a generation with this forward context (diffusers' names, CFG interleaved)."""
-
-    def program_context(self, context: Mapping, g: PatchGeometry, dtype: Any) -> dict[str, tuple | None]:
-        """The forward context in the programs' patch layout: entry -> (host array, dtype to place it
-        in), or None when absent."""
-
-    def abstract_context(self, g: PatchGeometry, dtype: Any) -> dict[str, tuple | None]:
-        """The same entries' (shape, dtype), or None when absent."""
-
-    def pieces(
-        self, model: nnx.Module, context: dict, g: PatchGeometry, *, full: bool, batch: Callable
-    ) -> PatchPieces:
-        """The staged pieces on a call's placed context (inside the program); ``batch`` doubles a
-        per-request array into the model batch when both CFG branches share a device."""
 
 
 class Wire:

@@ -38,8 +38,9 @@ import numpy as np
 
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.flux import _progress, abstract_like
+from jaxdit.pipelines.pipefusion.family import PatchFamily
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
-from jaxdit.pipelines.pipefusion.programs import PatchFamily, PipeFusionPrograms
+from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 from jaxdit.samplers.sampler import Sampler
 

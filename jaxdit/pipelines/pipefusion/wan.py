@@ -320,7 +320,7 @@ class _Pieces:
 
 @dataclasses.dataclass(frozen=True)
 class WanFamily:
-    """What the PipeFusion runner asks of Wan (``runner.FamilyRunner``), for a model ``config``.
+    """What the PipeFusion runner asks of Wan (``family.PatchFamily``), for a model ``config``.
 
     The programs' context is the forward context by diffusers' names: the text (and CLIP image) context
     whole for every patch, the video tokens' ``positions`` [M, n, 3] in patches and, for I2V, the
@@ -365,18 +365,8 @@ class WanFamily:
     ) -> Geometry:
         batch, text = np.shape(context["encoder_hidden_states"])[:2]
         image = context.get("encoder_hidden_states_image")
-        image_tokens = 0 if image is None else np.shape(image)[1]
-        return Geometry(
-            tuple(grid),
-            patches,
-            parallel.ring,
-            parallel.ulysses,
-            batch,
-            requests,
-            text,
-            image_tokens,
-            patch_by,
-        )
+        images, pc = (0 if image is None else np.shape(image)[1]), parallel
+        return Geometry(tuple(grid), patches, pc.ring, pc.ulysses, batch, requests, text, images, patch_by)
 
     def program_context(self, context: Mapping, g: Geometry, dtype: Any) -> dict[str, tuple | None]:
         image, condition = context.get("encoder_hidden_states_image"), context.get("condition")
@@ -420,9 +410,8 @@ def make_programs(
     compiler_options: Mapping[str, Any] | None = None,
 ) -> PipeFusionPrograms:
     """The warm-up step and pipelined phase of ``g`` (compiled lazily), with Wan's UniPC sampler."""
-    return PipeFusionPrograms(
-        WanFamily(model.config), model, g, cfg, UniPCSampler(unipc.UniPCConfig()), kernel, compiler_options
-    )
+    family, sampler = WanFamily(model.config), UniPCSampler(unipc.UniPCConfig())
+    return PipeFusionPrograms(family, model, g, cfg, sampler, kernel, compiler_options)
 
 
 def lower(
