@@ -2,7 +2,7 @@
 
 A pipeline hands the runner what its plain denoising loop would take, and gets the final latents back::
 
-    runner = PipeFusionRunner(family, model)  # e.g. pipefusion.flux.FAMILY and a PipeFusionFlux
+    runner = PipeFusionRunner(FluxFamily(model.config), model)  # model: a PipeFusionFlux (stages.py)
     tokens = runner(
         latents,          # [B, N, K] fp32 initial latent tokens, one row per request (CFG not doubled),
                           # numpy or placed; N in the family's token order (FLUX: packed 2x2 patches,
@@ -17,11 +17,13 @@ A pipeline hands the runner what its plain denoising loop would take, and gets t
         grid=grid,        # the token grid of the latents: FLUX (rows, cols), Wan (F', H', W')
         guidance_scale=s, # classifier-free guidance scale (used when the context has both branches)
         num_inference_steps=n, warmup_steps=1, num_pipeline_patch=None,  # None: the family's default
+        **options,        # the family's: Wan's patch_by="rows" | "frames"
     )                     # -> np.ndarray [B, N, K] fp32, the final latent tokens
 
 Guidance runs when the context's batch is twice the latents' (both branches, interleaved). The request
 is checked before anything compiles (patches against the grid and the sequence degree, warm-up steps
-against the steps). The model is a :class:`StagedModel` of the family: its block stacks laid out in stage
+against the steps); ``runner.check(grid, steps, warmup_steps, num_pipeline_patch)`` runs the same checks
+alone, for a pipeline to call before it encodes prompts. The model is a :class:`StagedModel` of the family: its block stacks laid out in stage
 slots on the mesh it was built for. The programs (``programs.py``) are compiled once per geometry and
 kept; ``last_programs`` holds the last call's programs with abstract arguments, for reading their
 collectives.

@@ -72,8 +72,8 @@ class StagedModel:
     :meth:`from_model` (re-lays out arrays), :meth:`load` (straight from a checkpoint, each device reading
     its own slots) or :meth:`abstract` (shapes only).
 
-    A subclass names its family and fills in the hooks below (all static: they run before an instance
-    exists, to check a config before a tensor is read).
+    A subclass names its family and its stacks' depth fields, and gives ``check`` and ``abstract_model``
+    (all class-level: they run before an instance exists, to check a config before a tensor is read).
     """
 
     #: ``jaxdit.loading.detect_family``'s name for this family's checkpoints.
