@@ -22,7 +22,7 @@ ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "triton", "splash")
 
 def _convert(args: argparse.Namespace) -> int:
     from jaxdit.families import convert_checkpoint
-    from jaxdit.generate import parse_lora
+    from jaxdit.lora import parse_lora
 
     loras = [parse_lora(arg) for arg in args.lora or ()]
     out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras)

@@ -30,6 +30,7 @@ import numpy as np
 
 from jaxdit import families
 from jaxdit.families.base import ModelFamily
+from jaxdit.lora import parse_lora
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.kernels import check_backend
 from jaxdit.pipelines import tiny_digits as tiny
@@ -155,26 +156,13 @@ class GenerateRequest:
             num_frames=pick("num_frames", self.num_frames),
             num_inference_steps=pick("num_inference_steps", self.num_inference_steps),
             guidance_scale=pick("guidance_scale", self.guidance_scale),
-            true_cfg_scale=pick("true_cfg_scale", self.true_cfg_scale) or 1.0,
+            true_cfg_scale=pick("true_cfg_scale", self.true_cfg_scale),
             flow_shift=self.flow_shift,
             seed=self.seed,
             max_sequence_length=self.max_sequence_length,
+            warmup_steps=self.warmup_steps,
+            num_pipeline_patch=self.num_pipeline_patch,
         )
-
-
-def parse_lora(arg: str) -> tuple[str, float]:
-    """``FILE`` or ``FILE:SCALE`` -> (FILE, SCALE); a colon inside the path is kept (the scale is what
-    follows the last one, if it is a number)."""
-    path, sep, scale = arg.rpartition(":")
-    if sep:
-        try:
-            value = float(scale)
-        except ValueError:
-            return arg, 1.0
-        if not math.isfinite(value):
-            raise ValueError(f"--lora {arg}: the scale {scale} is not a finite number")
-        return path, value
-    return arg, 1.0
 
 
 def _call_defaults(pipeline_class: type) -> dict[str, Any]:
@@ -277,12 +265,7 @@ def _check_folder(r: GenerateRequest) -> None:
         raise ValueError(f"{r.weights} is a whole pipeline: give --prompt (its text encoders encode it)")
     if r.prompt_embeds is not None:
         raise ValueError("--prompt_embeds and a pipeline folder: the folder's text encoders encode --prompt")
-    if r.pipefusion_parallel_degree > 1:
-        raise ValueError(
-            "PipeFusion runs from transformer checkpoints with --prompt_embeds; from a pipeline folder use "
-            "--ulysses_degree / --ring_degree / --use_cfg_parallel / --tensor_parallel_degree"
-        )
-    takes_image = "image_encoder" in folder or folder.kind.endswith("i2v")
+    takes_image = folder.takes_image
     if takes_image and r.image is None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
     if not takes_image and r.image is not None:
@@ -378,7 +361,7 @@ def _check_loras(r: GenerateRequest, config: Any) -> None:
 
 
 def call_view(r: GenerateRequest, call: GenerationRequest) -> Any:
-    """The call's arguments plus the request's PipeFusion options and embeddings, for family checks."""
+    """The call's arguments plus the request's embeddings (names -> shapes), for family checks."""
     return _CallView(call, r)
 
 
@@ -388,17 +371,17 @@ class _CallView:
     request: GenerateRequest
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("num_pipeline_patch", "warmup_steps", "embeddings"):
-            return getattr(self.request, name)
-        return getattr(self.call, name)
+        return getattr(self.request if name == "embeddings" else self.call, name)
 
 
 def _model_config(r: GenerateRequest) -> Any:
     if r.is_tiny:
         return tiny.CONFIG
-    if r.folder is None:
+    if r.folder is not None:
+        return None  # the folder's transformer's, read only where a check needs it
+    if r.model != TINY:
         return r.family.preset_config(r.model)
-    return None  # read from the folder's transformer when the pipeline is built
+    return r.family.checkpoints.open(Path(r.weights), None).config  # a checkpoint without --model: its own
 
 
 def _check_output(r: GenerateRequest) -> None:
@@ -433,34 +416,17 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     from jaxdit.pipelines.flux import tiny_digits
 
     dtype = jnp.dtype(r.dtype) if r.dtype else None
-    pipefusion = r.pipefusion_parallel_degree > 1
     pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
     if r.is_tiny:
-        pipe = _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh, kernel=kernel)
+        pipe = tiny_digits(mesh, kernel=kernel)
     elif r.folder is not None:
         pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel)
-    elif pipefusion:
-        pipe = _legacy_pipefusion(r, mesh, dtype)
     else:
         preset = None if r.model == TINY else r.model
         pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, kernel=kernel)
     if r.loras:
         pipe.load_lora(r.loras)
     return pipe
-
-
-def _legacy_pipefusion(r: GenerateRequest, mesh: Any, dtype: Any) -> Any:
-    # PipeFusion's pipelines until its runner serves every pipeline as a denoiser.
-    kernel = {"backend": r.attention_backend}
-    if r.family.makes_video:
-        from jaxdit.pipelines.pipefusion_wan import PipeFusionWanPipeline
-
-        return PipeFusionWanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model, kernel=kernel)
-    from jaxdit.pipelines import pipefusion_flux as pf
-
-    if r.is_tiny:
-        return pf.tiny_digits(mesh, kernel=kernel)
-    return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype), kernel=kernel)
 
 
 def generate(pipe: Any, r: GenerateRequest) -> Any:
@@ -474,12 +440,6 @@ def generate(pipe: Any, r: GenerateRequest) -> Any:
         call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
     if r.folder is None and not r.is_tiny:
         call = call.replace(output_type="latent")
-    if r.pipefusion_parallel_degree > 1:
-        kwargs = {
-            f.name: getattr(call, f.name) for f in dataclasses.fields(call) if _takes(type(pipe), f.name)
-        }
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        return pipe(**kwargs, num_pipeline_patch=r.num_pipeline_patch, warmup_steps=r.warmup_steps or 1)
     return pipe.generate(call)
 
 
@@ -528,7 +488,8 @@ def run(r: GenerateRequest) -> int:
     )
     if r.compare_single_device:
         single_mesh = ParallelConfig().make_mesh(devices[:1])
-        single = generate(build(dataclasses.replace(r, **_single_device_degrees()), single_mesh), r)
+        one = dataclasses.replace(r, **_single_device_degrees())
+        single = generate(build(one, single_mesh), one)
         pick = lambda x: x.images if x.images is not None else x.latents
         print(
             f"max |difference| to the single-device result: {np.abs(pick(single) - pick(result)).max():.2e}"

@@ -57,6 +57,7 @@ __all__ = [
     "fuse_cost",
     "fuse_loras",
     "fuse_memory",
+    "parse_lora",
     "read_loras",
     "switch_loras",
     "unfuse_loras",
@@ -111,6 +112,21 @@ class FuseCost:
 # --------------------------------------------------------------------------------------------------------
 # API
 # --------------------------------------------------------------------------------------------------------
+
+
+def parse_lora(arg: str) -> tuple[str, float]:
+    """``FILE`` or ``FILE:SCALE`` -> (FILE, SCALE); a colon inside the path is kept (the scale is what
+    follows the last one, if it is a number)."""
+    path, sep, scale = arg.rpartition(":")
+    if sep:
+        try:
+            value = float(scale)
+        except ValueError:
+            return arg, 1.0
+        if not math.isfinite(value):
+            raise ValueError(f"--lora {arg}: the scale {scale} is not a finite number")
+        return path, value
+    return arg, 1.0
 
 
 def read_loras(loras: Sequence[LoraArg], config: Any) -> list[tuple[LoraFile, float]]:

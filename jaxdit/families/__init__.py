@@ -125,7 +125,7 @@ def load_params(
     """Read any supported checkpoint into a model on ``mesh``; returns (its family, the model)."""
     family = detect_family(path)
     model = loading.load_params(
-        path, mesh, dtype, family=family.checkpoints, config=config, rules=rules, check=check
+        path, mesh, dtype, checkpoints=family.checkpoints, config=config, rules=rules, check=check
     )
     return family, model
 
@@ -178,7 +178,7 @@ def convert_checkpoint(
     scale) pairs) are fused into the weights first."""
     family = detect_family(src)
     return loading.convert_checkpoint(
-        src, dst, dtype, family=family.checkpoints, config=config, overwrite=overwrite, loras=loras
+        src, dst, dtype, checkpoints=family.checkpoints, config=config, overwrite=overwrite, loras=loras
     )
 
 

@@ -22,9 +22,10 @@ from converters import wan as wan_converters
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, per_batch
 from jaxdit.models import wan
-from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.flops import attention_flops
+from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.model_folder import ModelFolder
+from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, default_num_patches, validate_patches
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan import (
     FOLDER_CLASSES,
@@ -97,7 +98,6 @@ class WanFamily(ModelFamily):
     name = "wan"
     display = "Wan"
     checkpoints = wan_converters.CHECKPOINTS
-    forward_inputs = wan.FORWARD_INPUTS
     presets = {
         "wan2.1-t2v-1.3b": _preset(50, 480, 832, "wan-t2v"),
         "wan2.1-t2v-14b": _preset(50, 720, 1280, "wan-t2v"),
@@ -105,7 +105,9 @@ class WanFamily(ModelFamily):
     }
     folder_classes = FOLDER_CLASSES
     pipeline_class = WanPipeline
+    staged_model = PipeFusionWan
     makes_video = True
+    default_branches = 2  # Wan runs classifier-free guidance (guidance_scale 5.0)
     fps = 16  # Wan 2.1 is trained at 16 fps
     cfg_scale_argument = "guidance_scale"
     cfg_needs = "--guidance_scale > 1 (Wan's CFG)"
@@ -163,9 +165,6 @@ class WanFamily(ModelFamily):
     def check_pipefusion(self, request: Any, config: wan.WanConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole latent rows (after patchify) that ring x ulysses splits, blocks to split
         over the stages, 1 <= warmup_steps <= steps."""
-        from jaxdit.parallel.pipefusion import validate_pipefusion
-        from jaxdit.pipelines.pipefusion_wan import default_num_patches, validate_patches
-
         if config.num_layers < parallel.pipefusion:
             raise ValueError(
                 f"--pipefusion_parallel_degree {parallel.pipefusion} exceeds the model's {config.num_layers} "
@@ -190,9 +189,6 @@ class WanFamily(ModelFamily):
 
     def check_folder(self, folder: ModelFolder) -> None:
         check_folder(folder)
-
-    def sharded(self, model: nnx.Module, mesh: Mesh, **options: Any) -> ShardedForward:
-        return wan.sharded(model, mesh, **options)
 
     def wrap(self, model: nnx.Module, mesh: Mesh, **options: Any) -> WanForward:
         return WanForward(model, mesh, **options)

@@ -292,6 +292,15 @@ def unpatchify(tokens: jax.Array, grid: Sequence[int], patch_size: Sequence[int]
     return rearrange(tokens, pattern, f=f, h=h, w=w, pt=pt, ph=ph, pw=pw, c=channels)
 
 
+def swap_features(tokens: Any, outer: int, inner: int) -> Any:
+    """[..., outer * inner] -> [..., inner * outer]: swap the two factors of each token's feature index.
+
+    (patch, channel) -> (channel, patch) turns the head's (t, h, w, c) features into the patch embedding's
+    (c, t, h, w) order, and back. numpy or jax; only each token's own features move.
+    """
+    return rearrange(tokens, "... (outer inner) -> ... (inner outer)", outer=outer, inner=inner)
+
+
 def token_positions(grid: Sequence[int]) -> np.ndarray:
     """[N, 3] int32 (frame, row, col) of every token, in patchify order (static: computed with numpy)."""
     f, h, w = grid

@@ -33,6 +33,7 @@ class FolderClass:
     kind: str  # the variant, named in messages: "flux", "wan-t2v", "wan-i2v", ...
     components: tuple[str, ...]
     optional: tuple[str, ...] = ()
+    takes_image: bool = False  # image-to-video: a call needs a first frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ModelFolder:
     components: dict[str, Path]
     scheduler_config: dict[str, Any] | None = None
     index: dict[str, Any] = dataclasses.field(default_factory=dict)
+    takes_image: bool = False  # image-to-video: a call needs a first frame
 
     def __getitem__(self, component: str) -> Path:
         return self.components[component]
@@ -101,4 +103,6 @@ def open_diffusers_folder(root: Path, classes: Mapping[str, FolderClass]) -> Mod
         raise ValueError(f"{root} ({name}) is missing: {', '.join(missing)}")
     scheduler = read_json(root / "scheduler" / "scheduler_config.json")
     components = {c: root / c for c in (*spec.components, *present)}
-    return ModelFolder(root, spec.family, spec.kind, "diffusers", components, scheduler, index)
+    return ModelFolder(
+        root, spec.family, spec.kind, "diffusers", components, scheduler, index, spec.takes_image
+    )

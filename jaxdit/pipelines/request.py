@@ -1,9 +1,10 @@
 """One generation request, as a frozen value: what a pipeline call asks for, checked once.
 
 The pipelines' ``__call__`` take diffusers' keyword arguments (that is what users know); they are turned
-into a :class:`GenerationRequest` at once, and everything below the call (conditioning, the denoisers,
-PipeFusion, decoding) reads this one object instead of repeating an 18-argument signature. Fields a
-family does not use stay None (a FLUX request has no ``num_frames``; Wan has no ``true_cfg_scale``).
+into a :class:`GenerationRequest` at once, and everything below the call (conditioning, the plain or
+PipeFusion denoiser, decoding) reads this one object instead of repeating an 18-argument signature.
+Fields a family does not use stay None (a FLUX request has no ``num_frames``; Wan has no
+``true_cfg_scale``); fields left None take the pipeline's defaults (its ``__call__``'s).
 
 Family-independent checks live here (:meth:`GenerationRequest.check`); what depends on the model
 (sizes its VAE and patches divide, the text width of embeddings) is checked by the family's pipeline.
@@ -48,12 +49,15 @@ class GenerationRequest:
     image: Any = None  # image-to-video: the first frame
     image_embeds: Any = None  # Wan I2V: CLIP features
     condition: Any = None  # Wan I2V: mask + first-frame latent
-    height: int = 1024
-    width: int = 1024
+    # None: the pipeline's own default (its ``__call__``'s), filled in by ``DiffusionPipeline.generate``.
+    height: int | None = None
+    width: int | None = None
     num_frames: int | None = None  # video families
-    num_inference_steps: int = 28
-    guidance_scale: float = 3.5
-    true_cfg_scale: float = 1.0  # FLUX's classifier-free guidance (guidance_scale is its embedded one)
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
+    true_cfg_scale: float | None = (
+        None  # FLUX's classifier-free guidance (guidance_scale is its embedded one)
+    )
     flow_shift: float | None = None  # Wan: UniPC sigma shift (default: the scheduler's or by resolution)
     seed: int = 0
     latents: Any = None  # initial noise instead of the seed's, shaped like the family's latents
@@ -64,6 +68,11 @@ class GenerationRequest:
     #: Called on the host after each denoising step as ``callback(step, total)``; returning False stops
     #: the loop there (the result is then not produced: :class:`GenerationCancelled` is raised).
     callback: Any = None
+    #: PipeFusion (meshes with pipefusion > 1; xDiT's flags): synchronous first steps (default 1), patches
+    #: (default: the family's full pipeline), and a family's own option (Wan: patch_by "rows"/"frames").
+    warmup_steps: int | None = None
+    num_pipeline_patch: int | None = None
+    patch_by: str | None = None
 
     def check(self) -> None:
         """Family-independent checks; raise ``ValueError`` naming the argument."""
@@ -79,6 +88,10 @@ class GenerationRequest:
             value = getattr(self, name)
             if value is not None and not math.isfinite(float(value)):
                 raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.height is None or self.width is None or self.num_inference_steps is None:
+            raise ValueError(
+                "height, width and num_inference_steps must be set (the pipeline fills defaults)"
+            )
         if self.height < 1 or self.width < 1:
             raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
         if self.prompt is not None and self.prompt_embeds is not None:

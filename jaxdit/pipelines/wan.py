@@ -28,7 +28,7 @@ The initial noise comes from the seed alone (host, fp32): the same seed gives th
 Encoders and the VAE plug in as callables, as in ``FluxPipeline``: ``encode(prompts) -> [B, T, 4096]`` (umT5,
 zero-padded to 512 tokens as Wan does), ``decode(latents [B, 16, F', h, w]) -> video [B, F, H, W, 3]`` in
 [-1, 1], and for I2V ``encode_image(images [B, H, W, 3], num_frames, height, width) -> (image_embeds
-[B, 257, 1280], condition [B, 20, F', h, w])``. Until they land, calls take ``prompt_embeds`` /
+[B, 257, 1280], condition [B, 20, F', h, w])``. Without them, calls take ``prompt_embeds`` /
 ``negative_prompt_embeds`` (and ``image_embeds`` / ``condition``) and ``output_type="latent"``.
 """
 
@@ -44,7 +44,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from einops import rearrange
 from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
@@ -53,9 +52,10 @@ from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import validate_forward
-from jaxdit.parallel.kernels import with_backend
+from jaxdit.models.wan import swap_features
+from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
+from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser, TokenHooks
 from jaxdit.pipelines.model_folder import (
@@ -65,6 +65,9 @@ from jaxdit.pipelines.model_folder import (
     open_diffusers_folder,
     read_json,
 )
+from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
+from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
+from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, WanPatches
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan_image import ImageCondition
 from jaxdit.samplers import unipc
@@ -94,7 +97,7 @@ _T2V_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler
 FOLDER_CLASSES = {
     "WanPipeline": FolderClass("wan", "wan-t2v", _T2V_COMPONENTS),
     "WanImageToVideoPipeline": FolderClass(
-        "wan", "wan-i2v", (*_T2V_COMPONENTS, "image_encoder", "image_processor")
+        "wan", "wan-i2v", (*_T2V_COMPONENTS, "image_encoder", "image_processor"), takes_image=True
     ),
 }
 
@@ -277,20 +280,6 @@ def check_inputs(
 
 
 # --------------------------------------------------------------------------------------------------------
-# Token features
-# --------------------------------------------------------------------------------------------------------
-
-
-def swap_features(tokens: Any, outer: int, inner: int) -> Any:
-    """[..., outer * inner] -> [..., inner * outer]: swap the two factors of each token's feature index.
-
-    (patch, channel) -> (channel, patch) turns the head's (t, h, w, c) features into the patch embedding's
-    (c, t, h, w) order, and back. numpy or jax; only each token's own features move.
-    """
-    return rearrange(tokens, "... (outer inner) -> ... (inner outer)", outer=outer, inner=inner)
-
-
-# --------------------------------------------------------------------------------------------------------
 # Pipeline
 # --------------------------------------------------------------------------------------------------------
 
@@ -324,6 +313,8 @@ class WanPipeline(DiffusionPipeline):
     """
 
     cfg_hint = "use guidance_scale > 1 with negative conditioning"
+    checkpoints = CHECKPOINTS
+    staged_model = PipeFusionWan
 
     def __init__(
         self,
@@ -344,42 +335,27 @@ class WanPipeline(DiffusionPipeline):
         self.config: wan.WanConfig = model.config
         self.compiler_options = compiler_options
         # XLA options belong to the outermost jit (the step below); jax rejects them on a nested one.
-        self.forward = wan.sharded(model, mesh, kernel=kernel)
+        self.forward = wan.sharded(model, mesh, kernel=kernel) if self.parallel.pipefusion == 1 else None
         self.scheduler = scheduler
         self.encode_image = encode_image
         self.vae_scale_factor_spatial = vae_scale_factor_spatial
         self.vae_scale_factor_temporal = vae_scale_factor_temporal
         sampler = UniPCSampler(scheduler or unipc.UniPCConfig())
-        self.denoiser = Denoiser(
-            self.forward,
-            sampler,
-            token_hooks(self.config),
-            dtype=model.dtype,
-            compiler_options=compiler_options,
-        )
-
-    @property
-    def last_step(self):
-        return self.denoiser.last_step
+        if self.parallel.pipefusion > 1:  # ``model`` is the stage layout (PipeFusionWan)
+            runner = PipeFusionRunner(
+                WanPatches(model.config), model, kernel=kernel, compiler_options=compiler_options
+            )
+            self.denoiser = PipeFusionDenoiser(runner, sampler)
+        else:
+            self.denoiser = Denoiser(
+                self.forward,
+                sampler,
+                token_hooks(self.config),
+                dtype=model.dtype,
+                compiler_options=compiler_options,
+            )
 
     # ------------------------------------------------------------------ builders
-    @classmethod
-    def from_checkpoint(
-        cls,
-        path: str | os.PathLike[str],
-        parallel: ParallelConfig | Mesh | None = None,
-        dtype: Any = None,
-        *,
-        preset: str | None = None,
-        **options: Any,
-    ) -> WanPipeline:
-        """Load a Wan checkpoint (diffusers, original or ``jaxdit convert`` folder) onto a mesh; calls take
-        prompt embeddings. ``preset`` (e.g. ``"wan2.1-t2v-14b"``): the checkpoint must be that
-        architecture; checked, like the heads against the mesh, before any weight is read."""
-        mesh = mesh_for(parallel)
-        model = load_model(Path(path), mesh, dtype, CHECKPOINTS, preset_check(path, CHECKPOINTS, preset))
-        return cls(model, mesh, **options)
-
     @classmethod
     def from_pretrained(
         cls,
@@ -402,6 +378,7 @@ class WanPipeline(DiffusionPipeline):
         ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
         kernel = with_backend(kernel, attention_backend)
+        check_kernel_options(kernel)
         folder = open_folder(path)
         mesh = mesh_for(parallel)
         check_transformer(folder["transformer"], mesh, CHECKPOINTS)
@@ -416,7 +393,7 @@ class WanPipeline(DiffusionPipeline):
                 folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
             )
             encode_image = ImageCondition(image_encoder, vae, mesh=mesh)
-        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS)
+        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
 
         def decode(z: np.ndarray) -> np.ndarray:
             video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
@@ -460,6 +437,9 @@ class WanPipeline(DiffusionPipeline):
         output_type: str = "np",
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
+        patch_by: str | None = None,
     ) -> GenerationOutput:
         """Generate videos; returns latents [B, 16, F', H/8, W/8] and, decoded, ``images`` = video frames
         [B, F, H, W, 3] in [-1, 1].
@@ -469,7 +449,9 @@ class WanPipeline(DiffusionPipeline):
         (default: the scheduler's, else 5.0 at 720p / 3.0 at 480p). ``latents``: initial noise instead of
         the seed's. I2V: ``image`` (with an image encoder) or ``image_embeds`` and ``condition``.
         ``max_sequence_length``: the text encoder's token count (default: the encoder's, 512 for umT5).
-        ``output_type``: np, pil (a list of frame lists) or latent.
+        ``output_type``: np, pil (a list of frame lists) or latent. PipeFusion (a mesh with pipefusion > 1):
+        ``num_pipeline_patch`` (default: the smallest M >= P that splits the latent rows), ``warmup_steps``
+        (default 1), ``patch_by`` ("rows", default, or "frames"), as xDiT's flags.
         """
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "num_videos_per_prompt")}
         return self.generate(GenerationRequest(**kwargs, num_images_per_prompt=num_videos_per_prompt))
@@ -477,15 +459,14 @@ class WanPipeline(DiffusionPipeline):
     def lower_step(self, **kwargs: Any):
         """The compiled denoising step of a call with these keyword arguments (as ``__call__``'s), lowered
         on its real placed inputs: for reading its collectives (``jaxdit.hlo_stats``) and memory."""
-        kwargs = {"num_inference_steps": 50, "guidance_scale": 5.0, "height": 480, "width": 832, **kwargs}
-        kwargs.setdefault("num_frames", 81)
-        inputs = self.prepare(GenerationRequest(**kwargs)).inputs
-        return self.denoiser.lower(inputs)
+        videos = kwargs.pop("num_videos_per_prompt", 1)
+        request = self.with_defaults(GenerationRequest(**kwargs, num_images_per_prompt=videos))
+        return self.denoiser.lower(self.prepare(request).inputs)
 
     # ------------------------------------------------------------------ family hook
     def prepare(self, r: GenerationRequest) -> Prepared:
         """Everything before the loop: conditioning, checks, noise, tokens."""
-        num_frames = 81 if r.num_frames is None else r.num_frames
+        num_frames = r.num_frames
         txt = self._embed(r.prompt, r.prompt_embeds, "prompt", r)
         neg = None
         if r.guidance_scale > 1.0:
@@ -500,6 +481,11 @@ class WanPipeline(DiffusionPipeline):
             if self.encode_image is None:
                 raise ValueError("this pipeline has no image encoder: pass image_embeds and condition")
             image_embeds, condition = self.encode_image(np.asarray(r.image), num_frames, r.height, r.width)
+        # Each prompt's videos share its image (diffusers repeats the image features and condition too).
+        image_embeds, condition = (
+            self.repeat_per_prompt(image_embeds, r),
+            self.repeat_per_prompt(condition, r),
+        )
         flow_shift = r.flow_shift
         if flow_shift is None and self.scheduler is not None:
             flow_shift = self.scheduler.flow_shift
