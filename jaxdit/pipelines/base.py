@@ -131,6 +131,16 @@ class DiffusionPipeline:
         """PipeFusion: the last call's warm-up and pipelined programs with abstract arguments."""
         return getattr(self.denoiser, "last_programs", None)
 
+    @property
+    def runner(self):
+        """PipeFusion: the runner behind the denoiser (None on a plain mesh)."""
+        return getattr(self.denoiser, "runner", None)
+
+    @property
+    def _programs(self) -> dict:
+        """PipeFusion: (geometry, guided) -> the programs compiled for it."""
+        return self.runner.programs
+
     # ------------------------------------------------------------------ LoRA
     def lora_targets(self) -> tuple[Any, Any, Any]:
         """(the transformer's parameter state as the denoiser reads it, its config, the stack layout

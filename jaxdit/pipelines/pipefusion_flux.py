@@ -28,7 +28,6 @@ from jaxdit.pipelines.pipefusion.flux import (
     padded_config,
     validate_patches,
 )
-from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 
 __all__ = [
     "PASSES",
@@ -51,15 +50,6 @@ class PipeFusionFluxPipeline(FluxPipeline):
 
     def __init__(self, model: PipeFusionFlux, **options: Any) -> None:
         super().__init__(model, model.mesh, **options)
-
-    @property
-    def runner(self) -> PipeFusionRunner:
-        return self.denoiser.runner
-
-    @property
-    def _programs(self) -> dict:
-        """(geometry, guided) -> the programs compiled for it."""
-        return self.runner.programs
 
 
 def tiny_digits(

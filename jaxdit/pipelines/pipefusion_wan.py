@@ -14,7 +14,6 @@ from typing import Any
 from jax.sharding import Mesh
 
 from jaxdit.mesh import ParallelConfig, mesh_for
-from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.pipefusion.wan import (
     PASSES,
     Geometry,
@@ -61,12 +60,3 @@ class PipeFusionWanPipeline(WanPipeline):
         **options: Any,
     ) -> WanPipeline:
         return WanPipeline.from_checkpoint(path, mesh_for(parallel), dtype, preset=preset, **options)
-
-    @property
-    def runner(self) -> PipeFusionRunner:
-        return self.denoiser.runner
-
-    @property
-    def _programs(self) -> dict:
-        """(geometry, guided) -> the programs compiled for it."""
-        return self.runner.programs

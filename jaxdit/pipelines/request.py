@@ -80,24 +80,24 @@ class GenerationRequest:
             raise ValueError(
                 f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {self.output_type!r}"
             )
-        if self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
-        if self.num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
         for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(float(value)):
                 raise ValueError(f"{name} must be a finite number, got {value}")
+        if self.latents is not None and not np.isfinite(np.asarray(self.latents, np.float32)).all():
+            raise ValueError("latents hold NaN or inf")
+        if self.prompt is not None and self.prompt_embeds is not None:
+            raise ValueError("pass either a prompt or prompt embeddings, not both")
         if self.height is None or self.width is None or self.num_inference_steps is None:
             raise ValueError(
                 "height, width and num_inference_steps must be set (the pipeline fills defaults)"
             )
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if self.num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
         if self.height < 1 or self.width < 1:
             raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
-        if self.prompt is not None and self.prompt_embeds is not None:
-            raise ValueError("pass either a prompt or prompt embeddings, not both")
-        if self.latents is not None and not np.isfinite(np.asarray(self.latents, np.float32)).all():
-            raise ValueError("latents hold NaN or inf")
 
     def replace(self, **changes: Any) -> GenerationRequest:
         return dataclasses.replace(self, **changes)

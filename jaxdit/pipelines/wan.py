@@ -491,7 +491,7 @@ class WanPipeline(DiffusionPipeline):
             flow_shift = self.scheduler.flow_shift
         plan = check_inputs(
             self.config,
-            self.parallel,
+            dataclasses.replace(self.parallel, pipefusion=1),  # PipeFusion's split: its runner checks it
             height=r.height,
             width=r.width,
             num_frames=num_frames,
