@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters import orbax_io
+from converters.checks import check_compute_dtype
 from converters.errors import CheckpointError
 from converters.keymap import place_params
 from converters.safetensors_io import LazyTensor, open_checkpoint
@@ -146,6 +147,7 @@ def load_params(
     ``dtype`` defaults to the checkpoint's storage dtype. ``check(config)`` runs once the config is known
     and before any tensor is read (e.g. heads against the mesh). Returns the family and the model.
     """
+    check_compute_dtype(dtype)
     path = Path(path)
     config_ = ParallelConfig.from_mesh(mesh)
     rules = rules if rules is not None else rules_for(tensor=config_.tensor, pipefusion=config_.pipefusion)
@@ -218,6 +220,7 @@ def convert_checkpoint(
     src: PathLike, dst: PathLike, dtype: Any = None, *, config: Any = None, overwrite: bool = False
 ) -> Path:
     """Convert a checkpoint into a jaxdit (orbax) folder, atomically; loaded on one device."""
+    orbax_io.check_destination(dst, overwrite=overwrite)  # before the source is read
     family, model = load_params(src, single_device_mesh(), dtype, config=config)
     state = nnx.state(model, nnx.Param)
     dtype = jax.tree.leaves(state)[0].dtype

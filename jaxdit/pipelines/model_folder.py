@@ -23,7 +23,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLUX", "WAN_I2V", "WAN_T2V", "ModelFolder", "open_model_folder", "read_json"]
+__all__ = [
+    "FLUX",
+    "WAN_I2V",
+    "WAN_T2V",
+    "ModelFolder",
+    "check_component_classes",
+    "open_model_folder",
+    "read_json",
+]
 
 FLUX = "flux"
 WAN_T2V = "wan-t2v"
@@ -40,6 +48,15 @@ _DIFFUSERS_PIPELINES: dict[str, tuple[str, tuple[str, ...]]] = {
         WAN_I2V,
         ("transformer", "vae", "text_encoder", "tokenizer", "scheduler", "image_encoder", "image_processor"),
     ),
+}
+
+#: diffusers pipeline class -> the model classes jaxdit reads for its components (a transformer of another
+#: family would load into the wrong model, or fail halfway through a long read).
+_WAN_CLASSES = {"transformer": ("WanTransformer3DModel",), "vae": ("AutoencoderKLWan",)}
+_COMPONENT_CLASSES: dict[str, dict[str, tuple[str, ...]]] = {
+    "FluxPipeline": {"transformer": ("FluxTransformer2DModel",), "vae": ("AutoencoderKL",)},
+    "WanPipeline": _WAN_CLASSES,
+    "WanImageToVideoPipeline": _WAN_CLASSES,
 }
 
 #: Wan's original release: what the T2V folder holds besides the transformer.
@@ -87,6 +104,27 @@ def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
     return _read_json(Path(path))
 
 
+def check_component_classes(
+    root: Path, index: dict[str, Any], expected: dict[str, tuple[str, ...]], pipeline: str = "pipeline"
+) -> None:
+    """Each component's class, as ``model_index.json`` names it (``[library, class]``) and as its
+    ``config.json`` ``_class_name`` says, must be one of ``expected[component]``; raises one ValueError
+    listing every mismatch. Components not in ``expected``, and files that do not say, are not checked."""
+    wrong = []
+    for component, classes in expected.items():
+        entry = index.get(component)
+        if isinstance(entry, list) and len(entry) == 2 and entry[1] not in classes:
+            wrong.append(f"model_index.json names {component} {entry[1]!r}")
+        config = root / component / "config.json"
+        if config.is_file():
+            name = _read_json(config).get("_class_name")
+            if name is not None and name not in classes:
+                wrong.append(f"{component}/config.json is a {name!r}")
+    if wrong:
+        wanted = "; ".join(f"{c}: {' or '.join(v)}" for c, v in expected.items())
+        raise ValueError(f"{root} ({pipeline}): {', '.join(wrong)}; a {pipeline} needs {wanted}")
+
+
 def _diffusers(root: Path) -> ModelFolder:
     index = _read_json(root / "model_index.json")
     name = index.get("_class_name")
@@ -105,6 +143,7 @@ def _diffusers(root: Path) -> ModelFolder:
             missing.append(f"{component}/")
     if missing:
         raise ValueError(f"{root} ({name}) is missing: {', '.join(missing)}")
+    check_component_classes(root, index, _COMPONENT_CLASSES[name], name)
     scheduler = _read_json(root / "scheduler" / "scheduler_config.json")
     return ModelFolder(root, kind, "diffusers", {c: root / c for c in needed}, scheduler)
 

@@ -1,0 +1,181 @@
+"""The weight checks themselves (converters/checks.py): the checksum is the same on every path (host or
+device, any sharding, restored wider than stored), catches any change to one element and moved values;
+the finiteness check finds NaN and inf on both paths; dtype rules; restoring with and without checksums.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from converters import checks, orbax_io
+from converters.errors import CheckpointError
+
+
+@pytest.fixture(params=["host", "device"])
+def path(request, monkeypatch):
+    """Run a test on the host path (numpy) and on the device path (jitted, per shard)."""
+    monkeypatch.setattr(checks, "HOST_CHECK_MAX_BYTES", 1 << 30 if request.param == "host" else 0)
+    return request.param
+
+
+def _random(shape, dtype, seed=0):
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32).astype(dtype)
+
+
+DTYPES = [np.float32, ml_dtypes.bfloat16, np.float16, ml_dtypes.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("shape", [(), (7,), (5, 12), (3, 4, 6)], ids=str)
+def test_host_and_device_checksums_agree(shape, dtype, monkeypatch):
+    x = jnp.asarray(_random(shape, dtype))
+    sums = {}
+    for name, limit in (("host", 1 << 30), ("device", 0)):
+        monkeypatch.setattr(checks, "HOST_CHECK_MAX_BYTES", limit)
+        sums[name] = checks.checksum(x, dtype)
+    assert sums["host"] == sums["device"]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        PartitionSpec(),
+        PartitionSpec("a"),
+        PartitionSpec(None, "b"),
+        PartitionSpec("a", "b"),
+        PartitionSpec("b", "a"),
+    ],
+    ids=str,
+)
+def test_checksum_does_not_depend_on_sharding(spec, path):
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    value = _random((8, 12), ml_dtypes.bfloat16)
+    want = checks.checksum(jax.device_put(value, jax.devices()[0]), ml_dtypes.bfloat16)
+    assert checks.checksum(jax.device_put(value, NamedSharding(mesh, spec)), ml_dtypes.bfloat16) == want
+
+
+def test_checksum_of_a_widened_array_is_the_stored_ones(path):
+    stored = _random((6, 10), ml_dtypes.bfloat16)
+    assert checks.checksum(jnp.asarray(stored).astype(jnp.float32), ml_dtypes.bfloat16) == checks.checksum(
+        jnp.asarray(stored), ml_dtypes.bfloat16
+    )
+
+
+def test_any_change_to_one_element_and_any_swap_changes_the_checksum(path):
+    x = _random((4, 16), np.float16)
+    base = checks.checksum(jnp.asarray(x), np.float16)
+    bits = x.view(np.uint16)
+    for element in (0, 17, 63):
+        for bit in range(16):
+            flipped = bits.copy()
+            flipped.flat[element] ^= np.uint16(1 << bit)
+            assert checks.checksum(jnp.asarray(flipped.view(np.float16)), np.float16) != base, (element, bit)
+    swapped = x.copy()
+    swapped[0, [3, 9]] = swapped[0, [9, 3]]
+    assert checks.checksum(jnp.asarray(swapped), np.float16) != base
+    rows = x[[1, 0, 2, 3]]
+    assert checks.checksum(jnp.asarray(rows), np.float16) != base
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.float32, ml_dtypes.bfloat16, np.float16], ids=lambda d: np.dtype(d).name
+)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_finiteness_found_on_both_paths(bad, dtype, path):
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    good = _random((8, 12), dtype)
+    good[0, 0] = ml_dtypes.finfo(dtype).max  # the largest finite value is finite
+    good[0, 1] = -ml_dtypes.finfo(dtype).max
+    broken = good.copy()
+    broken[7, 11] = bad
+    arrays = {
+        "good": jax.device_put(good, NamedSharding(mesh, PartitionSpec("a", "b"))),
+        "broken": jax.device_put(broken, NamedSharding(mesh, PartitionSpec(None, "b"))),
+    }
+    finite, _ = checks.scan(arrays)
+    assert finite == {"good": True, "broken": False}
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)1 parameter\(s\).*broken \(\w+\): 1 (NaN|inf) of 96 values, in layer\(s\) 7",
+    ):
+        checks.raise_if_nonfinite(arrays, finite, "ckpt")
+
+
+@pytest.mark.parametrize(
+    ("dtype", "floating"),
+    [
+        (np.float32, True),
+        (ml_dtypes.bfloat16, True),
+        (ml_dtypes.float8_e4m3fn, True),
+        (np.float64, True),
+        (np.int32, False),
+        (np.uint8, False),
+        (np.bool_, False),
+        (np.complex64, False),
+    ],
+    ids=str,
+)
+def test_is_floating(dtype, floating):
+    assert checks.is_floating(dtype) is floating
+
+
+@pytest.mark.parametrize(
+    "dtype", [None, "float32", "bfloat16", "float16", jnp.bfloat16, np.float32, jnp.dtype("float16")]
+)
+def test_compute_dtypes_accepted(dtype):
+    checks.check_compute_dtype(dtype)
+
+
+@pytest.mark.parametrize(
+    ("stored", "target", "exact"),
+    [
+        ("bfloat16", "float32", True),
+        ("float16", "float32", True),
+        ("float8_e4m3fn", "bfloat16", True),
+        ("float32", "bfloat16", False),
+        ("float16", "bfloat16", False),
+        ("bfloat16", "float16", False),
+        ("float32", "float32", True),
+    ],
+)
+def test_exact_widening(stored, target, exact):
+    assert checks.is_exact_widening(jnp.dtype(stored), jnp.dtype(target)) is exact
+
+
+def _target(arrays, dtype=None):
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return {k: jax.ShapeDtypeStruct(v.shape, dtype or v.dtype, sharding=device) for k, v in arrays.items()}
+
+
+def test_restore_narrower_than_stored_is_verified_then_cast(tmp_path):
+    params = {
+        "w": jnp.asarray(_random((64, 64), np.float32)),
+        "b": jnp.asarray(_random((64,), np.float32, 1)),
+    }
+    ckpt = orbax_io.save(tmp_path / "ckpt", params, {"family": "flux", "dtype": "float32", "config": {}})
+    restored = orbax_io.restore(ckpt, _target(params, jnp.bfloat16))
+    assert restored["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(params["w"].astype(jnp.bfloat16)))
+    meta = json.loads((ckpt / "jaxdit.json").read_text())
+    meta["arrays"]["w"]["checksum"] = "00000000"
+    (ckpt / "jaxdit.json").write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"'w' \(recorded 00000000"):
+        orbax_io.restore(ckpt, _target(params, jnp.bfloat16))
+
+
+def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path):
+    params = {"w": jnp.asarray(_random((16, 16), np.float32))}
+    ckpt = orbax_io.save(tmp_path / "ckpt", params, {"family": "flux", "dtype": "float32", "config": {}})
+    meta = json.loads((ckpt / "jaxdit.json").read_text())
+    del meta["arrays"], meta["checksum"]  # as jaxdit wrote them before checksums
+    (ckpt / "jaxdit.json").write_text(json.dumps(meta))
+    with pytest.warns(UserWarning, match="without per-array checksums"):
+        restored = orbax_io.restore(ckpt, _target(params))
+    np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(params["w"]))
