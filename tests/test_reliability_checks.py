@@ -6,6 +6,12 @@ the finiteness check finds NaN and inf on both paths; dtype rules; restoring wit
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from converters import checks, orbax_io
 from converters.errors import CheckpointError
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(params=["host", "device"])
@@ -179,3 +187,79 @@ def test_checkpoint_without_checksums_loads_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="without per-array checksums"):
         restored = orbax_io.restore(ckpt, _target(params))
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(params["w"]))
+
+
+# A 2-process job (4 CPU devices each): arrays sharded across both processes, so neither holds all of
+# any of them. Process 0 writes what scan() found on each path.
+_TWO_PROCESS_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    from jaxdit.distributed import initialize
+    initialize(sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+    import jax, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from converters import checks
+    sys.path.insert(0, sys.argv[4])
+    from test_reliability_checks import two_process_arrays
+    mesh = jax.make_mesh((2, 4), ("a", "b"), devices=jax.devices())
+    arrays = {
+        name: jax.make_array_from_callback(v.shape, NamedSharding(mesh, spec), lambda i, v=v: v[i])
+        for name, (v, spec) in two_process_arrays().items()
+    }
+    results = {}
+    for path, limit in (("host", 1 << 30), ("device", 0)):
+        checks.HOST_CHECK_MAX_BYTES = limit
+        finite, sums = checks.scan(arrays, {n: a.dtype for n, a in arrays.items()})
+        results[path] = {"finite": finite, "sums": sums}
+    if jax.process_index() == 0:
+        with open(sys.argv[3], "w") as f:
+            json.dump(results, f)
+    """
+)
+
+
+def two_process_arrays() -> dict:
+    """Arrays and their specs over a ("a", "b") = (2, 4) mesh: across processes, within, replicated."""
+    stacked = _random((4, 8, 12), ml_dtypes.bfloat16)
+    broken = _random((8, 12), np.float32)
+    broken[6, 1] = np.nan
+    return {
+        "stacked": (stacked, PartitionSpec("a", None, "b")),
+        "rows": (_random((8, 12), np.float16, 1), PartitionSpec("a")),
+        "replicated": (_random((5,), np.float32, 2), PartitionSpec()),
+        "broken": (broken, PartitionSpec(("a", "b"))),
+    }
+
+
+@pytest.mark.slow
+def test_checks_agree_across_two_processes(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "results.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    env.pop("XLA_FLAGS", None)
+    tests = str(Path(__file__).parent)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _TWO_PROCESS_SCRIPT, f"127.0.0.1:{port}", str(i), str(out), tests],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        logs = [p.communicate(timeout=240)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    results = json.loads(out.read_text())
+    want_sums = {n: checks.checksum(jnp.asarray(v), v.dtype) for n, (v, _) in two_process_arrays().items()}
+    want_finite = {n: n != "broken" for n in want_sums}
+    for path in ("host", "device"):
+        assert results[path] == {"finite": want_finite, "sums": want_sums}, path
