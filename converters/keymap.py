@@ -498,9 +498,9 @@ def place_params(
 ) -> dict[str, Any]:
     """Place every lazy target on its sharding (each device reads only its own box), cast to ``dtype``.
 
-    The placed parameters are then checked on their devices (one jitted pass, see
-    :func:`converters.checks.scan`): a NaN or inf is a :class:`CheckpointError` naming the parameter and
-    the source tensor holding it, or saying that the values overflowed ``dtype``.
+    The placed parameters are then checked where they are (:func:`converters.checks.scan`): a NaN or inf
+    is a :class:`CheckpointError` naming the parameter and the source tensor holding it, or saying that
+    the values overflowed ``dtype``.
     """
     arrays = {path: place(t, shardings[path], dtype=dtype) for path, t in tensors.items()}
     finite, _ = checks.scan(arrays)

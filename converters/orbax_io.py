@@ -13,8 +13,8 @@ renames it to DST at the end, so an interrupted or failed conversion leaves no D
 
 :func:`restore` reads into ``jax.ShapeDtypeStruct`` targets that carry a sharding: every device reads
 only its own shard from disk (orbax/tensorstore). The arrays' names, shapes and dtypes are checked against
-``arrays`` before anything is read; afterwards one jitted pass on the devices checks that every array is
-finite and matches its checksum (:mod:`converters.checks`). Damaged data files are a
+``arrays`` before anything is read; afterwards every array is checked where it was restored, each device
+reducing its own shards: finite, and matching its checksum (:mod:`converters.checks`). Damaged data files are a
 :class:`CheckpointError` naming the array, not a tensorstore traceback. Checkpoints written before
 checksums existed (no ``arrays``) load with a warning.
 """
@@ -22,6 +22,7 @@ checksums existed (no ``arrays``) load with a warning.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import logging
@@ -278,8 +279,6 @@ def restore(src: str | os.PathLike[str], target: Mapping[str, Any], *, verify: b
     try:
         with _quiet_orbax(), ocp.StandardCheckpointer() as ckptr:
             flat = _flatten(ckptr.restore(src / PARAMS_DIR, _unflatten(read_as, target)))
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except Exception as e:  # tensorstore and orbax raise bare Exceptions for damaged files
         error = _read_error(src, e)
     if error is not None:
@@ -297,13 +296,14 @@ def restore(src: str | os.PathLike[str], target: Mapping[str, Any], *, verify: b
                 f"{' ...' if len(wrong) > 3 else ''}; the checkpoint's data files are damaged: convert it again"
             )
         checks.raise_if_nonfinite(flat, finite, str(src))
-    cast = [n for n in flat if flat[n].dtype != flat_target[n].dtype]
-    for name in cast:
-        flat[name] = _cast(flat[name], flat_target[name].dtype)
+    for name in [n for n in flat if flat[n].dtype != flat_target[n].dtype]:
+        flat[name] = _cast_program()(flat[name], np.dtype(flat_target[name].dtype).name)
     return _unflatten(flat, target)
 
 
-def _cast(x: Any, dtype: Any) -> Any:
+@functools.lru_cache(maxsize=1)
+def _cast_program() -> Any:
+    """``x.astype(dtype)`` on ``x``'s devices, in place of ``x`` (donated)."""
     import jax
 
-    return jax.jit(lambda a: a.astype(dtype), donate_argnums=0, out_shardings=x.sharding)(x)
+    return jax.jit(lambda x, dtype: x.astype(dtype), static_argnums=1, donate_argnums=0)
