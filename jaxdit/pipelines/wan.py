@@ -93,11 +93,16 @@ Shape = tuple[int, ...]
 
 
 _T2V_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+_CLASSES = {"transformer": ("WanTransformer3DModel",), "vae": ("AutoencoderKLWan",)}
 #: The diffusers pipeline classes this module runs from a downloaded folder.
 FOLDER_CLASSES = {
-    "WanPipeline": FolderClass("wan", "wan-t2v", _T2V_COMPONENTS),
+    "WanPipeline": FolderClass("wan", "wan-t2v", _T2V_COMPONENTS, classes=_CLASSES),
     "WanImageToVideoPipeline": FolderClass(
-        "wan", "wan-i2v", (*_T2V_COMPONENTS, "image_encoder", "image_processor"), takes_image=True
+        "wan",
+        "wan-i2v",
+        (*_T2V_COMPONENTS, "image_encoder", "image_processor"),
+        takes_image=True,
+        classes=_CLASSES,
     ),
 }
 
