@@ -4,6 +4,7 @@ jaxdit generate [--model tiny-digits] [--prompt ...] [parallel flags]   sample i
 jaxdit generate --model wan2.1-t2v-1.3b --weights DIR --prompt_embeds FILE [--num_frames 81]   video latents
 jaxdit convert SRC DST [--dtype bfloat16]   checkpoint (BFL, diffusers, original Wan) -> jaxdit orbax folder
 jaxdit plan --model flux-dev --devices 8 [--link nvlink] [--json] [--verify]   every parallel configuration
+jaxdit serve [--weights DIR] [parallel flags] [--sizes 1024x1024] --port 8000   HTTP service, model kept compiled
 
 Parallel flags are named as xDiT names them (``--ulysses_degree``, ``--use_cfg_parallel``, ...); the
 hyphenated spellings work too. Every combination is checked before anything is loaded or compiled.
@@ -178,6 +179,9 @@ def _add_generate(sub) -> None:
     _flag(
         par, "warmup_steps", type=int, default=None, help="PipeFusion's synchronous first steps (default 1)"
     )
+    from jaxdit.distributed import add_arguments as add_process_flags
+
+    add_process_flags(gen)
     gen.set_defaults(func=_generate)
 
 
@@ -218,6 +222,23 @@ def _plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _add_serve(sub) -> None:
+    from jaxdit.serve.command import add_arguments
+
+    serve = sub.add_parser(
+        "serve",
+        help="an HTTP service (OpenAI-shaped images and video jobs) that keeps the model loaded and compiled",
+    )
+    add_arguments(serve)
+    serve.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jaxdit.serve.command import run
+
+    return run(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxdit", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -242,16 +263,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.set_defaults(func=_convert)
     _add_plan(sub)
+    _add_serve(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from converters.errors import CheckpointError
+    from jaxdit.distributed import StartupError
 
     try:
         return args.func(args)
-    except (CheckpointError, FileExistsError, ValueError) as e:
+    except (CheckpointError, FileExistsError, ValueError, StartupError) as e:
         print(f"jaxdit {args.command}: error: {e}", file=sys.stderr)
         return 2
 

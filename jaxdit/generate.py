@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxdit import families
+from jaxdit import distributed, families
+from jaxdit.distributed import ProcessGroup, resolve
 from jaxdit.families.base import ModelFamily
 from jaxdit.lora import parse_lora
 from jaxdit.mesh import ParallelConfig
@@ -80,6 +81,11 @@ class GenerateRequest:
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
     lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
     attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
+    # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+    initialization_timeout: float = 300.0
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -121,6 +127,11 @@ class GenerateRequest:
         if self.folder is None:
             return "latents.npy"
         return "video.mp4" if self.family.makes_video else "image.png"
+
+    @functools.cached_property
+    def process_group(self) -> ProcessGroup | None:
+        """The processes to join (``jaxdit.distributed.resolve``), or None for one process."""
+        return resolve(self.coordinator, self.num_processes, self.process_id)
 
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(
@@ -224,10 +235,14 @@ def check_request(r: GenerateRequest) -> None:
         raise ValueError(
             "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
         )
+    group = r.process_group  # the process flags, checked
+    if r.initialization_timeout <= 0:
+        raise ValueError(f"--initialization_timeout must be > 0 seconds, got {r.initialization_timeout}")
     if r.emulate_devices is not None:
         if r.emulate_devices < 1:
             raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
-        parallel.validate_devices(r.emulate_devices)
+        # Emulated devices are per process; the mesh spans every process's.
+        parallel.validate_devices(r.emulate_devices * ((group.num_processes or 1) if group else 1))
     for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
         value = getattr(r, name)
         if value is not None and not math.isfinite(value):
@@ -458,14 +473,26 @@ def write(r: GenerateRequest, result: Any) -> Path:
     return out.save_image(path, picture, scale=8 if r.is_tiny else 1)
 
 
-def run(r: GenerateRequest) -> int:
-    """Build, generate, optionally compare with one device, write; prints what it did."""
+def start_devices(r: GenerateRequest) -> None:
+    """Emulated devices and the process group, before anything touches a device."""
     import jax
 
     if r.emulate_devices:
         # Must happen before jax's backend starts (nothing above touched devices).
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", r.emulate_devices)
+    if r.process_group is not None:
+        distributed.join(r.process_group, initialization_timeout_seconds=r.initialization_timeout)
+
+
+def run(r: GenerateRequest) -> int:
+    """Build, generate, optionally compare with one device, write; prints what it did. Across processes
+    every process runs this, and process 0 alone prints and writes."""
+    import jax
+
+    start_devices(r)
+    main = distributed.is_main_process()
+    say = print if main else lambda *args: None
     parallel = r.parallel()
     devices = jax.devices()
     if len(devices) < parallel.num_devices:
@@ -474,31 +501,33 @@ def run(r: GenerateRequest) -> int:
         )
     mesh = parallel.make_mesh(devices[: parallel.num_devices])
     label = r.weights if r.folder is not None else r.model
-    print(f"{label}: {parallel.describe()} on {parallel.num_devices} {devices[0].platform} device(s)")
+    say(f"{label}: {parallel.describe()} on {parallel.num_devices} {devices[0].platform} device(s)")
     start = time.perf_counter()
     pipe = build(r, mesh)
     if r.folder is not None:
-        print(
+        say(
             f"loaded {r.folder.root.name} ({r.folder.kind}, {r.folder.layout} layout) in "
             f"{time.perf_counter() - start:.1f} s"
         )
     result = generate(pipe, r)
-    print(
+    say(
         f"generated in {time.perf_counter() - start:.1f} s ({result.seconds:.1f} s denoising, compile included)"
     )
     if r.compare_single_device:
-        single_mesh = ParallelConfig().make_mesh(devices[:1])
+        single_mesh = ParallelConfig().make_mesh(jax.local_devices()[:1])
         one = dataclasses.replace(r, **_single_device_degrees())
         single = generate(build(one, single_mesh), one)
         pick = lambda x: x.images if x.images is not None else x.latents
-        print(
+        say(
             f"max |difference| to the single-device result: {np.abs(pick(single) - pick(result)).max():.2e}"
         )
+    if not main:
+        return 0
     if r.is_tiny:
         _judge(r, result)
     if r.loras:
-        print(f"LoRAs fused: {', '.join(f'{p} x {s:g}' for p, s in r.loras)}")
-    print(f"wrote {write(r, result)}")
+        say(f"LoRAs fused: {', '.join(f'{p} x {s:g}' for p, s in r.loras)}")
+    say(f"wrote {write(r, result)}")
     return 0
 
 

@@ -28,11 +28,14 @@ with 8 devices; each worker gets ``--local-devices``, default 4).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import resource
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -45,6 +48,24 @@ SEED = 1234
 
 #: Exit code of the worker that leaves on purpose in ``dead_peer`` mode.
 DYING_EXIT_CODE = 17
+
+#: The tiny-digits run the multi-process and serving tests compare with: this mesh (8 devices), this digit
+#: and seed; `jaxdit generate` enlarges the 16x16 picture by 8 in its PNG.
+MESH_FLAGS = ("--use_cfg_parallel", "--ring_degree", "2", "--ulysses_degree", "2")
+DIGIT, DIGIT_SEED, PNG_SCALE = "7", 3, 8
+
+
+@functools.cache
+def generated_png(digit: str = DIGIT, seed: int = DIGIT_SEED) -> bytes:
+    """The PNG `jaxdit generate` writes for ``digit`` and ``seed`` with :data:`MESH_FLAGS`, run in the calling
+    process on its 8 devices (once per test session)."""
+    from jaxdit import cli
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "digit.png"
+        argv = ["generate", "--prompt", digit, "--seed", str(seed), "--output", str(path), *MESH_FLAGS]
+        assert cli.main(argv) == 0
+        return path.read_bytes()
 
 
 def make_inputs(seed: int = SEED) -> tuple[tuple[np.ndarray, ...], ...]:
@@ -119,6 +140,11 @@ def _run_dead_peer(args) -> None:
     if args.warm:
         # Mid-run death: the gloo connections are up when the peer goes.
         _say("WARM", float(global_sum(x)))
+    # Both processes past start-up before one dies (on a loaded machine the survivor could otherwise still
+    # be creating its CPU backend, which reads the coordinator's key-value store, when the peer went).
+    from jaxdit.distributed import key_value_store
+
+    key_value_store().wait_at_barrier("jaxdit_test_ready", 60_000)
     if jax.process_index() == args.dead:
         if args.warm:
             time.sleep(0.5)  # let the survivor finish reading the warm-up sum

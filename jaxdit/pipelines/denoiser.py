@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdit.distributed import fetch
 from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.cfg import combine_branches, replicate_branches
 from jaxdit.parallel.layout import SequenceLayout
@@ -44,10 +45,35 @@ __all__ = [
     "DenoiseResult",
     "Denoiser",
     "GenerationCancelled",
+    "SCHEDULE_ROWS",
     "TokenHooks",
     "abstract_like",
+    "pad_schedule",
     "progress_bar",
+    "schedule_rows",
 ]
+
+#: The sampler's tables are padded to a multiple of this many rows (copies of the last row, never read:
+#: the step index stays below the step count), so the step count does not change the compiled step's
+#: shapes: every count up to 63 runs one program. Without it each new count compiled the step again.
+SCHEDULE_ROWS = 64
+
+
+def schedule_rows(num_steps: int) -> int:
+    """The padded length of a schedule for ``num_steps`` steps (its longest table has num_steps + 1 rows)."""
+    return -(-(num_steps + 1) // SCHEDULE_ROWS) * SCHEDULE_ROWS
+
+
+def pad_schedule(schedule: Any, num_steps: int) -> Any:
+    """Every table of ``schedule`` (indexed by step along its first axis) padded to :func:`schedule_rows`."""
+    rows = schedule_rows(num_steps)
+
+    def pad(table: Any) -> Any:
+        table = np.asarray(table)
+        return np.pad(table, [(0, rows - table.shape[0])] + [(0, 0)] * (table.ndim - 1), mode="edge")
+
+    return jax.tree.map(pad, schedule)
+
 
 #: Latent tokens and sampler state between steps: requests over data (replicated over cfg), tokens over
 #: (ring, ulysses) in the padded shard layout.
@@ -142,6 +168,8 @@ class Denoiser:
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self.group = forward.inputs["hidden_states"].group
         self._steps: dict[tuple, Callable] = {}
+        # Jitted once: a jit made per call would compile again on every call (a service counts those).
+        self._init_state = jax.jit(sampler.init_state, out_shardings=self.latent_sharding)
         #: The last step function and its abstract arguments, to inspect the compiled program.
         self.last_step: tuple[Callable, tuple] | None = None
 
@@ -205,8 +233,8 @@ class Denoiser:
         )
         x = pad(inputs.tokens)
         extras = {name: pad(value) for name, value in inputs.extras.items()}
-        state = jax.jit(self.sampler.init_state, out_shardings=self.latent_sharding)(x)
-        schedule = jax.device_put(inputs.schedule, self.replicated)
+        state = self._init_state(x)
+        schedule = jax.device_put(pad_schedule(inputs.schedule, inputs.steps), self.replicated)
         i = jax.device_put(np.int32(0), self.replicated)
         scale = jax.device_put(np.float32(inputs.scale), self.replicated)
         return x, state, i, schedule, placed, extras, scale
@@ -224,7 +252,8 @@ class Denoiser:
 
         ``params``: the transformer's parameters (default: the forward's own); a callable
         ``params(i)`` picks them per step (Wan 2.2's two experts share one compiled step).
-        ``callback(i, total)`` runs on the host after step i is dispatched; False stops the loop.
+        ``callback(i, total)`` runs on the host after step i has finished on the devices (so progress,
+        cancellation and timeouts are real, not just dispatched); False stops the loop.
         """
         layout, names = self.layout(inputs)
         step = self.step_fn(layout, names, inputs.cfg)
@@ -236,9 +265,11 @@ class Denoiser:
         start = time.perf_counter()
         for n in progress_bar(range(inputs.steps), progress, inputs.steps):
             x, state, i = step(pick(n), x, state, i, *rest)
-            if callback is not None and callback(n + 1, inputs.steps) is False:
-                raise GenerationCancelled(f"stopped after step {n + 1} of {inputs.steps}")
-        tokens = np.asarray(jax.device_get(x))
+            if callback is not None:
+                x.block_until_ready()  # the callback sees finished steps, not just dispatched ones
+                if callback(n + 1, inputs.steps) is False:
+                    raise GenerationCancelled(f"stopped after step {n + 1} of {inputs.steps}")
+        tokens = fetch(x)  # across processes too
         seconds = time.perf_counter() - start
         return DenoiseResult(layout.unpad(tokens, self.group, axis=1), seconds)
 
@@ -272,7 +303,10 @@ class Denoiser:
             name: sds(padded(np.shape(v), self.group, 1), jnp.float32, self.latent_sharding)
             for name, v in inputs.extras.items()
         }
-        schedule = jax.tree.map(lambda a: sds(np.shape(a), a.dtype, self.replicated), inputs.schedule)
+        rows = schedule_rows(inputs.steps)  # as pad_schedule lays the tables out
+        schedule = jax.tree.map(
+            lambda a: sds((rows, *np.shape(a)[1:]), a.dtype, self.replicated), inputs.schedule
+        )
         params = jax.tree.map(
             lambda a, s: sds(a.shape, a.dtype, s), self.forward.state, self.forward.param_shardings
         )

@@ -1,0 +1,310 @@
+"""``jaxdit serve``: its flags and what it runs (jaxdit/cli.py only dispatches here).
+
+jaxdit serve [--weights PIPELINE_FOLDER] [mesh flags] [--sizes 1024x1024,768x1344] --host 127.0.0.1 --port 8000
+
+Start-up, in order: every flag is checked (no jax yet); the devices start (emulated CPU devices, the
+persistent compilation cache, the process group); the model loads once; every served shape (``--sizes`` x
+``--batch_sizes`` x ``--frames`` x ``--step_counts``) is run once, which compiles its programs; then process 0 listens for
+HTTP and the other processes follow it (:mod:`jaxdit.serve.lockstep`). On SIGINT / SIGTERM the server
+stops taking requests, answers the queued ones (503), lets the running one finish within
+``--shutdown_grace`` seconds, and ends the other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import re
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from jaxdit import distributed
+
+__all__ = ["Service", "add_arguments", "run"]
+
+_SIZE = re.compile(r"^(\d+)x(\d+)$")
+
+
+def _flag(parser, name: str, **kwargs) -> None:
+    """``--name_with_underscores`` and its ``--hyphenated-spelling`` (as jaxdit generate's flags)."""
+    spellings = [f"--{name}"] + ([f"--{name.replace('_', '-')}"] if "_" in name else [])
+    parser.add_argument(*spellings, dest=name, **kwargs)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    _flag(p, "weights", default=None, help="a FLUX.1 or Wan 2.1 text-to-video pipeline folder (diffusers "
+          "layout, or Wan's original release); default: the bundled tiny-digits")  # fmt: skip
+    _flag(p, "model_name", default=None, help="the name clients send as `model` (default: tiny-digits or "
+          "the folder's name)")  # fmt: skip
+    _flag(p, "dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    _flag(p, "host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    _flag(p, "port", type=int, default=8000)
+    _flag(
+        p, "sizes", default=None, help="WIDTHxHEIGHT[,...] compiled at start-up (default: the model's size)"
+    )
+    _flag(p, "batch_sizes", default="1", help="images per request (n) compiled at start-up (default 1)")
+    _flag(p, "frames", default=None, help="videos: frame counts compiled at start-up (default the model's)")
+    _flag(p, "step_counts", default=None, help="denoising step counts compiled at start-up (the step count "
+          "is part of the compiled step; default the model's)")  # fmt: skip
+    _flag(p, "new_shapes", choices=("refuse", "compile"), default="refuse", help="a request for a shape "
+          "not compiled at start-up is refused (400, default) or compiled once and then served")  # fmt: skip
+    _flag(p, "max_queue", type=int, default=16, help="requests waiting beyond the running one (then 429)")
+    _flag(p, "request_timeout", type=float, default=600.0, help="seconds from arrival to answer (then 504)")
+    _flag(p, "shutdown_grace", type=float, default=30.0, help="seconds the running request may finish in "
+          "at shutdown")  # fmt: skip
+    _flag(p, "max_steps", type=int, default=100)
+    _flag(p, "max_batch", type=int, default=4, help="largest n")
+    _flag(p, "max_prompt_chars", type=int, default=2000)
+    _flag(p, "compilation_cache_dir", default=None, help="keep compiled programs here, so a restart loads "
+          "them (default: $JAXDIT_COMPILATION_CACHE, else ~/.cache/jaxdit/xla)")  # fmt: skip
+    _flag(p, "no_compilation_cache", action="store_true", help="compile everything afresh, keep nothing")
+    _flag(p, "emulate_devices", type=int, default=None, help="emulate N CPU devices per process")
+    _flag(p, "log_level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    par = p.add_argument_group("parallelism (xDiT's flags)")
+    _flag(par, "data_parallel_degree", type=int, default=1)
+    _flag(par, "use_cfg_parallel", action="store_true", help="split the CFG branches over 2 devices")
+    _flag(par, "ulysses_degree", type=int, default=1)
+    _flag(par, "ring_degree", type=int, default=1)
+    _flag(par, "tensor_parallel_degree", type=int, default=1)
+    distributed.add_arguments(p)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """The checked flags."""
+
+    config: Any  # ParallelConfig
+    group: distributed.ProcessGroup | None
+    sizes: tuple[tuple[int, int], ...] | None
+    batch_sizes: tuple[int, ...]
+    frames: tuple[int, ...] | None
+    step_counts: tuple[int, ...] | None
+
+
+def _numbers(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"--{flag} takes comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"--{flag} takes positive integers, got {text!r}")
+    return values
+
+
+def check(args: argparse.Namespace) -> _Plan:
+    """Every flag, before jax starts; ValueError naming the problem."""
+    from jaxdit.mesh import ParallelConfig
+
+    missing = [
+        m for m in ("starlette", "uvicorn", "prometheus_client") if importlib.util.find_spec(m) is None
+    ]
+    if missing:
+        raise ValueError(f"jaxdit serve needs {', '.join(missing)}: pip install 'jaxdit[serve]'")
+
+    config = ParallelConfig(
+        data=args.data_parallel_degree,
+        cfg=2 if args.use_cfg_parallel else 1,
+        ring=args.ring_degree,
+        ulysses=args.ulysses_degree,
+        tensor=args.tensor_parallel_degree,
+    )
+    group = distributed.resolve(args.coordinator, args.num_processes, args.process_id)
+    if args.emulate_devices is not None:
+        if args.emulate_devices < 1:
+            raise ValueError(f"--emulate_devices must be >= 1, got {args.emulate_devices}")
+        config.validate_devices(args.emulate_devices * ((group.num_processes or 1) if group else 1))
+    sizes = None
+    if args.sizes is not None:
+        sizes = []
+        for text in args.sizes.split(","):
+            m = _SIZE.match(text.strip())
+            if not m:
+                raise ValueError(f"--sizes takes WIDTHxHEIGHT[,...] (e.g. 1024x768), got {text!r}")
+            sizes.append((int(m[1]), int(m[2])))
+        sizes = tuple(sizes)
+    for name in ("port", "max_steps", "max_batch", "max_prompt_chars"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_queue < 0 or args.request_timeout <= 0 or args.shutdown_grace < 0:
+        raise ValueError("--max_queue and --shutdown_grace must be >= 0, --request_timeout > 0")
+    if args.initialization_timeout <= 0:
+        raise ValueError(f"--initialization_timeout must be > 0 seconds, got {args.initialization_timeout}")
+    batch_sizes = _numbers(args.batch_sizes, "batch_sizes")
+    if max(batch_sizes) > args.max_batch:
+        raise ValueError(f"--batch_sizes {args.batch_sizes} exceeds --max_batch {args.max_batch}")
+    frames = _numbers(args.frames, "frames") if args.frames is not None else None
+    step_counts = _numbers(args.step_counts, "step_counts") if args.step_counts is not None else None
+    if step_counts is not None and max(step_counts) > args.max_steps:
+        raise ValueError(f"--step_counts {args.step_counts} exceeds --max_steps {args.max_steps}")
+    from jaxdit.serve.engine import Engine
+
+    template = Engine.template_for(args.weights, config, args.dtype)  # what cannot be served, refused now
+    if frames is not None and not template.family.makes_video:
+        raise ValueError(f"--frames applies to video models; {args.weights or 'tiny-digits'} makes images")
+    return _Plan(config, group, sizes, batch_sizes, frames, step_counts)
+
+
+def start_devices(args: argparse.Namespace, plan: _Plan) -> None:
+    """XLA flags and the compilation cache (``jaxdit.runtime``), emulated devices, the process group:
+    before anything touches a device."""
+    import jax
+
+    from jaxdit import runtime
+
+    runtime.configure(
+        cache_dir=args.compilation_cache_dir,
+        no_cache=args.no_compilation_cache,
+        gpu=False if args.emulate_devices else None,  # emulated devices run on the CPU
+    )
+    if args.emulate_devices:
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.emulate_devices)
+    if plan.group is not None:
+        distributed.join(plan.group, initialization_timeout_seconds=args.initialization_timeout)
+
+
+def load(args: argparse.Namespace, plan: _Plan):
+    """The engine on its mesh, with every served shape compiled; returns (engine, seconds, programs)."""
+    import jax
+
+    from jaxdit.serve.engine import Engine, EngineLimits
+    from jaxdit.serve.metrics import compile_counts, listen_for_compiles
+    from jaxdit.serve.schema import RequestError
+
+    listen_for_compiles()
+    start = time.perf_counter()
+    devices = jax.devices()
+    if len(devices) < plan.config.num_devices:
+        raise ValueError(
+            f"{plan.config.describe()} needs {plan.config.num_devices} devices; {len(devices)} are available"
+        )
+    mesh = plan.config.make_mesh(devices[: plan.config.num_devices])
+    limits = EngineLimits(
+        max_steps=args.max_steps, max_batch=args.max_batch, max_prompt_chars=args.max_prompt_chars
+    )
+    engine = Engine.load(args.weights, mesh, dtype=args.dtype, limits=limits, name=args.model_name)
+    card = engine.card
+    sizes = plan.sizes or (card.default_size,)
+    frames = plan.frames or ((card.default_frames,) if card.default_frames else (None,))
+    steps = plan.step_counts or (card.default_steps,)
+    warm = [
+        engine.request_for(w, h, n, f, k)
+        for (w, h) in sizes
+        for n in plan.batch_sizes
+        for f in frames
+        for k in steps
+    ]
+    try:
+        engine.warm_up(warm)
+    except RequestError as e:
+        raise ValueError(f"cannot serve the start-up shapes: {e.message}") from None
+    return engine, time.perf_counter() - start, compile_counts()
+
+
+def _server(config, scheduler):
+    """uvicorn's server, told to shut the scheduler down when a signal arrives (uvicorn is optional, so
+    the subclass is made here)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:
+            scheduler.begin_shutdown()  # answer the queue now; uvicorn then waits for those answers
+            # As uvicorn's own, but without re-raising the signal once the server has stopped: that
+            # would end the process before the other processes are told to stop.
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    return Server(config)
+
+
+class Service:
+    """A running HTTP server over a scheduler, in a thread (tests, notebooks); :meth:`stop` shuts it down
+    as a signal would."""
+
+    def __init__(self, scheduler, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        from jaxdit.serve.app import create_app
+
+        self.scheduler = scheduler
+        config = uvicorn.Config(
+            create_app(scheduler), host=host, port=port, log_level=log_level, lifespan="off"
+        )
+        self.server = _server(config, scheduler)
+        scheduler.start()
+        self._thread = threading.Thread(target=self.server.run, name="jaxdit-http", daemon=True)
+        self._thread.start()
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("the HTTP server did not start (is the port taken?)")
+            time.sleep(0.01)
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.scheduler.begin_shutdown()
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.scheduler.close(timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = check(args)
+    start_devices(args, plan)
+    import jax
+
+    from jaxdit.serve import lockstep
+
+    engine, seconds, (compiled, cached) = load(args, plan)
+    card = engine.card
+    processes = jax.process_count()
+    shapes = "; ".join(engine.describe(k) for k in sorted(engine.compiled))
+    say = lambda line: print(f"jaxdit serve: {line}", file=sys.stderr, flush=True)
+    say(
+        f"{card.name} ({card.kind}s) on {plan.config.describe()}, {plan.config.num_devices} "
+        f"{jax.devices()[0].platform} device(s) in {processes} process(es); ready in {seconds:.1f} s "
+        f"({compiled} programs compiled, {cached} from the cache); shapes: {shapes}"
+    )
+    if jax.process_index() != 0:
+        served = lockstep.follow(engine, distributed.key_value_store(), jax.process_index())
+        say(f"process {jax.process_index()}: process 0 stopped after {served} request(s)")
+        return 0
+
+    import uvicorn
+
+    from jaxdit.serve.app import create_app
+    from jaxdit.serve.jobs import Scheduler
+    from jaxdit.serve.metrics import Metrics
+
+    leader = lockstep.Leader(distributed.key_value_store(), processes) if processes > 1 else None
+    scheduler = Scheduler(
+        engine,
+        Metrics(),
+        max_queue=args.max_queue,
+        request_timeout=args.request_timeout,
+        new_shapes=args.new_shapes,
+        shutdown_grace=args.shutdown_grace,
+        lockstep=leader,
+    )
+    scheduler.start()
+    config = uvicorn.Config(
+        create_app(scheduler),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=args.shutdown_grace + 5,
+    )
+    try:
+        _server(config, scheduler).run()
+    finally:
+        scheduler.close(args.shutdown_grace + 5)
+    say("stopped")
+    return 0

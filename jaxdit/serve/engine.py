@@ -1,0 +1,291 @@
+"""The device side of the service: the one module that calls the pipelines.
+
+An :class:`Engine` holds one pipeline on its mesh for the life of the server: the bundled tiny-digits
+model, or a downloaded pipeline folder of any registered model family (``jaxdit.families``: FLUX.1 makes
+images, Wan videos). It says what it accepts (a :class:`~jaxdit.serve.schema.ModelCard`), which compiled
+program a request needs (:meth:`Engine.shape_key`), compiles the served shapes up front
+(:meth:`Engine.warm_up`) and runs one generation at a time (:meth:`Engine.generate`), calling back after
+every denoising step so the caller can report progress and stop the loop. The rest of the service never
+sees a pipeline.
+
+A request becomes exactly the call ``jaxdit generate`` makes for the same flags: the engine fills a
+:class:`jaxdit.generate.GenerateRequest` and takes its checks (``check_request``, before anything is
+queued) and its call (``GenerateRequest.call``: every field left out takes the model's default).
+
+What a compiled program depends on: the size, the batch (``n``), the frames (videos), whether
+classifier-free guidance runs (two branches or one), and the step count's bucket (the sampler's tables are
+an argument of the step, padded to a multiple of 64 rows: 1-63 steps share one program, 64-127 the next).
+Seeds, prompts and guidance values reuse a program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import io
+import re
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from jaxdit import generate as cli_generate
+from jaxdit.mesh import ParallelConfig
+from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
+from jaxdit.pipelines.output import save_video, to_uint8
+from jaxdit.pipelines.request import GenerationRequest
+from jaxdit.serve.schema import IMAGE, VIDEO, Generation, ModelCard, RequestError
+
+__all__ = ["Engine", "EngineLimits", "GenerationCancelled", "Output"]
+
+StepCallback = Callable[[int, int], bool]
+#: The flags in `jaxdit generate`'s messages -> the request fields they are.
+_FIELDS = {
+    "prompt": "prompt",
+    "negative_prompt": "negative_prompt",
+    "num_inference_steps": "steps",
+    "guidance_scale": "guidance",
+    "true_cfg_scale": "true_cfg_scale",
+    "num_frames": "num_frames",
+    "height": "size",
+    "width": "size",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineLimits:
+    """Server-wide bounds on a request (the CLI's ``--max_*`` flags)."""
+
+    max_steps: int = 100
+    max_batch: int = 4
+    max_prompt_chars: int = 2000
+    max_pixels: int = 2048 * 2048
+    max_frames: int = 129
+
+
+@dataclasses.dataclass(frozen=True)
+class Output:
+    """A finished generation: ``media_type`` (image/png or video/mp4) and one encoded file per item."""
+
+    media_type: str
+    files: list[bytes]
+
+
+def _png(image: np.ndarray) -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _mp4(frames: np.ndarray, fps: int) -> bytes:
+    with tempfile.TemporaryDirectory(prefix="jaxdit-serve-") as folder:
+        return save_video(Path(folder) / "video.mp4", list(frames), fps=fps).read_bytes()
+
+
+def _field_of(message: str) -> str | None:
+    """The request field a `jaxdit generate` message is about (it names flags or call arguments)."""
+    for name in re.findall(r"[a-z_]+", message):
+        if name in _FIELDS:
+            return _FIELDS[name]
+    return None
+
+
+class Engine:
+    """One pipeline on one mesh, with the card of what it serves. Build it with :meth:`load`."""
+
+    def __init__(self, pipe: Any, template: cli_generate.GenerateRequest, card: ModelCard, mesh: Any) -> None:
+        import jax
+
+        self.pipe, self.template, self.card = pipe, template, card
+        self.family = template.family
+        self.parallel = ParallelConfig.from_mesh(mesh)
+        self.num_processes = jax.process_count()
+        #: Shape keys whose programs exist (compiled at warm-up, or by an earlier request).
+        self.compiled: frozenset[tuple] = frozenset()
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def load(
+        cls,
+        weights: str | None,
+        mesh: Any,
+        *,
+        dtype: str | None = None,
+        limits: EngineLimits = EngineLimits(),
+        name: str | None = None,
+        compiler_options: dict[str, Any] | None = None,
+    ) -> Engine:
+        """The pipeline for ``weights`` (None: tiny-digits, bundled; else a pipeline folder) on ``mesh``;
+        jax must be started (devices, processes). ``compiler_options``: XLA's, for the compiled steps."""
+        import jax.numpy as jnp
+
+        from jaxdit.pipelines.flux import tiny_digits
+
+        template = cls.template_for(weights, mesh, dtype)
+        family, folder = template.family, template.folder
+        if template.is_tiny:
+            pipe = tiny_digits(mesh, compiler_options=compiler_options)
+        else:
+            dtype = jnp.dtype(dtype) if dtype else None
+            pipe = family.pipeline_class.from_pretrained(
+                folder.root, mesh, dtype, compiler_options=compiler_options
+            )
+        defaults = dataclasses.replace(template, prompt="0" if template.is_tiny else "x").call()
+        takes = "true_cfg_scale" in inspect.signature(family.pipeline_class.__call__).parameters
+        card = ModelCard(
+            name=name or (cli_generate.TINY if template.is_tiny else folder.root.name),
+            kind=VIDEO if family.makes_video else IMAGE,
+            default_size=(defaults.width, defaults.height),
+            size_multiple=2 if template.is_tiny else family.size_multiple(folder),
+            fixed_sizes=((defaults.width, defaults.height),) if template.is_tiny else None,
+            default_steps=defaults.num_inference_steps,
+            default_guidance=defaults.guidance_scale,
+            default_true_cfg=defaults.true_cfg_scale if takes else None,
+            default_negative=defaults.negative_prompt,
+            default_frames=defaults.num_frames if family.makes_video else None,
+            frame_multiple=getattr(pipe, "vae_scale_factor_temporal", 4),
+            fps=family.fps,
+            digit_prompts=template.is_tiny,
+            max_steps=limits.max_steps,
+            max_batch=limits.max_batch,
+            max_prompt_chars=limits.max_prompt_chars,
+            max_pixels=limits.max_pixels,
+            max_frames=limits.max_frames,
+        )
+        return cls(pipe, template, card, mesh)
+
+    @staticmethod
+    def template_for(weights: str | None, mesh_or_config: Any, dtype: str | None = None):
+        """The `jaxdit generate` request every served request starts from; checks what cannot be served
+        (before jax starts when given a ParallelConfig)."""
+        parallel = mesh_or_config if isinstance(mesh_or_config, ParallelConfig) else None
+        parallel = parallel or ParallelConfig.from_mesh(mesh_or_config)
+        template = cli_generate.GenerateRequest(
+            weights=weights,
+            dtype=dtype,
+            data_parallel_degree=parallel.data,
+            use_cfg_parallel=parallel.cfg == 2,
+            ulysses_degree=parallel.ulysses,
+            ring_degree=parallel.ring,
+            tensor_parallel_degree=parallel.tensor,
+        )
+        if weights is not None:
+            if template.folder is None:
+                raise ValueError(
+                    f"--weights {weights}: jaxdit serve needs a whole pipeline folder (model_index.json, text "
+                    "encoders, VAE) to go from a prompt to pixels; omit --weights to serve tiny-digits"
+                )
+            if "image_encoder" in template.folder or template.folder.kind.endswith("i2v"):
+                raise ValueError(f"{weights} is image-to-video; jaxdit serve makes text-to-video and images")
+        if parallel.pipefusion > 1:
+            raise ValueError(
+                "jaxdit serve runs without PipeFusion: use ulysses / ring / cfg / tensor degrees"
+            )
+        return template
+
+    # ------------------------------------------------------------------ requests
+    def _flags(self, g: Generation) -> cli_generate.GenerateRequest:
+        """``g`` as `jaxdit generate`'s flags."""
+        return dataclasses.replace(
+            self.template,
+            prompt=g.prompt,
+            negative_prompt=g.negative_prompt,
+            height=g.height,
+            width=g.width,
+            num_inference_steps=g.steps,
+            guidance_scale=g.guidance,
+            true_cfg_scale=g.true_cfg_scale,
+            num_frames=g.num_frames,
+            seed=g.seed,
+        )
+
+    def call(self, g: Generation, on_step: StepCallback | None = None) -> GenerationRequest:
+        """The pipeline call `jaxdit generate` makes for ``g`` (n images per prompt, pixels out)."""
+        call = self._flags(g).call()
+        return call.replace(num_images_per_prompt=g.n, output_type="np", progress=False, callback=on_step)
+
+    def uses_cfg(self, g: Generation) -> bool:
+        """Whether ``g`` runs classifier-free guidance (as `jaxdit generate` decides it)."""
+        call = self.call(g)
+        cfg = getattr(call, self.family.cfg_scale_argument) > 1.0
+        if self.family.cfg_scale_argument == "true_cfg_scale":
+            cfg = cfg and call.negative_prompt is not None
+        return cfg
+
+    def shape_key(self, g: Generation) -> tuple:
+        """What the compiled programs of ``g`` depend on (see the module docstring)."""
+        return (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), schedule_rows(g.steps))
+
+    @property
+    def shape_fields(self) -> tuple[str, ...]:
+        """The request field behind each position of a shape key (to name the one a refusal is about)."""
+        return ("size", "size", "n", "num_frames", _FIELDS[self.family.cfg_scale_argument], "steps")
+
+    def describe(self, key: tuple) -> str:
+        width, height, n, frames, cfg, rows = key
+        parts = [f"{width}x{height}", f"n={n}"] + ([f"{frames} frames"] if frames is not None else [])
+        steps = f"{max(1, rows - SCHEDULE_ROWS)}-{rows - 1} steps"
+        return " ".join([*parts, steps, "with CFG" if cfg else "without CFG"])
+
+    def check(self, g: Generation) -> None:
+        """What the mesh and the model refuse, as a :class:`RequestError` naming the field (no devices)."""
+        if self.parallel.cfg == 2 and not self.uses_cfg(g):
+            scale = self.family.cfg_scale_argument
+            raise RequestError(
+                f"this server splits the two guidance branches over its devices (cfg=2), so every request "
+                f"needs classifier-free guidance: {self.family.cfg_needs}",
+                _FIELDS[scale],
+            )
+        if g.n % self.parallel.data:
+            raise RequestError(
+                f"n={g.n}: this server splits a batch over data={self.parallel.data} devices; n must be a "
+                f"multiple of {self.parallel.data}",
+                "n",
+            )
+        try:
+            cli_generate.check_request(self._flags(g))
+        except ValueError as e:
+            raise RequestError(str(e), _field_of(str(e))) from None
+
+    def request_for(
+        self, width: int, height: int, n: int = 1, num_frames: int | None = None, steps: int | None = None
+    ) -> Generation:
+        """The default request of a shape (for warm-up)."""
+        c = self.card
+        return Generation(
+            kind=c.kind,
+            prompt="0" if c.digit_prompts else "a photograph",
+            width=width,
+            height=height,
+            n=n,
+            steps=steps or c.default_steps,
+            guidance=c.default_guidance,
+            true_cfg_scale=c.default_true_cfg,
+            seed=0,
+            negative_prompt=c.default_negative,
+            num_frames=num_frames if c.kind == VIDEO else None,
+        )
+
+    # ------------------------------------------------------------------ running
+    def warm_up(self, requests: list[Generation]) -> None:
+        """Run each request once, compiling its programs (text encoders, step, VAE, gathers)."""
+        for g in requests:
+            self.check(g)
+            self.generate(g)
+
+    def generate(self, g: Generation, on_step: StepCallback | None = None, encode: bool = True) -> Output:
+        """One generation; ``on_step(done, total)`` after each step (False stops it: the pipeline raises
+        ``GenerationCancelled``). ``encode=False`` skips writing PNG / MP4 (processes other than 0)."""
+        result = self.pipe.generate(self.call(g, on_step))
+        # Rebound, not mutated: the HTTP thread reads the set while this (the device worker) runs.
+        self.compiled = self.compiled | {self.shape_key(g)}
+        if not encode:
+            return Output("", [])
+        pixels = to_uint8(result.images)
+        if self.card.kind == VIDEO:
+            return Output("video/mp4", [_mp4(video, self.card.fps) for video in pixels])
+        return Output("image/png", [_png(image) for image in pixels])

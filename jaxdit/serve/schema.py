@@ -1,0 +1,284 @@
+"""The service's requests: JSON bodies -> a checked :class:`Generation`, or a :class:`RequestError`
+naming the field.
+
+The shapes follow OpenAI's API, which clients already speak: ``POST /v1/images/generations`` takes
+``prompt``, ``size`` ("WIDTHxHEIGHT"), ``n``, ``response_format`` (``b64_json``) and ``model``;
+``POST /v1/videos`` takes ``prompt``, ``size``, ``seconds`` and ``model``. The diffusion fields are optional
+keys beside them, named as ``jaxdit generate``'s flags: ``seed``, ``steps``, ``guidance`` (the pipeline's
+``guidance_scale``), ``negative_prompt``, ``true_cfg_scale`` where the model takes it (FLUX), and
+``num_frames`` for videos. A field left out takes the served model's default (its :class:`ModelCard`), the
+default ``jaxdit generate`` uses. Unknown fields are refused by name (a typo such as ``step``
+would otherwise be silently ignored).
+
+Nothing here touches jax: every check runs in the HTTP handler, before a request is queued.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any
+
+__all__ = ["Generation", "ModelCard", "RequestError", "image_request", "parse_json", "video_request"]
+
+IMAGE, VIDEO = "image", "video"
+#: The largest seed: numpy's generators take any non-negative integer; JSON clients handle 2**53 safely.
+MAX_SEED = 2**53 - 1
+_SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
+
+
+class RequestError(Exception):
+    """A request the service refuses: HTTP ``status``, the offending ``param`` (None: the whole request),
+    a message for people, and OpenAI's error ``type``."""
+
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"
+    ) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+    def body(self) -> dict[str, Any]:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCard:
+    """What the served model accepts and its defaults (set by the engine from the model)."""
+
+    name: str
+    kind: str  # IMAGE or VIDEO
+    default_size: tuple[int, int]  # (width, height)
+    size_multiple: int
+    default_steps: int
+    default_guidance: float
+    default_true_cfg: float | None = None  # None: the model takes no true_cfg_scale (FLUX's CFG scale)
+    default_negative: str | None = None
+    default_frames: int | None = None  # videos
+    frame_multiple: int = 4  # videos: frames are frame_multiple * k + 1
+    fps: int = 16
+    #: The only sizes the model draws (tiny-digits: its training size); None: any multiple up to max_pixels.
+    fixed_sizes: tuple[tuple[int, int], ...] | None = None
+    digit_prompts: bool = False  # tiny-digits: a prompt is one digit (a negative prompt may be empty)
+    max_pixels: int = 2048 * 2048
+    max_frames: int = 129
+    max_steps: int = 100
+    max_batch: int = 4
+    max_prompt_chars: int = 2000
+    max_guidance: float = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One checked request, as the devices run it (every default filled in)."""
+
+    kind: str
+    prompt: str
+    width: int
+    height: int
+    steps: int
+    guidance: float
+    seed: int
+    n: int = 1
+    negative_prompt: str | None = None
+    num_frames: int | None = None
+    true_cfg_scale: float | None = None
+
+    @property
+    def size(self) -> str:
+        return f"{self.width}x{self.height}"
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Generation:
+        return cls(**json.loads(text))
+
+
+def parse_json(raw: bytes, content_type: str | None) -> dict[str, Any]:
+    """The request body as a JSON object; 415 for another content type, 400 for malformed JSON."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise RequestError(
+            f"Content-Type must be application/json, got {content_type or 'none'}",
+            "Content-Type",
+            status=415,
+        )
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        raise RequestError(f"the body is not UTF-8 text (byte {e.start})", "body") from None
+    except json.JSONDecodeError as e:
+        raise RequestError(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", "body") from None
+    if not isinstance(body, dict):
+        raise RequestError(f"the body must be a JSON object, got {type(body).__name__}", "body")
+    return body
+
+
+# --------------------------------------------------------------------------------------------------------
+# Fields
+# --------------------------------------------------------------------------------------------------------
+
+
+def _integer(body: dict, name: str, default: int, low: int, high: int) -> int:
+    value = body.get(name, default)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {json.dumps(value)}", name)
+    if not low <= value <= high:
+        raise RequestError(f"{name} must be in {low}..{high}, got {value}", name)
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(f"{name} must be a number, got {json.dumps(value)}", name)
+    if not math.isfinite(value) or not low <= value <= high:
+        raise RequestError(f"{name} must be a finite number in {low:g}..{high:g}, got {value}", name)
+    return float(value)
+
+
+def _text(body: dict, name: str, card: ModelCard, default: str | None, required: bool = False) -> str | None:
+    if name not in body:
+        if required:
+            raise RequestError(f"{name} is required", name)
+        return default
+    value = body[name]
+    if not isinstance(value, str):
+        raise RequestError(f"{name} must be a string, got {json.dumps(value)[:40]}", name)
+    if len(value) > card.max_prompt_chars:
+        raise RequestError(
+            f"{name} is {len(value)} characters long; this server takes at most {card.max_prompt_chars}", name
+        )
+    if "\x00" in value:
+        raise RequestError(f"{name} contains a NUL character", name)
+    if card.digit_prompts and not (re.fullmatch(r"\s*\d\s*", value) or (name != "prompt" and value == "")):
+        allowed = "a single digit 0-9" + ("" if name == "prompt" else ", or empty (the unconditional branch)")
+        raise RequestError(
+            f"{card.name} draws one digit: {name} must be {allowed}, got {json.dumps(value)[:40]}", name
+        )
+    return value.strip() if card.digit_prompts else value
+
+
+def _size(body: dict, card: ModelCard) -> tuple[int, int]:
+    if "size" not in body or body["size"] in (None, "auto"):
+        return card.default_size
+    value = body["size"]
+    match = _SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise RequestError(f'size must be "WIDTHxHEIGHT" (e.g. "1024x768"), got {json.dumps(value)}', "size")
+    width, height = int(match[1]), int(match[2])
+    if card.fixed_sizes is not None:
+        if (width, height) not in card.fixed_sizes:
+            allowed = ", ".join(f"{w}x{h}" for w, h in card.fixed_sizes)
+            raise RequestError(f"size {width}x{height}: {card.name} draws {allowed} only", "size")
+        return width, height
+    m = card.size_multiple
+    if width < m or height < m or width % m or height % m:
+        raise RequestError(
+            f"size {width}x{height}: width and height must be positive multiples of {m}", "size"
+        )
+    if width * height > card.max_pixels:
+        raise RequestError(
+            f"size {width}x{height} has {width * height} pixels; this server draws at most {card.max_pixels}",
+            "size",
+        )
+    return width, height
+
+
+def _common(body: dict, card: ModelCard, allowed: set[str]) -> dict[str, Any]:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise RequestError(
+            f"unknown field(s) {', '.join(unknown)}; this endpoint takes {', '.join(sorted(allowed))}",
+            unknown[0],
+        )
+    model = body.get("model")
+    if model is not None and model != card.name:
+        raise RequestError(f"model {json.dumps(model)[:60]}: this server serves {card.name!r}", "model")
+    width, height = _size(body, card)
+    true_cfg = None
+    if card.default_true_cfg is not None:
+        true_cfg = _number(body, "true_cfg_scale", card.default_true_cfg, 0.0, card.max_guidance)
+    return dict(
+        prompt=_text(body, "prompt", card, None, required=True),
+        negative_prompt=_text(body, "negative_prompt", card, card.default_negative),
+        width=width,
+        height=height,
+        steps=_integer(body, "steps", card.default_steps, 1, card.max_steps),
+        guidance=_number(body, "guidance", card.default_guidance, 0.0, card.max_guidance),
+        seed=_integer(body, "seed", 0, 0, MAX_SEED),
+        true_cfg_scale=true_cfg,
+    )
+
+
+def _seconds(value: Any) -> float:
+    """OpenAI sends ``seconds`` as a string ("4"); a number is taken too."""
+    try:
+        seconds = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else -1
+    except ValueError:
+        seconds = -1
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise RequestError(f"seconds must be a positive number, got {json.dumps(value)}", "seconds")
+    return seconds
+
+
+_DIFFUSION_FIELDS = {"model", "prompt", "size", "seed", "steps", "guidance", "negative_prompt"}
+
+
+def _fields(card: ModelCard) -> set[str]:
+    return _DIFFUSION_FIELDS | ({"true_cfg_scale"} if card.default_true_cfg is not None else set())
+
+
+def image_request(body: dict[str, Any], card: ModelCard) -> Generation:
+    """``POST /v1/images/generations``'s body, checked; defaults from ``card``."""
+    if card.kind != IMAGE:
+        raise RequestError(
+            f"{card.name} makes videos: use POST /v1/videos", None, status=404, kind="invalid_request_error"
+        )
+    fields = _common(body, card, _fields(card) | {"n", "response_format", "user"})
+    response_format = body.get("response_format", "b64_json")
+    if response_format != "b64_json":
+        raise RequestError(
+            f"response_format {json.dumps(response_format)}: this server answers b64_json only (no image URLs)",
+            "response_format",
+        )
+    if "user" in body and not isinstance(body["user"], str):
+        raise RequestError("user must be a string", "user")
+    n = _integer(body, "n", 1, 1, card.max_batch)
+    return Generation(kind=IMAGE, n=n, **fields)
+
+
+def video_request(body: dict[str, Any], card: ModelCard) -> Generation:
+    """``POST /v1/videos``'s body, checked: ``num_frames`` (4k + 1), or OpenAI's ``seconds`` (frames at the
+    model's frame rate, rounded to the nearest 4k + 1); defaults from ``card``."""
+    if card.kind != VIDEO:
+        raise RequestError(f"{card.name} makes images: use POST /v1/images/generations", None, status=404)
+    fields = _common(body, card, _fields(card) | {"num_frames", "seconds"})
+    if "num_frames" in body and "seconds" in body:
+        raise RequestError("give num_frames or seconds, not both", "seconds")
+    step = card.frame_multiple
+    if "seconds" in body:
+        seconds = _seconds(body["seconds"])
+        frames = step * max(1, round(seconds * card.fps / step)) + 1
+        if frames > card.max_frames:
+            raise RequestError(
+                f"seconds {seconds:g} is {frames} frames at {card.fps} fps; this server makes at most "
+                f"{card.max_frames} frames",
+                "seconds",
+            )
+    else:
+        frames = _integer(body, "num_frames", card.default_frames or 1, 1, card.max_frames)
+        if (frames - 1) % step:
+            low = frames - (frames - 1) % step
+            raise RequestError(
+                f"num_frames must be {step}k + 1 (the VAE folds every {step} frames after the first into one "
+                f"latent frame), got {frames}; nearest: {low}, {low + step}",
+                "num_frames",
+            )
+    return Generation(kind=VIDEO, num_frames=frames, **fields)

@@ -1,0 +1,394 @@
+"""``jaxdit serve`` on loopback with the bundled tiny-digits model (cfg2 x ring2 x ulysses2, 8 devices).
+
+One engine (loaded and compiled once) serves every test; each test starts its own scheduler and HTTP
+server (uvicorn, a free port on 127.0.0.1) around it with the settings it needs.
+
+* 40 requests from 8 concurrent clients: every answer a PNG whose pixels are `jaxdit generate`'s for the
+  same digit and seed; no XLA compilation during the run; the process's memory does not grow.
+* Bad requests get a 4xx naming the field and never reach the devices (no step runs).
+* A full queue answers 429 with Retry-After; a request past its deadline 504; a client that disconnects
+  stops its generation within a step; an error inside one generation fails that request only; a graceful
+  shutdown finishes the running request and answers the queued ones 503.
+* ``--new_shapes compile`` compiles a new shape once, then serves it from the cache.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import io
+import json
+import re
+import socket
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import jax
+import multiprocess_worker as worker
+import numpy as np
+import pytest
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+
+from PIL import Image  # noqa: E402
+
+from jaxdit.mesh import ParallelConfig  # noqa: E402
+from jaxdit.serve import schema  # noqa: E402
+from jaxdit.serve.command import Service  # noqa: E402
+from jaxdit.serve.engine import Engine, EngineLimits  # noqa: E402
+from jaxdit.serve.jobs import Scheduler  # noqa: E402
+from jaxdit.serve.metrics import Metrics, compile_counts, listen_for_compiles  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+#: The mesh of `jaxdit generate`'s reference (multiprocess_worker.MESH_FLAGS).
+CONFIG = ParallelConfig(cfg=2, ring=2, ulysses=2)
+#: The request checked against `jaxdit generate` (its PNG enlarges tiny-digits' 16x16 by SCALE).
+DIGIT, SEED, SCALE = worker.DIGIT, worker.DIGIT_SEED, worker.PNG_SCALE
+#: The largest step count the test server takes, and the long requests' count (one compiled program
+#: serves 1-63 steps). Long requests also run on a slowed device (``slow``): STEP_DELAY_S more per step.
+MAX_STEPS, LONG = 100, 60
+STEP_DELAY_S = 0.05
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("load_test", REPO / "scripts" / "load_test.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["load_test"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+load_test = _load_script()
+
+
+@pytest.fixture(scope="module")
+def generated() -> np.ndarray:
+    """`jaxdit generate`'s picture of DIGIT with SEED on the same mesh, at 16x16."""
+    big = np.asarray(Image.open(io.BytesIO(worker.generated_png())))
+    small = big[::SCALE, ::SCALE]
+    assert (np.repeat(np.repeat(small, SCALE, 0), SCALE, 1) == big).all()
+    return small
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    listen_for_compiles()
+    mesh = CONFIG.make_mesh(jax.devices()[: CONFIG.num_devices])
+    engine = Engine.load(None, mesh, limits=EngineLimits(max_steps=MAX_STEPS))
+    engine.warm_up([engine.request_for(16, 16)])
+    return engine
+
+
+class Server:
+    """A scheduler + HTTP server around the shared engine; stopped when the test ends."""
+
+    def __init__(self, engine: Engine, **options) -> None:
+        self.metrics = Metrics()
+        self.scheduler = Scheduler(engine, self.metrics, **options)
+        self.service = Service(self.scheduler)
+        self.url = f"http://127.0.0.1:{self.service.port}"
+
+    def post(self, body, path="/v1/images/generations", content_type="application/json", timeout=120):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": content_type})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                return response.status, json.loads(response.read()), response.headers
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), e.headers
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=30) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def metric(self, name: str, **labels) -> float:
+        text = self.get("/metrics")[1].decode()
+        label_text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        pattern = rf"^{name}{{{label_text}}} (\S+)$" if labels else rf"^{name} (\S+)$"
+        match = re.search(pattern, text, re.MULTILINE)
+        return float(match[1]) if match else 0.0
+
+    def steps_run(self) -> int:
+        return int(self.metric("jaxdit_step_seconds_count"))
+
+    def wait_running(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.scheduler._running is None or self.scheduler._running.steps_done < 2:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def slow(engine, monkeypatch):
+    """Every denoising step takes STEP_DELAY_S longer, as on a slower device: requests last long enough
+    to be queued behind, timed out, disconnected from and shut down on."""
+    generate = engine.pipe.generate
+
+    def slowly(call):
+        step = call.callback
+        return generate(
+            call.replace(callback=lambda *a: time.sleep(STEP_DELAY_S) or step(*a)) if step else call
+        )
+
+    monkeypatch.setattr(engine.pipe, "generate", slowly)
+
+
+@pytest.fixture
+def server(engine, request):
+    servers = []
+
+    def start(**options) -> Server:
+        servers.append(Server(engine, **options))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.service.stop()
+
+
+def _png(b64: str) -> np.ndarray:
+    data = base64.b64decode(b64)
+    assert data.startswith(load_test.PNG_SIGNATURE)
+    return np.asarray(Image.open(io.BytesIO(data)))
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_concurrent_requests_match_generate(engine, generated, server):
+    """40 requests from 8 clients, 4 digits x 2 seeds interleaved: each answer is the picture one request
+    alone makes, and (7, seed 3) is `jaxdit generate`'s; nothing compiles; memory stays flat."""
+    s = server(max_queue=64)
+    combos = [(d, seed) for d in "0279" for seed in (SEED, 11)]
+    alone = {}  # what one request makes by itself, straight from the pipeline (no HTTP, no queue)
+    for d, seed in combos:
+        g = schema.image_request({"prompt": d, "seed": seed}, engine.card)
+        alone[d, seed] = _png(base64.b64encode(engine.generate(g).files[0]).decode())
+    assert (alone[DIGIT, SEED] == generated).all(), "the server's pipeline differs from jaxdit generate's"
+
+    body = lambda i: {"prompt": combos[i % len(combos)][0], "seed": combos[i % len(combos)][1]}
+    load_test.run(s.url, 8, 8, body)  # the HTTP stack's own first-use allocations
+    compiled_before, rss_before = compile_counts(), _rss_bytes()
+    results, seconds = load_test.run(s.url, 40, 8, body)
+    compiled_after, rss_after = compile_counts(), _rss_bytes()
+
+    for r in results:
+        assert r.status == 200 and r.error is None, (r.status, r.error)
+        assert len(r.images) == 1
+        picture = np.asarray(Image.open(io.BytesIO(r.images[0])))
+        assert picture.shape == (16, 16) and picture.dtype == np.uint8
+        assert (picture == alone[tuple(body(r.index).values())]).all(), f"request {r.index}"
+    summary = load_test.report(results, seconds)
+    print(
+        f"40 requests / 8 clients: {summary['requests_per_second']:.1f} req/s, p50 "
+        f"{1000 * summary['p50']:.0f} ms, p99 {1000 * summary['p99']:.0f} ms; RSS {rss_before / 2**20:.1f} -> "
+        f"{rss_after / 2**20:.1f} MiB"
+    )
+    assert compiled_after == compiled_before, "a request compiled a program after start-up"
+    assert s.metric("jaxdit_requests_total", kind="image", outcome="completed") == 48
+    assert s.metric("jaxdit_compilations_total") == compiled_after[0]
+    # Measured growth is a few MiB at most (allocator noise); a leak of every request's buffers or
+    # threads would show as more.
+    assert rss_after - rss_before < 32 * 2**20, f"RSS grew {(rss_after - rss_before) / 2**20:.1f} MiB"
+
+
+BAD_REQUESTS = [
+    # (body or raw bytes, content type, status, the field named, a word of the message)
+    ({"prompt": "7", "size": "1024x1024"}, "application/json", 400, "size", "16x16"),
+    ({"prompt": "7", "size": "big"}, "application/json", 400, "size", "WIDTHxHEIGHT"),
+    ({"prompt": "7", "steps": 0}, "application/json", 400, "steps", f"1..{MAX_STEPS}"),
+    ({"prompt": "7", "steps": MAX_STEPS + 1}, "application/json", 400, "steps", f"1..{MAX_STEPS}"),
+    ({"prompt": "7", "steps": "20"}, "application/json", 400, "steps", "integer"),
+    ({"prompt": "7" * 2001}, "application/json", 400, "prompt", "at most 2000"),
+    ({"prompt": "cat"}, "application/json", 400, "prompt", "single digit"),
+    ({"size": "16x16"}, "application/json", 400, "prompt", "required"),
+    ({"prompt": "7", "n": 0}, "application/json", 400, "n", "1..4"),
+    ({"prompt": "7", "n": 2}, "application/json", 400, "n", "not compiled"),
+    ({"prompt": "7", "true_cfg_scale": 1.0}, "application/json", 400, "true_cfg_scale", "cfg=2"),
+    (b'{"prompt": "7", "true_cfg_scale": NaN}', "application/json", 400, "true_cfg_scale", "finite"),
+    ({"prompt": "7", "negative_prompt": "cat"}, "application/json", 400, "negative_prompt", "digit"),
+    ({"prompt": "7", "seed": -1}, "application/json", 400, "seed", "0.."),
+    ({"prompt": "7", "response_format": "url"}, "application/json", 400, "response_format", "b64_json"),
+    ({"prompt": "7", "model": "dall-e-3"}, "application/json", 400, "model", "tiny-digits"),
+    ({"prompt": "7", "step": 5}, "application/json", 400, "step", "unknown"),
+    (b'{"prompt": "7",', "application/json", 400, "body", "malformed JSON"),
+    (b"[1, 2]", "application/json", 400, "body", "JSON object"),
+    (b"\xff\xfe", "application/json", 400, "body", "UTF-8"),
+    (b'{"prompt": "7"}', "text/plain", 415, "Content-Type", "application/json"),
+    (b"x" * (2 << 20), "application/json", 413, "body", "bytes"),
+]
+
+
+def test_bad_requests_name_the_field_and_never_reach_the_devices(server):
+    s = server()
+    for body, content_type, status, param, word in BAD_REQUESTS:
+        code, answer, _ = s.post(body, content_type=content_type)
+        error = answer["error"]
+        assert (code, error["param"]) == (status, param), (body if len(body) < 100 else body[:50], answer)
+        assert word in error["message"], error
+    assert s.steps_run() == 0, "a bad request reached the devices"
+    assert (
+        s.metric("jaxdit_requests_total", kind="image", outcome="rejected_bad_request")
+        == len(BAD_REQUESTS) - 1
+    )
+    assert s.metric("jaxdit_requests_total", kind="image", outcome="rejected_shape") == 1
+    code, body = s.get("/v1/videos/nope")
+    assert code == 404
+    code, answer, _ = s.post({"prompt": "7"}, path="/v1/videos")
+    assert code == 404 and "POST /v1/images/generations" in answer["error"]["message"]
+    assert s.post({"prompt": "7", "seed": SEED})[0] == 200  # the server is still serving
+
+
+def test_full_queue_answers_429_with_retry_after(server, slow):
+    s = server(max_queue=1, request_timeout=60, shutdown_grace=0)
+    answers = {}
+    long = lambda name: answers.__setitem__(name, s.post({"prompt": "1", "steps": LONG}))
+    running = threading.Thread(target=long, args=("running",))
+    running.start()
+    s.wait_running()
+    queued = threading.Thread(target=long, args=("queued",))
+    queued.start()
+    while s.scheduler.queue_depth < 1:
+        time.sleep(0.005)
+    assert s.metric("jaxdit_queue_depth") == 1
+    code, answer, headers = s.post({"prompt": "2"})
+    assert code == 429 and answer["error"]["type"] == "rate_limit_error", answer
+    assert int(headers["Retry-After"]) >= 1
+    assert "queue is full" in answer["error"]["message"]
+    s.service.stop()  # ends both long requests: the running one is stopped at shutdown's grace
+    running.join(30), queued.join(30)
+    assert answers["queued"][0] == 503 and "shutting down" in answers["queued"][1]["error"]["message"]
+
+
+def test_request_past_its_deadline_answers_504(server, slow):
+    s = server(request_timeout=0.5)
+    start = time.monotonic()
+    code, answer, _ = s.post({"prompt": "3", "steps": LONG})
+    elapsed = time.monotonic() - start
+    assert code == 504 and answer["error"]["type"] == "timeout_error", answer
+    pattern = rf"^timed out after 0.5 s \((\d+) of {LONG} steps done\)$"
+    steps = int(re.search(pattern, answer["error"]["message"])[1])
+    assert 0 < steps < LONG and elapsed < 5, (steps, elapsed)
+    assert s.metric("jaxdit_requests_total", kind="image", outcome="timeout") == 1
+    assert s.post({"prompt": "3", "seed": SEED, "steps": 2})[0] == 200  # one inside the deadline
+
+
+def test_client_disconnect_stops_the_generation(server, slow):
+    s = server()
+    body = json.dumps({"prompt": "4", "steps": LONG}).encode()
+    with socket.create_connection(("127.0.0.1", s.service.port)) as conn:
+        conn.sendall(
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        s.wait_running()
+    gone = time.monotonic()
+    while s.metric("jaxdit_requests_total", kind="image", outcome="disconnected") < 1:
+        assert time.monotonic() - gone < 5, "the disconnect was not noticed"
+        time.sleep(0.01)
+    steps = s.steps_run()
+    assert steps < LONG / 2, f"{steps} steps ran: the generation went on after the client left"
+    assert s.post({"prompt": "4", "seed": SEED})[0] == 200
+
+
+def test_error_inside_a_generation_fails_that_request_only(engine, server, monkeypatch):
+    s = server()
+    generate = engine.pipe.generate
+
+    def broken(call):
+        if call.seed == 666:
+            raise FloatingPointError("injected fault")
+        return generate(call)
+
+    monkeypatch.setattr(engine.pipe, "generate", broken)
+    code, answer, _ = s.post({"prompt": "5", "seed": 666})
+    assert code == 500 and answer["error"]["type"] == "server_error"
+    assert "FloatingPointError: injected fault" in answer["error"]["message"]
+    assert s.post({"prompt": "5", "seed": 1})[0] == 200
+    assert s.metric("jaxdit_requests_total", kind="image", outcome="failed") == 1
+
+
+def test_graceful_shutdown_finishes_the_running_request_and_answers_the_queue(server, slow):
+    s = server(max_queue=4, shutdown_grace=30)
+    answers = {}
+    ask = lambda name, steps: answers.__setitem__(name, s.post({"prompt": "6", "steps": steps, "seed": SEED}))
+    running = threading.Thread(target=ask, args=("running", LONG))
+    running.start()
+    s.wait_running()
+    waiting = [threading.Thread(target=ask, args=(f"queued{i}", 20)) for i in range(2)]
+    for t in waiting:
+        t.start()
+    while s.scheduler.queue_depth < 2:
+        time.sleep(0.005)
+    s.service.stop()
+    for t in [running, *waiting]:
+        t.join(30)
+    assert answers["running"][0] == 200, answers["running"]  # finished within the grace period
+    for i in range(2):
+        code, answer, _ = answers[f"queued{i}"]
+        assert code == 503 and "shutting down" in answer["error"]["message"]
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(s.url + "/healthz", timeout=5)
+
+
+def test_new_shapes_compile_once(engine, server):
+    s = server(new_shapes="compile")
+    before = compile_counts()[0]
+    code, answer, _ = s.post({"prompt": "8", "n": 2, "seed": SEED})
+    assert code == 200 and len(answer["data"]) == 2
+    first = compile_counts()[0]
+    assert first > before, "a new batch size compiled nothing"
+    assert s.post({"prompt": "9", "n": 2, "seed": 5})[0] == 200
+    assert compile_counts()[0] == first, "the second request of the new shape compiled again"
+    health = json.loads(s.get("/healthz")[1])
+    assert health["shapes"] == ["16x16 n=1 1-63 steps with CFG", "16x16 n=2 1-63 steps with CFG"], health
+
+
+def test_video_requests_checked_against_the_card():
+    card = schema.ModelCard(
+        name="wan",
+        kind="video",
+        default_size=(832, 480),
+        size_multiple=16,
+        default_steps=50,
+        default_guidance=5.0,
+        default_negative="",
+        default_frames=81,
+    )
+    g = schema.video_request({"prompt": "a fox", "seconds": "2"}, card)
+    assert (g.num_frames, g.width, g.height, g.steps, g.guidance, g.negative_prompt) == (
+        33,
+        832,
+        480,
+        50,
+        5.0,
+        "",
+    )
+    g = schema.video_request({"prompt": "a fox", "num_frames": 5, "size": "64x48", "seed": 9}, card)
+    assert (g.num_frames, g.size, g.seed) == (5, "64x48", 9)
+    assert schema.Generation.from_json(g.to_json()) == g
+    for body, param, word in [
+        ({"prompt": "a", "num_frames": 6}, "num_frames", "4k + 1"),
+        ({"prompt": "a", "seconds": 100}, "seconds", "at most 129"),
+        ({"prompt": "a", "seconds": "soon"}, "seconds", "positive number"),
+        ({"prompt": "a", "seconds": 2, "num_frames": 5}, "seconds", "not both"),
+        ({"prompt": "a", "size": "100x48"}, "size", "multiples of 16"),
+        ({"prompt": "a", "n": 2}, "n", "unknown"),
+    ]:
+        with pytest.raises(schema.RequestError) as e:
+            schema.video_request(body, card)
+        assert e.value.param == param and word in e.value.message, e.value.message
