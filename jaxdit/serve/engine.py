@@ -179,7 +179,7 @@ class Engine:
                     f"--weights {weights}: jaxdit serve needs a whole pipeline folder (model_index.json, text "
                     "encoders, VAE) to go from a prompt to pixels; omit --weights to serve tiny-digits"
                 )
-            if "image_encoder" in template.folder or template.folder.kind.endswith("i2v"):
+            if template.folder.takes_image:
                 raise ValueError(f"{weights} is image-to-video; jaxdit serve makes text-to-video and images")
         if parallel.pipefusion > 1:
             raise ValueError(
