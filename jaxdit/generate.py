@@ -518,9 +518,7 @@ def run(r: GenerateRequest) -> int:
         one = dataclasses.replace(r, **_single_device_degrees())
         single = generate(build(one, single_mesh), one)
         pick = lambda x: x.images if x.images is not None else x.latents
-        say(
-            f"max |difference| to the single-device result: {np.abs(pick(single) - pick(result)).max():.2e}"
-        )
+        say(f"max |difference| to the single-device result: {np.abs(pick(single) - pick(result)).max():.2e}")
     if not main:
         return 0
     if r.is_tiny:
