@@ -28,6 +28,12 @@ restart ``acc``). ``x_prev`` is updated at every step, full or not.
 A comparison with a NaN ratio (a zero reference) never skips: the decisions are written as "skip when
 below", so NaN runs.
 
+Where jaxdit differs from diffusers' hook, on purpose: one decision per step for both guidance branches
+(diffusers keeps a cache state per branch, ``cache_context("cond" / "uncond")``; here both branches run
+in one step, on one device or over ``cfg``, and the metric sums over both), and the comparison "skip
+when below" where diffusers writes "compute when above" (they differ only when the ratio equals the
+threshold exactly).
+
 The host plan. Before the loop, each step gets a code: :data:`RUN` (forced: the first step, TeaCache's
 last, an expert switch), :data:`SKIP` (decided on the host) or :data:`DECIDE` (decided inside the
 compiled step from the data). When a metric depends on the schedule only (Wan's timestep embedding) the

@@ -15,6 +15,10 @@ What differs between families is data, not control flow:
   condition channels) and how its prediction becomes a token update (Wan's head writes each token's
   features in another order than its patch embedding reads them).
 
+A feature cache (``run(..., cache=FirstBlockCache(...))``, :mod:`jaxdit.cache`) swaps the forward for the
+cached one (:meth:`Denoiser.cached_step_fn`): the same step around it, with the cache's state as one more
+donated carry that stays on the devices; without a cache the step is exactly the program above.
+
 :class:`DenoiseInputs` is what a pipeline hands over: unpadded host arrays. ``Denoiser.run`` pads and
 places them once, runs the steps and returns the final tokens; ``Denoiser.lower`` compiles the same step
 from abstract shapes (``jaxdit plan --verify``).
