@@ -168,7 +168,10 @@ def test_host_pattern_keeps_one_accumulator_per_branch():
         (lambda: TeaCache(coefficients=(1.0, float("inf"))), "finite numbers"),
         (lambda: parse_cache("deepcache:0.3"), "fbcache, teacache"),
         (lambda: parse_cache("fbcache=0.3"), "NAME:NUMBER"),
-        (lambda: GenerationRequest(cache="fbcache").check(), "FirstBlockCache"),
+        (
+            lambda: GenerationRequest(height=16, width=16, num_inference_steps=4, cache="fbcache").check(),
+            "FirstBlockCache",
+        ),
     ],
 )
 def test_bad_cache_arguments_are_named(make, message):
@@ -249,15 +252,14 @@ def test_plan_prices_a_cache_approximately():
 
     report = plan(Workload.create("flux-dev", height=1024, width=1024), 8)
     name, skip = check_skip("fbcache:0.35", report)
-    latency = report.hardware.latency
     for p in report.plans:
-        seconds = cached_generation(p, skip, latency)
+        seconds = cached_generation(p, skip, report.hardware)
         if p.config.pipefusion > 1:
             assert seconds is None
             continue
         # Blocks are ~all of FLUX's compute: the time falls by a bit less than the skipped fraction.
         assert p.timing.generation * (1 - skip) < seconds < p.timing.generation * (1 - 0.9 * skip)
-        assert cached_generation(p, 0.0, latency) >= p.timing.generation
+        assert cached_generation(p, 0.0, report.hardware) >= p.timing.generation
     text = format_cache(report, name, skip)
     assert "approximate" in text and "PipeFusion configurations take no cache" in text
     with pytest.raises(ValueError, match="always runs 1 of the 57 blocks"):

@@ -331,7 +331,8 @@ class Denoiser:
         )
         abstract["timestep"] = jax.ShapeDtypeStruct((rows,), jnp.float32)
         shapes = cached.state_shapes(layout, names, [abstract[name] for name in names], steps)
-        # Where the parameters change (Wan 2.2's experts) a stored residual belongs to the other model.
+        # Where the parameters change (Wan 2.2's experts) a stored residual belongs to the other model:
+        # those steps run in full. ``params(i)`` returns the same object for the same weights.
         switches = [s for s in range(1, steps) if pick(s) is not pick(s - 1)]
         schedule_inputs = branch_rows = None
         if cached.policy.metric == "schedule":

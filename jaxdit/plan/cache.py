@@ -10,9 +10,10 @@ skipped"). For a plain (non-PipeFusion) configuration the model then takes a ste
     + CFG's exchange                                                       once per step, unchanged
     + one all-reduce of the metric's two scalars (latency only)            the mesh-wide decision
 
-The block share of the compute comes from the family's cost terms (``step_terms``); a skipped step also
-saves the cache's memory traffic and costs none of its own, which the model ignores. PipeFusion does not
-combine with a cache (``jaxdit.pipelines.base.CACHE_WITH_PIPEFUSION``), so its configurations get none.
+The non-block compute is the family's non-block FLOPs (``step_terms``) at the matmul rate; the rest of
+the step's compute, attention included, is the blocks'. The cache's own elementwise work (the metric's
+sums, adding the stored residual) is left out. PipeFusion does not combine with a cache
+(``jaxdit.pipelines.base.CACHE_WITH_PIPEFUSION``), so its configurations get none.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from jaxdit.cache import parse_cache
 from jaxdit.plan.cost import shapes
+from jaxdit.plan.latency import Hardware
 from jaxdit.plan.search import Plan, PlanReport
 
 __all__ = ["cached_generation", "check_skip", "format_cache", "cache_json"]
@@ -42,22 +44,23 @@ def check_skip(text: str, report: PlanReport) -> tuple[str, float]:
     return name, skip
 
 
-def cached_generation(plan: Plan, skip: float, latency: float) -> float | None:
-    """Seconds per generation of ``plan`` when ``skip`` of the block evaluations are skipped (module
-    docstring); None for PipeFusion. ``latency``: seconds per collective on the plan's link."""
+def cached_generation(plan: Plan, skip: float, hw: Hardware) -> float | None:
+    """Seconds per generation of ``plan`` on ``hw`` when ``skip`` of the block evaluations are skipped
+    (module docstring); None for PipeFusion."""
     c, t = plan.cost, plan.timing
     if c.config.pipefusion > 1:
         return None
     w = c.workload
     terms = w.family.step_terms(w, c.config, shapes(w, c.config))
-    block_compute = t.compute * (1.0 - terms.nonblock_flops / c.flops)
+    # Attention runs at its kernel's rate, inside the blocks; the rest of the non-block work is matmuls.
+    block_compute = t.compute - terms.nonblock_flops / hw.flops
     block_comm = sum(t.by_strategy.get(s, (0.0, 0.0, False))[1] for s in BLOCK_STRATEGIES)
-    decision = latency if c.config.num_devices > 1 else 0.0
+    decision = hw.latency if c.config.num_devices > 1 else 0.0
     return w.steps * (t.step - skip * (block_compute + block_comm) + decision)
 
 
 def _rows(report: PlanReport, skip: float) -> list[tuple[Plan, float | None]]:
-    return [(p, cached_generation(p, skip, report.hardware.latency)) for p in report.plans]
+    return [(p, cached_generation(p, skip, report.hardware)) for p in report.plans]
 
 
 def format_cache(report: PlanReport, name: str, skip: float, limit: int = 8) -> str:
