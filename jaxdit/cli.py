@@ -179,6 +179,31 @@ def _add_generate(sub) -> None:
     _flag(
         par, "warmup_steps", type=int, default=None, help="PipeFusion's synchronous first steps (default 1)"
     )
+    cache = gen.add_argument_group(
+        "feature cache (skip the transformer's blocks on steps that change little)"
+    )
+    _flag(
+        cache,
+        "use_fbcache",
+        action="store_true",
+        help="First-Block-Cache: block 0 runs every step; the others are skipped while its residual changes "
+        "less than --cache_threshold (relative L1)",
+    )
+    _flag(
+        cache,
+        "use_teacache",
+        action="store_true",
+        help="TeaCache: every block is skipped while the accumulated, rescaled change of the step's input "
+        "stays below --cache_threshold",
+    )
+    _flag(
+        cache,
+        "cache_threshold",
+        type=float,
+        default=None,
+        help="default: First-Block-Cache 0.08 (tiny-digits 0.2); TeaCache the model's published one "
+        "(FLUX.1 0.4; Wan 2.1 1.3B 0.08, 14B 0.2, I2V 480P 0.26 / 720P 0.3)",
+    )
     from jaxdit.distributed import add_arguments as add_process_flags
 
     add_process_flags(gen)

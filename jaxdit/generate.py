@@ -29,12 +29,14 @@ from typing import Any
 import numpy as np
 
 from jaxdit import distributed, families
+from jaxdit.cache import FirstBlockCache, TeaCache
 from jaxdit.distributed import ProcessGroup, resolve
 from jaxdit.families.base import ModelFamily
 from jaxdit.lora import parse_lora
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.kernels import check_backend
 from jaxdit.pipelines import tiny_digits as tiny
+from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
 from jaxdit.pipelines.model_folder import ModelFolder
 from jaxdit.pipelines.request import GenerationRequest
 
@@ -46,6 +48,10 @@ MAX_SEQUENCE_LENGTH = 512
 IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".npy"), (".mp4", ".gif", ".npy")
 #: The tiny model's training record fixes its sampling (pixel space, 16 x 16, CFG with the empty prompt).
 TINY_DEFAULTS = dict(height=16, width=16, num_inference_steps=20, true_cfg_scale=3.0)
+#: tiny-digits' cache thresholds, measured (scripts/cache_digits.py, README "Feature caching"): with 20
+#: steps and 4 blocks First-Block-Cache skips nothing at FLUX.1-dev's 0.08; 0.2 is the smallest tried
+#: value that skips over 30% of block evaluations (the judge keeps 100%). TeaCache keeps FLUX's 0.4.
+TINY_CACHE_THRESHOLDS = {"fbcache": 0.2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +92,9 @@ class GenerateRequest:
     num_processes: int | None = None
     process_id: int | None = None
     initialization_timeout: float = 300.0
+    use_fbcache: bool = False  # First-Block-Cache
+    use_teacache: bool = False  # TeaCache
+    cache_threshold: float | None = None  # default: TINY_CACHE_THRESHOLDS, else the cache's own
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -144,6 +153,16 @@ class GenerateRequest:
         )
 
     # ------------------------------------------------------------------ the call
+    def cache(self) -> Any:
+        """The feature cache the flags ask for (``jaxdit.cache``), or None."""
+        kind = FirstBlockCache if self.use_fbcache else TeaCache if self.use_teacache else None
+        if kind is None:
+            return None
+        threshold = self.cache_threshold
+        if threshold is None and self.is_tiny:
+            threshold = TINY_CACHE_THRESHOLDS.get(kind.name)
+        return kind() if threshold is None else kind(threshold=threshold)
+
     @functools.cached_property
     def embeddings(self) -> dict[str, tuple[int, ...]] | None:
         """Names and shapes of the arrays in the ``--prompt_embeds`` file (read without jax)."""
@@ -173,6 +192,7 @@ class GenerateRequest:
             max_sequence_length=self.max_sequence_length,
             warmup_steps=self.warmup_steps,
             num_pipeline_patch=self.num_pipeline_patch,
+            cache=self.cache(),
         )
 
 
@@ -238,6 +258,7 @@ def check_request(r: GenerateRequest) -> None:
     group = r.process_group  # the process flags, checked
     if r.initialization_timeout <= 0:
         raise ValueError(f"--initialization_timeout must be > 0 seconds, got {r.initialization_timeout}")
+    _check_cache(r, parallel)
     if r.emulate_devices is not None:
         if r.emulate_devices < 1:
             raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
@@ -258,6 +279,20 @@ def check_request(r: GenerateRequest) -> None:
     else:
         _check_tiny(r)
     _check_call(r, parallel)
+
+
+def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
+    if r.use_fbcache and r.use_teacache:
+        raise ValueError("--use_fbcache and --use_teacache are two caches: pick one")
+    if r.cache_threshold is not None:
+        if not (r.use_fbcache or r.use_teacache):
+            raise ValueError("--cache_threshold needs a cache: add --use_fbcache or --use_teacache")
+        if not math.isfinite(r.cache_threshold) or r.cache_threshold <= 0:
+            raise ValueError(f"--cache_threshold must be a positive number, got {r.cache_threshold}")
+    if (r.use_fbcache or r.use_teacache) and parallel.pipefusion > 1:
+        raise ValueError(
+            f"--pipefusion_parallel_degree {parallel.pipefusion} with a cache: {CACHE_WITH_PIPEFUSION}"
+        )
 
 
 def _check_tiny(r: GenerateRequest) -> None:
@@ -513,12 +548,17 @@ def run(r: GenerateRequest) -> int:
     say(
         f"generated in {time.perf_counter() - start:.1f} s ({result.seconds:.1f} s denoising, compile included)"
     )
+    if result.cache is not None:
+        say(result.cache.describe())
     if r.compare_single_device:
         single_mesh = ParallelConfig().make_mesh(jax.local_devices()[:1])
         one = dataclasses.replace(r, **_single_device_degrees())
         single = generate(build(one, single_mesh), one)
         pick = lambda x: x.images if x.images is not None else x.latents
         say(f"max |difference| to the single-device result: {np.abs(pick(single) - pick(result)).max():.2e}")
+        if result.cache is not None:
+            same = np.array_equal(single.cache.ran, result.cache.ran)
+            say(f"cache decisions {'the same as' if same else 'DIFFERENT from'} the single-device run's")
     if not main:
         return 0
     if r.is_tiny:

@@ -491,6 +491,24 @@ class FluxTransformer(nnx.Module):
         """The joined stream's image tokens -> the velocity prediction [B, N, out_channels]."""
         return self.final_layer(ctx.layout.split_local(streams)[IMAGE], cond.vec)
 
+    # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
+    def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """First-Block-Cache compares the image stream (as diffusers' hook does): (it, its real tokens)."""
+        return streams[IMAGE], ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+
+    def teacache_input(
+        self, block: DoubleStreamBlock, streams: Any, cond: FluxCond, ctx: ShardContext
+    ) -> tuple[jax.Array, jax.Array]:
+        """TeaCache's metric input: the first double block's modulated image input, LN(img) * (1 + scale1)
+        + shift1 (TeaCache4FLUX's ``transformer_blocks[0].norm1``), and the image's real tokens."""
+        shift, scale = jnp.split(_fp32_out(block.img_mod, jax.nn.silu(cond.vec)), 6, axis=-1)[:2]
+        return _modulate(streams[IMAGE], shift, scale), self.cache_metric_stream(streams, ctx)[1]
+
+    def teacache_defaults(self, grid: tuple[int, ...]) -> tuple[tuple[float, ...], float]:
+        """TeaCache4FLUX's rescaling polynomial (ali-vilab/TeaCache ``TeaCache4FLUX/teacache_flux.py``) and
+        threshold 0.4 (1.8x on FLUX.1-dev as published; 0.25 / 0.6 / 0.8 give 1.5x / 2.0x / 2.25x)."""
+        return (498.651651, -283.781631, 55.8554382, -3.82021401, 0.264230861), 0.4
+
     def __call__(
         self,
         img: jax.Array,

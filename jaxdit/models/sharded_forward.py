@@ -224,6 +224,30 @@ class ShardedForward:
             )
         return self._steps[key]
 
+    def carry_step(
+        self, layout: SequenceLayout, names: tuple[str, ...], body: Callable[..., Any], carry_specs: Any
+    ) -> Callable:
+        """:meth:`step` with a state carried in and out: ``fn(state, carry, *padded_inputs) -> (output,
+        carry)``, where ``body(model, ctx, carry, **local_inputs) -> (local output, local carry)`` runs
+        inside the same ``shard_map`` and ``carry_specs`` (a pytree of PartitionSpecs matching the carry)
+        lays the carry out on the mesh. Feature caches (``jaxdit.cache``) keep their state this way.
+        Not memoized: the caller's own jitted step holds it.
+        """
+        ctx = ShardContext(self.config, layout, self.kernel)
+        graphdef = self.graphdef
+
+        def local(state, carry, *args):
+            return body(nnx.merge(graphdef, state), ctx, carry, **dict(zip(names, args, strict=True)))
+
+        in_specs = (self.param_specs, carry_specs) + tuple(self.spec(self.inputs[n]) for n in names)
+        return jax.shard_map(
+            local,
+            mesh=self.mesh,
+            in_specs=in_specs,
+            out_specs=(self.spec(self.output), carry_specs),
+            check_vma=False,
+        )
+
     def __call__(self, **inputs: Any) -> jax.Array:
         """Global inputs (numpy or jax, unpadded) -> global output (unpadded)."""
         unknown = set(inputs) - set(self.inputs)

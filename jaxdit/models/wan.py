@@ -484,6 +484,16 @@ class WanImageEmbedding(nnx.Module):
         return _affine_layer_norm(self.fc2(h), self.norm_out_weight, self.norm_out_bias, 1e-5).astype(dtype)
 
 
+#: TeaCache4Wan2.1's rescaling polynomials (highest power first) and "fast" thresholds, without retention
+#: steps (ali-vilab/TeaCache ``TeaCache4Wan2.1/teacache_generate.py`` and its README: about 2x each).
+TEACACHE: dict[str, tuple[tuple[float, ...], float]] = {
+    "wan2.1-t2v-1.3b": ((2396.76752, -1311.10545, 201.331979, -8.29855975, 0.137887774), 0.08),
+    "wan2.1-t2v-14b": ((-5784.54975374, 5449.50911966, -1811.16591783, 256.27178429, -13.02252404), 0.2),
+    "wan2.1-i2v-14b@480p": ((-302.331670, 223.948934, -52.5463970, 5.87348440, -0.201973289), 0.26),
+    "wan2.1-i2v-14b@720p": ((-114.36346466, 65.26524496, -18.82220707, 4.91518089, -0.23412683), 0.3),
+}
+
+
 class WanCond(NamedTuple):
     """What every Wan block (and the head) reads besides the video stream."""
 
@@ -586,6 +596,32 @@ class WanTransformer(nnx.Module):
 
     def output(self, streams: jax.Array, cond: WanCond, ctx: ShardContext) -> jax.Array:
         return self.head_prediction(streams, cond.temb)
+
+    # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
+    def cache_metric_stream(self, streams: jax.Array, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """First-Block-Cache compares the video stream: (it, its real tokens)."""
+        return streams, ctx.token_valid()
+
+    def teacache_timestep_input(self, timestep: jax.Array) -> jax.Array:
+        """TeaCache's metric input, the time embedding [B, E] (TeaCache4Wan2.1's ``e``): it depends on the
+        timestep only, so the skip pattern is computed before the loop."""
+        return self.embed_time(timestep)[0]
+
+    def teacache_defaults(self, grid: tuple[int, ...]) -> tuple[tuple[float, ...], float] | None:
+        """The published polynomial and the "fast" threshold (about 2x) of this model, or None for a
+        size TeaCache4Wan2.1 did not fit. I2V: the 720P model's when the frames are 720 pixels or more on
+        the short side (``grid`` is the (frames, rows, cols) token grid; 8 pixels per latent), else the
+        480P model's."""
+        cfg = self.config
+        short_side = min(grid[1:], default=0) * cfg.patch_size[1] * 8
+        for name, fitted in TEACACHE.items():
+            preset, _, resolution = name.partition("@")
+            if dataclasses.replace(cfg, **WanConfig.PRESETS[preset]) != cfg:
+                continue
+            if resolution and (short_side >= 720) != (resolution == "720p"):
+                continue
+            return fitted
+        return None
 
     def __call__(
         self,

@@ -38,7 +38,16 @@ from jaxdit.pipelines.assemble import load_model, preset_check
 from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
 
-__all__ = ["DiffusionPipeline", "GenerationOutput", "Prepared", "to_pil"]
+__all__ = ["CACHE_WITH_PIPEFUSION", "DiffusionPipeline", "GenerationOutput", "Prepared", "to_pil"]
+
+#: Why a feature cache and PipeFusion do not combine (checked before anything runs).
+CACHE_WITH_PIPEFUSION = (
+    "feature caches (First-Block-Cache, TeaCache) do not run with PipeFusion: a cache decides once per step "
+    "from block 0's output over the WHOLE latent, but PipeFusion's first stage hands each patch on as soon "
+    "as its blocks are done, so the decision would wait for every patch to clear stage 0 (a full pipeline "
+    "bubble every step), and a skipped step leaves every stage's stale K/V one more step behind; run the "
+    "cache on ulysses/ring/cfg/tensor/data instead"
+)
 
 
 @dataclasses.dataclass
@@ -48,6 +57,9 @@ class GenerationOutput:
     images: Any
     latents: np.ndarray  # the family's latents, e.g. [B, C, h, w] (FLUX) or [B, C, F', h, w] (Wan)
     seconds: float  # wall time of the denoising loop (compile included on a first call)
+    #: What a feature cache did (``jaxdit.cache.CacheReport``: steps run in full, skipped blocks,
+    #: memory per device, whether every device decided alike); None without a cache.
+    cache: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +214,11 @@ class DiffusionPipeline:
         request.check()
         if request.output_type != "latent" and self.decode is None:
             raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
+        if request.cache is not None and self.parallel.pipefusion > 1:
+            raise ValueError(CACHE_WITH_PIPEFUSION)
         options = self.denoiser_options(request)
+        if request.cache is not None:
+            options["cache"] = request.cache
         prepared = self.prepare(request)
         result = self.denoiser.run(
             prepared.inputs, progress=request.progress, callback=request.callback, **options
@@ -213,7 +229,7 @@ class DiffusionPipeline:
             images = self.decode(latents)
             if request.output_type == "pil":
                 images = to_pil(images)
-        return GenerationOutput(images=images, latents=latents, seconds=result.seconds)
+        return GenerationOutput(images=images, latents=latents, seconds=result.seconds, cache=result.cache)
 
     def denoiser_options(self, request: GenerationRequest) -> dict[str, Any]:
         """The request's options for this mesh's denoiser: PipeFusion's, which only PipeFusion takes."""

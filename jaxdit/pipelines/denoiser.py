@@ -15,6 +15,10 @@ What differs between families is data, not control flow:
   condition channels) and how its prediction becomes a token update (Wan's head writes each token's
   features in another order than its patch embedding reads them).
 
+A feature cache (``run(..., cache=FirstBlockCache(...))``, :mod:`jaxdit.cache`) swaps the forward for the
+cached one (:meth:`Denoiser.cached_step_fn`): the same step around it, with the cache's state as one more
+donated carry that stays on the devices; without a cache the step is exactly the program above.
+
 :class:`DenoiseInputs` is what a pipeline hands over: unpadded host arrays. ``Denoiser.run`` pads and
 places them once, runs the steps and returns the final tokens; ``Denoiser.lower`` compiles the same step
 from abstract shapes (``jaxdit plan --verify``).
@@ -30,9 +34,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdit.cache import CacheReport
+from jaxdit.cache.cached_forward import CachedForward, resolve
 from jaxdit.distributed import fetch
+from jaxdit.mesh import ParallelConfig
 from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.cfg import combine_branches, replicate_branches
 from jaxdit.parallel.layout import SequenceLayout
@@ -123,6 +131,7 @@ class DenoiseInputs:
 class DenoiseResult:
     tokens: np.ndarray  # [B, N, K] fp32, unpadded
     seconds: float  # wall time of the loop (compile included on a first call)
+    cache: CacheReport | None = None  # what a feature cache did (None without one)
 
 
 def abstract_like(a: Any) -> Any:
@@ -185,16 +194,12 @@ class Denoiser:
         return layout, tuple(name for name in self.forward.inputs if name in shapes)
 
     # ------------------------------------------------------------------ step
-    def step_fn(self, layout: SequenceLayout, names: tuple[str, ...], cfg: bool) -> Callable:
-        """``step(params, x, state, i, schedule, context, extras, scale) -> (x, state, i + 1)``, jitted;
-        ``x`` and the sampler state are donated (updated in place)."""
-        key = (layout, names, cfg)
-        if key in self._steps:
-            return self._steps[key]
-        forward = self.forward.step(layout, names)
+    def _step_parts(self, names: tuple[str, ...], cfg: bool) -> tuple[Callable, Callable]:
+        """The two halves of a step around the forward: its inputs from the latent tokens, and the update
+        of the tokens from its prediction (CFG combine, then the sampler)."""
         mesh, sampler, hooks, dtype = self.mesh, self.sampler, self.hooks, self.dtype
 
-        def step(params, x, state, i, schedule, context, extras, scale):
+        def forward_inputs(x, i, schedule, context, extras):
             tokens = hooks.model_input(x, extras)
             model_x = replicate_branches(tokens, mesh, seq_sharded=True) if cfg else tokens
             t = sampler.model_time(schedule, i)
@@ -203,16 +208,68 @@ class Denoiser:
                 hidden_states=model_x.astype(dtype),
                 timestep=jnp.full((model_x.shape[0],), t, jnp.float32),
             )
-            v = forward(params, *(inputs[n] for n in names))
+            return tuple(inputs[n] for n in names)
+
+        def update(v, x, state, i, schedule, scale):
             if cfg:
                 v = combine_branches(v, scale, mesh, seq_sharded=True)
-            x, state = sampler.step(schedule, i, state, x, hooks.prediction(v))
+            return sampler.step(schedule, i, state, x, hooks.prediction(v))
+
+        return forward_inputs, update
+
+    def step_fn(self, layout: SequenceLayout, names: tuple[str, ...], cfg: bool) -> Callable:
+        """``step(params, x, state, i, schedule, context, extras, scale) -> (x, state, i + 1)``, jitted;
+        ``x`` and the sampler state are donated (updated in place)."""
+        key = (layout, names, cfg)
+        if key in self._steps:
+            return self._steps[key]
+        forward = self.forward.step(layout, names)
+        forward_inputs, update = self._step_parts(names, cfg)
+
+        def step(params, x, state, i, schedule, context, extras, scale):
+            v = forward(params, *forward_inputs(x, i, schedule, context, extras))
+            x, state = update(v, x, state, i, schedule, scale)
             return x, state, i + 1
 
         self._steps[key] = jax.jit(
             step,
             out_shardings=(self.latent_sharding, self.latent_sharding, self.replicated),
             donate_argnums=(1, 2),
+            compiler_options=self.compiler_options,
+        )
+        return self._steps[key]
+
+    def cached_step_fn(
+        self,
+        layout: SequenceLayout,
+        names: tuple[str, ...],
+        cfg: bool,
+        cached: CachedForward,
+        shapes: Mapping[str, Any],
+    ) -> Callable:
+        """:meth:`step_fn` with a feature cache: ``step(params, x, state, cache, i, schedule, context,
+        extras, scale) -> (x, state, cache, i + 1)``, jitted; the cache state is donated too and stays
+        on the devices from step to step."""
+        key = (layout, names, cfg, cached.policy)
+        if key in self._steps:
+            return self._steps[key]
+        forward = cached.step(layout, names, shapes)
+        forward_inputs, update = self._step_parts(names, cfg)
+
+        def step(params, x, state, cache, i, schedule, context, extras, scale):
+            v, cache = forward(params, cache, *forward_inputs(x, i, schedule, context, extras))
+            x, state = update(v, x, state, i, schedule, scale)
+            return x, state, cache, i + 1
+
+        self._steps[key] = jax.jit(
+            step,
+            out_shardings=(
+                self.latent_sharding,
+                self.latent_sharding,
+                cached.shardings(shapes),
+                self.replicated,
+            ),
+            donate_argnums=(1, 2, 3),
             compiler_options=self.compiler_options,
         )
         return self._steps[key]
@@ -247,6 +304,7 @@ class Denoiser:
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
         params: Any = None,
+        cache: Any = None,
     ) -> DenoiseResult:
         """All ``inputs.steps`` steps; returns the final latent tokens (unpadded, on the host).
 
@@ -254,7 +312,10 @@ class Denoiser:
         ``params(i)`` picks them per step (Wan 2.2's two experts share one compiled step).
         ``callback(i, total)`` runs on the host after step i has finished on the devices (so progress,
         cancellation and timeouts are real, not just dispatched); False stops the loop.
+        ``cache``: a ``jaxdit.cache.FirstBlockCache`` / ``TeaCache`` (see :meth:`run_cached`).
         """
+        if cache is not None:
+            return self.run_cached(inputs, cache, progress=progress, callback=callback, params=params)
         layout, names = self.layout(inputs)
         step = self.step_fn(layout, names, inputs.cfg)
         x, state, i, *rest = self.place(inputs, layout)
@@ -272,6 +333,80 @@ class Denoiser:
         tokens = fetch(x)  # across processes too
         seconds = time.perf_counter() - start
         return DenoiseResult(layout.unpad(tokens, self.group, axis=1), seconds)
+
+    def run_cached(
+        self,
+        inputs: DenoiseInputs,
+        cache: Any,
+        *,
+        progress: bool = True,
+        callback: Callable[[int, int], bool | None] | None = None,
+        params: Any = None,
+    ) -> DenoiseResult:
+        """:meth:`run` with a feature cache (``jaxdit.cache``): the host plans the steps the policy forces
+        (or, for a metric of the schedule alone, every step), then each step decides on the devices, the
+        same everywhere, inside one compiled program. The result carries the cache's report."""
+        layout, names = self.layout(inputs)
+        x, state, i, schedule, context, extras, scale = self.place(inputs, layout)
+        pick = (
+            params if callable(params) else (lambda _: params if params is not None else self.forward.state)
+        )
+        steps = inputs.steps
+        model = nnx.merge(self.forward.graphdef, self.forward.state)
+        cached = CachedForward(self.forward, resolve(cache, model, inputs.grid))
+        b, n, k = np.shape(inputs.tokens)
+        rows = b * (2 if inputs.cfg else 1)
+        abstract = dict(jax.tree.map(abstract_like, context))
+        abstract["hidden_states"] = jax.ShapeDtypeStruct(
+            (rows, layout.padded_lengths[self.group], k + self.hooks.extra_features), self.dtype
+        )
+        abstract["timestep"] = jax.ShapeDtypeStruct((rows,), jnp.float32)
+        shapes = cached.state_shapes(layout, names, [abstract[name] for name in names], steps)
+        # Where the parameters change (Wan 2.2's experts) a stored residual belongs to the other model:
+        # those steps run in full. ``params(i)`` returns the same object for the same weights.
+        switches = [s for s in range(1, steps) if pick(s) is not pick(s - 1)]
+        schedule_inputs = branch_rows = None
+        if cached.policy.metric == "schedule":
+            schedule_inputs = self._timestep_inputs(pick, schedule, rows, steps)
+            branch_rows = self._branch_rows(b, inputs.cfg)
+        plan = cached.plan(steps, switches, schedule_inputs, branch_rows or ())
+        cache_state = cached.init_state(shapes, plan)
+        step = self.cached_step_fn(layout, names, inputs.cfg, cached, shapes)
+        rest = (schedule, context, extras, scale)
+        self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, cache_state, i, *rest)))
+        start = time.perf_counter()
+        for s in progress_bar(range(steps), progress, steps):
+            x, state, cache_state, i = step(pick(s), x, state, cache_state, i, *rest)
+            if callback is not None:
+                x.block_until_ready()
+                if callback(s + 1, steps) is False:
+                    raise GenerationCancelled(f"stopped after step {s + 1} of {steps}")
+        tokens = fetch(x)
+        seconds = time.perf_counter() - start
+        report = cached.report(cache_state, shapes)
+        return DenoiseResult(layout.unpad(tokens, self.group, axis=1), seconds, report)
+
+    def _timestep_inputs(self, pick: Callable, schedule: Any, rows: int, steps: int) -> np.ndarray:
+        """[steps, rows, ...]: a schedule-only metric's input at every step (TeaCache on Wan)."""
+        graphdef, sampler = self.forward.graphdef, self.sampler
+
+        @jax.jit
+        def metric_input(params, schedule, i):
+            t = jnp.full((rows,), sampler.model_time(schedule, i), jnp.float32)
+            return nnx.merge(graphdef, params).teacache_timestep_input(t)
+
+        return np.stack(
+            [np.asarray(jax.device_get(metric_input(pick(s), schedule, np.int32(s)))) for s in range(steps)]
+        )
+
+    def _branch_rows(self, batch: int, cfg: bool) -> list[np.ndarray] | None:
+        """The model batch's rows of each guidance branch (``interleave_branches``' order)."""
+        if not cfg:
+            return None
+        data = ParallelConfig.from_mesh(self.mesh).data
+        per = batch // data
+        rows = np.arange(2 * batch).reshape(data, 2, per)
+        return [rows[:, branch].reshape(-1) for branch in range(2)]
 
     def lower(self, inputs: DenoiseInputs) -> jax.stages.Lowered:
         """The step for ``inputs`` lowered from abstract shapes: ``inputs`` may hold ShapeDtypeStructs

@@ -183,13 +183,16 @@ class FluxPipeline(DiffusionPipeline):
         callback: Callable[[int, int], bool | None] | None = None,
         num_pipeline_patch: int | None = None,
         warmup_steps: int | None = None,
+        cache: Any = None,
     ) -> GenerationOutput:
         """Generate images. ``guidance_scale`` feeds FLUX-dev's guidance embedding (ignored by models
         without one); ``true_cfg_scale`` > 1 with negative conditioning runs classifier-free guidance.
         ``latents``: initial noise [B, C, H/f, W/f] instead of the seed's. ``max_sequence_length``: T5's
         token count (default: the text encoder's, 512 for FLUX). ``output_type``: np, pil or latent.
         PipeFusion (a mesh with pipefusion > 1): ``num_pipeline_patch`` (default 2P when it divides the
-        latent's token rows, else P) and ``warmup_steps`` (default 1), as xDiT's flags."""
+        latent's token rows, else P) and ``warmup_steps`` (default 1), as xDiT's flags.
+        ``cache``: a feature cache, ``jaxdit.cache.FirstBlockCache(threshold=0.08)`` or ``TeaCache()`` (the
+        output's ``cache`` reports what it skipped)."""
         return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
 
     # ------------------------------------------------------------------ family hook

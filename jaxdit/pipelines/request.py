@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxdit.cache import FirstBlockCache, TeaCache
+
 __all__ = ["OUTPUT_TYPES", "GenerationRequest", "prompt_list"]
 
 #: ``output_type`` values every pipeline accepts (diffusers' names).
@@ -73,6 +75,8 @@ class GenerationRequest:
     warmup_steps: int | None = None
     num_pipeline_patch: int | None = None
     patch_by: str | None = None
+    #: A feature cache (``jaxdit.cache.FirstBlockCache`` or ``TeaCache``), or None.
+    cache: Any = None
 
     def check(self) -> None:
         """Family-independent checks; raise ``ValueError`` naming the argument."""
@@ -98,6 +102,11 @@ class GenerationRequest:
             raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
         if self.height < 1 or self.width < 1:
             raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
+        if self.cache is not None and not isinstance(self.cache, FirstBlockCache | TeaCache):
+            raise ValueError(
+                "cache must be a jaxdit.cache.FirstBlockCache(threshold=...) or TeaCache(threshold=...), "
+                f"got {self.cache!r}"
+            )
 
     def replace(self, **changes: Any) -> GenerationRequest:
         return dataclasses.replace(self, **changes)

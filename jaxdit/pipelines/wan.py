@@ -445,6 +445,7 @@ class WanPipeline(DiffusionPipeline):
         num_pipeline_patch: int | None = None,
         warmup_steps: int | None = None,
         patch_by: str | None = None,
+        cache: Any = None,
     ) -> GenerationOutput:
         """Generate videos; returns latents [B, 16, F', H/8, W/8] and, decoded, ``images`` = video frames
         [B, F, H, W, 3] in [-1, 1].
@@ -457,6 +458,8 @@ class WanPipeline(DiffusionPipeline):
         ``output_type``: np, pil (a list of frame lists) or latent. PipeFusion (a mesh with pipefusion > 1):
         ``num_pipeline_patch`` (default: the smallest M >= P that splits the latent rows), ``warmup_steps``
         (default 1), ``patch_by`` ("rows", default, or "frames"), as xDiT's flags.
+        ``cache``: a feature cache,
+        ``jaxdit.cache.FirstBlockCache(threshold=...)`` or ``TeaCache()`` (the output's ``cache`` reports it).
         """
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "num_videos_per_prompt")}
         return self.generate(GenerationRequest(**kwargs, num_images_per_prompt=num_videos_per_prompt))

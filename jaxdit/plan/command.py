@@ -2,6 +2,7 @@
 
 jaxdit plan --model flux-dev --height 1024 --width 1024 --devices 8 --link nvlink [--json]
 jaxdit plan --model flux-dev --devices 8 --attention_backend cudnn [--attention_tflops 520 | --calibration gpu_check.json]
+jaxdit plan --model flux-dev --devices 8 --cache fbcache:0.35   # a cache skipping 35% of block evaluations
 jaxdit plan --model wan2.1-t2v-14b --height 720 --width 1280 --frames 81 --devices 8 --verify \\
     --configs ulysses8,ring8,ring2xulysses4,cfg2xulysses4,tensor2xulysses4
 
@@ -99,10 +100,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "ulysses8,ring8,ring2xulysses4",
     )
     p.add_argument("--threads", type=int, default=2, help="concurrent compiles for --verify")
+    p.add_argument("--cache", default=None, metavar="NAME:FRACTION", help="a feature cache's expected "
+                   "skipped fraction of block evaluations, e.g. fbcache:0.35 or teacache:0.5 (approximate)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     """Plan (and verify); prints a table or JSON. Raises ValueError on bad arguments."""
+    from jaxdit.plan.cache import cache_json, check_skip, format_cache
     from jaxdit.plan.latency import DEFAULT_MEMORY_GB, DEFAULT_TFLOPS, Hardware, read_calibration
     from jaxdit.plan.report import add_attention_json, format_plan, format_verify, format_verify_pipefusion
     from jaxdit.plan.search import plan
@@ -139,11 +143,17 @@ def run(args: argparse.Namespace) -> int:
             tflops=args.tflops or measured["tflops"] or hw.tflops,
         )
     report = plan(workload, args.devices, hw)
+    cache = check_skip(args.cache, report) if args.cache else None
     data = report.to_json() if args.json else None
     if data is not None:
         add_attention_json(data, report)
     if not args.json:
         print(format_plan(report), flush=True)
+    if cache is not None:
+        if args.json:
+            data["cache"] = cache_json(report, *cache)
+        else:
+            print("\n" + format_cache(report, *cache), flush=True)
 
     if args.verify:
         from jaxdit.plan.verify import (
