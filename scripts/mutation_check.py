@@ -3,6 +3,7 @@
     python scripts/mutation_check.py              # every mutation (about 10-20 minutes on 2 cores)
     python scripts/mutation_check.py --list       # names, files and tests
     python scripts/mutation_check.py --only flux-layernorm-eps rope-base
+    python scripts/mutation_check.py --only bfl-table-q-k-swapped --tests tests/test_flux_converters.py
 
 Each mutation is one textual change to one file of the library (a LayerNorm epsilon ten times too large,
 a wrong RoPE base, AdaLN's shift and scale swapped, a padding mask off by one, ...) and the tests that
@@ -186,7 +187,7 @@ def _copy_checkout(dst: Path, files: list[str]) -> None:
 
 
 def run(m: Mutation, files: list[str], timeout: int) -> tuple[str, str]:
-    """(outcome, detail) with outcome in caught / NOT CAUGHT / stale / error."""
+    """(outcome, detail) with outcome in caught / NOT CAUGHT / stale / error (``m.tests`` are run)."""
     text = (REPO / m.file).read_text()
     if text.count(m.old) != 1:
         return "stale", f"{m.file}: the text to change occurs {text.count(m.old)} times (expected once)"
@@ -216,12 +217,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", metavar="NAME", help="run these mutations only")
     parser.add_argument("--list", action="store_true", help="print the mutations and exit")
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per mutation")
+    parser.add_argument(
+        "--tests", nargs="+", metavar="NODE", help="run these tests instead of each mutation's own"
+    )
     args = parser.parse_args(argv)
     known = {m.name: m for m in MUTATIONS}
     unknown = sorted(set(args.only or ()) - set(known))
     if unknown:
         parser.error(f"unknown mutation(s) {', '.join(unknown)}; known: {', '.join(known)}")
     chosen = [known[n] for n in args.only] if args.only else list(MUTATIONS)
+    if args.tests:
+        chosen = [dataclasses.replace(m, tests=tuple(args.tests)) for m in chosen]
     if args.list:
         for m in chosen:
             print(f"{m.name}: {m.why}\n    {m.file}\n    tests: {' '.join(m.tests)}")
