@@ -111,6 +111,17 @@ MUTATIONS = (
         ("tests/test_layouts_vs_diffusers.py",),
     ),
     Mutation(
+        "bfl-table-qk-norms-swapped",
+        "the BFL key table taking a single block's query norm from key_norm and the key norm from "
+        "query_norm (reader and writer alike)",
+        "converters/flux.py",
+        'rules.append(KeyRule(f"{s}.attn.q_norm", f"{src}.norm.query_norm.scale", IDENTITY, s))\n'
+        '    rules.append(KeyRule(f"{s}.attn.k_norm", f"{src}.norm.key_norm.scale", IDENTITY, s))',
+        'rules.append(KeyRule(f"{s}.attn.q_norm", f"{src}.norm.key_norm.scale", IDENTITY, s))\n'
+        '    rules.append(KeyRule(f"{s}.attn.k_norm", f"{src}.norm.query_norm.scale", IDENTITY, s))',
+        ("tests/test_layouts_vs_diffusers.py",),
+    ),
+    Mutation(
         "wan-original-table-norms",
         "the original Wan key table taking the cross-attention norm from norm2 (reader and writer alike)",
         "converters/wan.py",
@@ -133,14 +144,6 @@ MUTATIONS = (
         "new = jnp.where(valid, fresh[:, :, None].astype(buffer.dtype), old)",
         "new = fresh[:, :, None].astype(buffer.dtype)",
         ("tests/test_pipefusion.py::test_pipelined_phase_equals_a_serial_reference_of_stale_kv",),
-    ),
-    Mutation(
-        "residual-stream-in-bf16",
-        "FLUX's double blocks rounding the residual stream to the weights' dtype (bf16) (the design: fp32)",
-        "jaxdit/models/flux.py",
-        'out[name] = x + gate2[:, None] * getattr(self, f"{name}_mlp")(mlp_in, ctx)',
-        'out[name] = (x + gate2[:, None] * getattr(self, f"{name}_mlp")(mlp_in, ctx)).astype(dtype)',
-        ("tests/test_flux_vs_diffusers.py::test_bf16_single_device",),
     ),
     Mutation(
         "euler-step-dtype",

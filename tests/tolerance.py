@@ -6,8 +6,8 @@ Policy (docs/testing.md says the same for readers of the docs):
   reference's max absolute value, because fp32 rounding is relative to the values' scale and the tiny
   models' outputs here range from ~1 (pictures) to ~8 (Wan latents); an *absolute* bound is used where the
   scale is fixed (pixels in [0, 1]) or meaningless (quantities that should be 0).
-- A bound is 2-3x the largest error measured for its kind over every case the suite runs (2026-12, jax
-  0.10.2, torch 2.13.0 CPU, a 2-core x86 host; the values are in each bound's ``measured``). A few-x
+- A bound is 2-3x the largest error measured for its kind over every case the suite runs (2026-12-01,
+  jax 0.10.2, torch 2.13.0 CPU, a 2-core x86 host; the values are in each bound's ``measured``). A few-x
   regression fails; another CPU's rounding does not. The mutations of ``scripts/mutation_check.py`` (a
   LayerNorm eps ten times too large, a wrong RoPE base, swapped modulation, a dropped padding mask, ...)
   each fail at least one test with these bounds.
@@ -16,8 +16,8 @@ Policy (docs/testing.md says the same for readers of the docs):
 - Exact things are compared exactly (``==``), never with a bound: parameters after a layout conversion,
   collective counts and bytes of a compiled program against the cost model, sampler schedules.
 
-``JAXDIT_TOLERANCE_LOG=errors.jsonl pytest ...`` appends one JSON line per check (test, bound, error,
-scale, limit), which is how the ``measured`` values below were collected.
+``JAXDIT_TOLERANCE_LOG=errors.jsonl pytest ...`` appends one JSON line per check (test, what, bound,
+error, scale, allowed, ratio), which is how the ``measured`` values below were collected.
 """
 
 from __future__ import annotations
