@@ -4,9 +4,10 @@
   flux-dev at P = 2, 4, 8, from abstract shapes;
 - the schedule: every patch visits every virtual stage once per step, in order, and is back on stage 0
   before its next step starts;
-- warm-up only (warmup_steps = steps) equals the serial pipeline within 1e-5;
-- the pipelined phase is the same computation on every mesh (P, cfg, ulysses, ring: within 1e-5) and
-  equals an independent serial reference of PipeFusion's stale-K/V semantics;
+- warm-up only (warmup_steps = steps) equals the serial pipeline (the same computation on another mesh:
+  tests/tolerance.py SAME_SEED);
+- the pipelined phase is the same computation on every mesh (P, cfg, ulysses, ring) and equals an
+  independent serial reference of PipeFusion's stale-K/V semantics (PIPEFUSION);
 - the compiled programs' collectives are exactly the activation permutes (+ cfg's exchange, + Ulysses'
   all-to-alls inside a stage), with the cost model's bytes;
 - quality of the approximation (PSNR against the serial result, the held-out judge's accuracy);
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tolerance as tol
 from flax import nnx
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -49,7 +51,6 @@ PROMPT, STEPS = "0123456789" * 2, tiny.training_record().get("sample_steps", 20)
 EXACT_PROMPT, EXACT_STEPS = "07", 5
 CALL = dict(negative_prompt="", true_cfg_scale=CFG_SCALE, height=16, width=16, seed=7, progress=False)
 PATCHES = 4  # 2 rows of 8 packed tokens and one text token each
-TOL = 1e-5
 
 
 @functools.cache
@@ -236,11 +237,8 @@ def test_warmup_only_equals_the_serial_pipeline_and_moves_only_activations():
     # pipefusion4 x ring2: the tiny model's 2 blocks per stack are padded to 4 slots (zeros: identity),
     # and each patch's tokens are split over two ring members inside a stage.
     mesh = dict(pipefusion=4, ring=2)
-    err = float(np.abs(_run(EXACT_STEPS, **mesh).latents - _serial().latents).max())
-    print(
-        f"\nwarmup_steps = steps = {EXACT_STEPS}, pipefusion4 x ring2: max |PipeFusion - serial| = {err:.1e}"
-    )
-    assert err < TOL
+    what = f"warmup_steps = steps = {EXACT_STEPS}, pipefusion4 x ring2: PipeFusion vs serial"
+    tol.check(_run(EXACT_STEPS, **mesh).latents, _serial().latents, tol.SAME_SEED, what)
 
     pipe = _pipe(True, **mesh)
     assert pipe.last_programs["pipelined"] is None
@@ -271,11 +269,11 @@ def test_pipelined_phase_equals_a_serial_reference_of_stale_kv(mesh):
     # padded slots, Ring inside a stage; data2 x pipefusion2 x tensor2: one image per data shard, heads
     # split inside a stage. All must compute exactly what the serial reference does.
     out = _run(1, **mesh).latents
-    err = float(np.abs(out - _reference(EXACT_PROMPT, EXACT_STEPS, 1)).max())
-    drift = float(np.abs(out - _serial().latents).max())
-    print(f"\n{mesh}, M=4, warmup 1: vs the serial reference of stale K/V {err:.1e}; vs serial {drift:.1e}")
-    assert err < TOL
-    assert drift > 100 * TOL  # stale K/V really is used
+    reference = _reference(EXACT_PROMPT, EXACT_STEPS, 1)
+    tol.check(out, reference, tol.PIPEFUSION, f"{mesh}, M=4, warmup 1, vs the serial reference of stale K/V")
+    drift = tol.max_error(out, _serial().latents)
+    print(f"vs serial (stale K/V): {drift:.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(reference).max())  # stale K/V really is used
 
 
 def test_pipelined_phase_moves_only_activations_and_cfg_prediction():
@@ -393,20 +391,30 @@ def _psnr(a: np.ndarray, b: np.ndarray) -> float:
     return 10 * math.log10(4.0 / mse) if mse else math.inf
 
 
+#: PSNR floors on these 20 digits, 3 dB (twice the squared error) below the values measured with them:
+#: 40.9 dB with 1 warm-up step, 40.4 dB with 2 (here a second synchronous step does not help). The
+#: README's figures are 100 digits with another seed, measured by scripts/pipefusion_report.py.
+PSNR_FLOOR = {1: 37.9, 2: 37.4}
+
+
 def test_quality_with_one_and_two_warmup_steps():
-    """PSNR against the serial pipeline and the held-out judge's accuracy (>= 90%) on the 20 digits."""
+    """PSNR against the serial pipeline, and the held-out judge recognising every one of the 20 digits
+    (the README: 100% with PipeFusion)."""
     labels = np.asarray(tiny.parse_prompt(PROMPT))
     judge = digits.DigitJudge()
     serial = _serial(PROMPT, STEPS).images
     print(f"\nserial: judge accuracy {judge.accuracy(serial, labels):.0%}")
+    psnr = {}
     for warmup in (1, 2):
         images = _run(warmup, PROMPT, STEPS, pipefusion=2).images
         accuracy = judge.accuracy(images, labels)
+        psnr[warmup] = _psnr(images, serial)
         print(
-            f"pipefusion2, M=4, warmup {warmup}: PSNR {_psnr(images, serial):.1f} dB "
+            f"pipefusion2, M=4, warmup {warmup}: PSNR {psnr[warmup]:.1f} dB "
             f"vs serial, judge accuracy {accuracy:.0%}"
         )
-        assert accuracy >= 0.9
+        assert accuracy == 1.0
+        assert psnr[warmup] > PSNR_FLOOR[warmup]
 
 
 # --------------------------------------------------------------------------------------------------------

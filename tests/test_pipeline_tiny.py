@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+import tolerance as tol
 
 from jaxdit.generate import GenerateRequest, check_request
 from jaxdit.mesh import ParallelConfig
@@ -42,16 +43,23 @@ def single_device_digits():
 def test_same_seed_same_picture_on_every_mesh(name, single_device_digits):
     out = tiny_pipeline(_mesh(MESHES[name]))("0123456789", **CALL)
     assert out.images.shape == (10, 16, 16)
-    diff = float(np.abs(out.latents - single_device_digits.latents).max())
-    assert diff < 1e-4, f"{name}: {diff}"
+    tol.check(out.latents, single_device_digits.latents, tol.SAME_SEED, f"{name} vs one device, 6 steps")
 
 
-def test_generated_digits_are_recognised():
-    """The held-out judge labels at least 90% of 100 samples (10 per class) as the digit asked for."""
+@pytest.fixture(scope="module")
+def judge():
+    return digits.DigitJudge()
+
+
+def test_generated_digits_are_recognised(judge):
+    """The held-out judge labels all 100 samples (10 per class) as the digit asked for (the README's
+    claim, measured 100 of 100)."""
     labels = np.repeat(np.arange(10), 10)
     prompt = "".join(map(str, labels))
     record = tiny.training_record()
-    out = tiny_pipeline(_mesh(dict(cfg=2, ring=2, ulysses=2)))(
+    # XLA's default optimisation, as jaxdit generate compiles: 100 images x 20 steps take half the CPU
+    # time of the -O0 compile the short tests use (measured 8.6 s against 19.1 s).
+    out = tiny_digits(_mesh(dict(cfg=2, ring=2, ulysses=2)))(
         prompt,
         negative_prompt="",
         true_cfg_scale=record.get("cfg_scale", 3.0),
@@ -61,9 +69,33 @@ def test_generated_digits_are_recognised():
         seed=1,
         progress=False,
     )
-    accuracy = digits.DigitJudge().accuracy(out.images, labels)
-    print(f"judge accuracy on 100 generated digits: {accuracy:.1%}")
-    assert accuracy >= 0.9
+    judged = judge.predict(out.images)
+    print(f"judge recognises {int((judged == labels).sum())} of 100 generated digits")
+    assert (judged == labels).all(), np.flatnonzero(judged != labels)
+
+
+def test_bundled_model_is_what_the_readme_says(judge):
+    """The README's description of tiny-digits and its judge, number by number."""
+    import math
+
+    from jaxdit.models.flux import parameter_shapes
+
+    c = tiny.CONFIG
+    assert (c.depth, c.depth_single_blocks, c.hidden_size, c.num_heads, c.mlp_ratio) == (2, 2, 64, 4, 2.0)
+    n = sum(math.prod(s) for s in parameter_shapes(c).values())
+    assert n == 362_052 and f"{4 * n / 2**20:.1f}" == "1.4"  # parameters; MiB in fp32
+    assert tiny.LATENT_SIZE == 16 and (tiny.LATENT_SIZE // 2) ** 2 == 64  # 2x2 patches: 64 image tokens
+    tokens, pooled = tiny.LabelEncoder.load()([0, 9])
+    assert tokens.shape[1] == tiny.TEXT_TOKENS == 4 and pooled.shape == (2, c.vec_in_dim)
+    record = tiny.training_record()
+    assert (record["steps"], record["batch"], record["seed"]) == (2000, 64, 0)
+    assert (record["sample_steps"], record["cfg_scale"]) == (20, 3.0)
+    assert round(record["train_seconds"], -2) == 2100  # measured by scripts/train_tiny.py
+    (images, labels), (held_images, _) = digits.load_split()
+    assert len(labels) + len(held_images) == 1797 and len(held_images) == round(1797 / 4)
+    accuracy = judge.accuracy(images, labels)
+    print(f"judge on the generator's real training digits: {accuracy:.1%}")
+    assert f"{accuracy:.1%}" == "95.1%"
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """Text and image encoders: equivalence with transformers / diffusers, checkpoint layouts, strictness,
 device placement.
 
-Tiny random models and tokenizers from ``tiny_text_models.py``; fp32 everywhere; tolerance 1e-4 (the
-repository's PyTorch-equivalence policy). Measured errors are printed (``pytest -s``).
+Tiny random models and tokenizers from ``tiny_text_models.py``; fp32 everywhere; bounds from
+tests/tolerance.py (TORCH_FORWARD, BF16). Measured errors are printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import tiny_text_models as ttm
+import tolerance as tol
 import torch
 from safetensors.numpy import save_file
 
@@ -42,7 +43,6 @@ from jaxdit.text_encoders.common import jit_forward, parameter_shapes
 from jaxdit.text_encoders.t5 import abstract_model as abstract_t5
 from jaxdit.text_encoders.t5 import relative_position_buckets
 
-TOL = 1e-4
 #: A CLIP text config whose eos_token_id is neither 2 nor the largest id: pooling must find the first one.
 MID_EOS = 300
 FAST = {"xla_backend_optimization_level": 0}
@@ -167,9 +167,7 @@ def test_t5_matches_transformers(root, kind):
                 input_ids=torch.tensor(ids), attention_mask=None if m is None else torch.tensor(m)
             ).last_hidden_state.numpy()
             out = fwd(jnp.asarray(ids), None if m is None else jnp.asarray(m))
-            err = _err(out, ref)
-            print(f"{kind} last_hidden_state (mask={m is not None}): max |err| {err:.2e}")
-            assert err <= TOL
+            tol.check(out, ref, tol.TORCH_FORWARD, f"{kind} last_hidden_state (mask={m is not None})")
 
 
 @pytest.mark.parametrize("legacy", [True, False])
@@ -191,9 +189,9 @@ def test_clip_text_matches_transformers(root, legacy):
     hidden, pooled = fwd(jnp.asarray(ids))
     with torch.no_grad():
         ref = ref_model(input_ids=torch.tensor(ids))
-    e_hidden, e_pooled = _err(hidden, ref.last_hidden_state.numpy()), _err(pooled, ref.pooler_output.numpy())
-    print(f"CLIP text (legacy eos={legacy}): last_hidden_state {e_hidden:.2e}, pooler_output {e_pooled:.2e}")
-    assert e_hidden <= TOL and e_pooled <= TOL
+    what = f"CLIP text (legacy eos={legacy})"
+    tol.check(hidden, ref.last_hidden_state.numpy(), tol.TORCH_FORWARD, f"{what}: last_hidden_state")
+    tol.check(pooled, ref.pooler_output.numpy(), tol.TORCH_FORWARD, f"{what}: pooler_output")
 
 
 def test_clip_vision_matches_transformers(root):
@@ -206,16 +204,10 @@ def test_clip_vision_matches_transformers(root):
         ours, lambda m, x: (m(x, hidden_layer=-2), m(x), m(x, hidden_layer=0), m.pooled(x)), FAST
     )
     penult, last, first, pooled = fwd(jnp.asarray(px))
-    errs = [
-        _err(penult, ref.hidden_states[-2].numpy()),
-        _err(last, ref.last_hidden_state.numpy()),
-        _err(first, ref.hidden_states[0].numpy()),
-        _err(pooled, ref.pooler_output.numpy()),
-    ]
-    print(
-        "CLIP vision: hidden_states[-2] {:.2e}, [-1] {:.2e}, [0] {:.2e}, pooler_output {:.2e}".format(*errs)
-    )
-    assert max(errs) <= TOL
+    tol.check(penult, ref.hidden_states[-2].numpy(), tol.TORCH_FORWARD, "CLIP vision: hidden_states[-2]")
+    tol.check(last, ref.last_hidden_state.numpy(), tol.TORCH_FORWARD, "CLIP vision: hidden_states[-1]")
+    tol.check(first, ref.hidden_states[0].numpy(), tol.TORCH_FORWARD, "CLIP vision: hidden_states[0]")
+    tol.check(pooled, ref.pooler_output.numpy(), tol.TORCH_FORWARD, "CLIP vision: pooler_output")
 
 
 # --------------------------------------------------------------------------------- prompt encoders
@@ -241,9 +233,9 @@ def test_flux_text_encoders_match_diffusers_on_a_chosen_device(root):
     enc = load_flux_text_encoders(folder, device=device, compiler_options=FAST)
     embeds, pooled = enc(PROMPTS, max_sequence_length=24)
     assert embeds.dtype == np.float32 and embeds.shape == (2, 24, 32) and pooled.shape == (2, 32)
-    e1, e2 = _err(embeds, ref_embeds.numpy()), _err(pooled, ref_pooled.numpy())
-    print(f"FluxTextEncoders vs FluxPipeline.encode_prompt: prompt_embeds {e1:.2e}, pooled {e2:.2e}")
-    assert e1 <= TOL and e2 <= TOL
+    what = "FluxTextEncoders vs FluxPipeline.encode_prompt"
+    tol.check(embeds, ref_embeds.numpy(), tol.TORCH_FORWARD, f"{what}: prompt_embeds")
+    tol.check(pooled, ref_pooled.numpy(), tol.TORCH_FORWARD, f"{what}: pooled")
     # Everything lives and runs on the device asked for.
     on_device = enc.encode(PROMPTS, max_sequence_length=24)
     assert all(x.devices() == {device} for x in on_device)
@@ -267,9 +259,7 @@ def test_wan_text_encoder_matches_diffusers(root):
     enc = load_wan_text_encoder(folder, device=device, compiler_options=FAST)
     out = enc(PROMPTS, max_sequence_length=40)
     assert out.shape == (2, 40, 16) and out.dtype == np.float32
-    err = _err(out, ref.numpy())
-    print(f"WanTextEncoder vs WanPipeline.encode_prompt: {err:.2e}")
-    assert err <= TOL
+    tol.check(out, ref.numpy(), tol.TORCH_FORWARD, "WanTextEncoder vs WanPipeline.encode_prompt")
     # Rows beyond each prompt's tokens are exactly zero (diffusers pads back with zeros).
     _, mask = enc.tokenize(PROMPTS, 40)
     assert np.all(out[mask == 0] == 0) and np.all(np.any(out[mask == 1] != 0, axis=-1))
@@ -332,9 +322,7 @@ def test_wan_image_encoder_matches_diffusers(root):
     enc = load_wan_image_encoder(folder, device=device, compiler_options=FAST)
     out = enc(images)
     assert out.shape == (2, 5, 24)
-    err = _err(out, ref)
-    print(f"WanImageEncoder vs encode_image (hidden_states[-2]): {err:.2e}")
-    assert err <= TOL
+    tol.check(out, ref, tol.TORCH_FORWARD, "WanImageEncoder vs encode_image (hidden_states[-2])")
     assert enc.encode(images).devices() == {device}
 
 
@@ -388,9 +376,7 @@ def test_sharded_t5_folder_and_bf16_weights(tmp_path, root):
     ref = jit_forward(f32, lambda m, i: m(i), FAST)(ids)
     out = jit_forward(bf16, lambda m, i: m(i), FAST)(ids)
     assert out.dtype == jnp.float32  # the residual stream and final norm stay fp32
-    rel = _err(out, ref) / float(jnp.max(jnp.abs(ref)))
-    print(f"T5 bf16 weights vs fp32: max |err| / max |ref| = {rel:.2e}")
-    assert rel < 5e-2
+    tol.check(out, ref, tol.BF16, "T5 bf16 weights vs fp32")
 
 
 def test_transformers4_clip_layout_with_prefix_and_position_ids(tmp_path, root):

@@ -88,7 +88,9 @@ def test_wan14b_720p_81_frames_compiles(name):
     # inside the step (the guidance combination happens outside it).
     assert set(kinds) == {"all-to-all"}
     assert kinds["all-to-all"][0] == 4 * cfg.num_layers
-    assert kinds["all-to-all"][1] in (ulysses_bytes, 2 * ulysses_bytes)  # bf16 on GPU, fp32 on CPU
+    # The CPU backend carries bf16 collectives as f32 (jaxdit.hlo_stats): twice the bytes there.
+    widened = 2 if jax.default_backend() == "cpu" else 1
+    assert kinds["all-to-all"][1] == widened * ulysses_bytes
     # Every device holds all 14B bf16 weights (no tensor parallelism here).
     assert params == pytest.approx(mem["argument"], rel=0.01)
     assert 26 * GIB < params < 28 * GIB

@@ -2,25 +2,23 @@
 mesh, the compiled step exchanges one prediction for CFG, and ``jaxdit generate`` rejects bad Wan flags.
 
 The model is the tiny random diffusers ``WanTransformer3DModel`` of tests/wan_tiny.py (8 heads, 2 blocks),
-saved with ``save_pretrained`` and loaded through ``WanPipeline.from_checkpoint``. The reference is
-diffusers' own ``WanPipeline`` denoising loop (pipelines/wan/pipeline_wan.py, diffusers 0.42.1) written out
-with diffusers' transformer and ``UniPCMultistepScheduler``: diffusers' ``WanPipeline`` class itself cannot
-be built here, it imports ``transformers`` for its text encoder, which the test environment does not have.
+saved with ``save_pretrained`` and loaded through ``WanPipeline.from_checkpoint``. The T2V reference is
+diffusers' own ``WanPipeline`` (pipelines/wan/pipeline_wan.py) with that transformer and a
+``UniPCMultistepScheduler``, given the same text embeddings and initial noise and asked for latents (no
+text encoder or VAE runs). The I2V reference is ``WanImageToVideoPipeline``'s loop written out here:
+that pipeline builds its condition latents from a picture with its own VAE, while this test feeds
+condition latents directly (the whole I2V pipeline, picture to pixels, is tests/test_prompt_to_pixels.py).
 
 The video is 9 frames at 48x80 pixels: a [2, 4, 3, 6, 10] latent, 45 video tokens, which 4 and 8 sequence
 shards do not divide (the padded layout is exercised). 4 steps of UniPC with CFG (guidance 5) and shift 3.
 
-Tolerance vs diffusers (fp32): TOL = 1e-4 absolute on the final latents (max |latent| ~ 7), the design's
-fp32 tolerance against PyTorch, not widened for the loop. Why it holds: one jaxdit forward differs from
-diffusers' by ~1e-5 on this model; guidance ``u + g (c - u)`` combines two forwards with weights 1 - g and
-g, so the guided prediction differs by up to (2g - 1) x that: measured 7e-5 to 9e-5 at any step count.
-UniPC's weights on the predictions stay below 1 in size, so the latents inherit at most the prediction's
-error, and the sampler's own float32 difference from diffusers is ~1e-6 of the scale
-(tests/test_samplers.py). Measured: 7.1e-5 after 1 step, 5.5e-5 after 2, 3.0e-5 after 4 (the error
-shrinks as sigma, the weight on the prediction, goes to 0).
-
-Across meshes the noise is the seed's and nothing else; the sharded forwards equal the unsharded one to
-~1e-5 (tests/test_wan_vs_diffusers.py), so the latents must agree to MESH_TOL = 1e-4.
+Bounds (tests/tolerance.py): TORCH_LOOP against diffusers, SAME_SEED across meshes. Why the loop's error
+is what it is: one jaxdit forward differs from diffusers' by ~1e-5 on this model; guidance
+``u + g (c - u)`` combines two forwards with weights 1 - g and g, so the guided prediction differs by up
+to (2g - 1) x that. UniPC's weights on the predictions stay below 1 in size, so the latents inherit at
+most the prediction's error, and the sampler's own float32 difference from diffusers is ~1e-6 of the
+scale (tests/test_samplers.py). Across meshes the noise is the seed's and nothing else, and the sharded
+forwards equal the unsharded one within tolerance.SHARDED (tests/test_wan_vs_diffusers.py).
 """
 
 import functools
@@ -33,17 +31,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tolerance as tol
 import torch
 import wan_tiny
 from diffusers import UniPCMultistepScheduler
+from diffusers import WanPipeline as DiffusersWanPipeline
 
 from jaxdit import cli, hlo_stats
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.wan import WanPipeline, check_inputs, default_flow_shift
-
-TOL = 1e-4  # vs diffusers' loop, fp32: see the module docstring; never relaxed to pass
-MESH_TOL = 1e-4  # the same seed on another mesh vs one device
 
 #: Quick CPU compiles (as the other Wan tests): numerics are what is tested, not XLA's optimiser.
 FAST = {"xla_backend_optimization_level": 0}
@@ -93,23 +90,42 @@ def _call_kwargs(i2v: bool = False) -> dict:
     )
 
 
+def _scheduler() -> UniPCMultistepScheduler:
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=SHIFT)
+
+
 @functools.cache
 def _reference(i2v: bool) -> np.ndarray:
-    """diffusers' loop (WanPipeline / WanImageToVideoPipeline.__call__) on the seed's noise."""
+    """T2V: diffusers' ``WanPipeline`` itself; I2V: ``WanImageToVideoPipeline.__call__``'s loop written out
+    (see the module docstring). Both on the seed's noise."""
     model = wan_tiny.model(i2v)
-    scheduler = UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=SHIFT
-    )
-    scheduler.set_timesteps(STEPS)
     c = {k: torch.from_numpy(v) for k, v in _conditioning(i2v).items()}
     batch = I2V_BATCH if i2v else BATCH
     latents = torch.from_numpy(latent_ops.initial_noise(SEED, (batch, *LATENT[1:])))
+    if not i2v:
+        pipe = DiffusersWanPipeline(
+            tokenizer=None, text_encoder=None, transformer=model, vae=None, scheduler=_scheduler()
+        )
+        with torch.no_grad():
+            out = pipe(
+                prompt_embeds=c["prompt_embeds"],
+                negative_prompt_embeds=c["negative_prompt_embeds"],
+                latents=latents,
+                height=HEIGHT,
+                width=WIDTH,
+                num_frames=FRAMES,
+                num_inference_steps=STEPS,
+                guidance_scale=GUIDANCE,
+                output_type="latent",
+            )
+        return out.frames.numpy()
+    scheduler = _scheduler()
+    scheduler.set_timesteps(STEPS)
     with torch.no_grad():
         for t in scheduler.timesteps:
-            x = torch.cat([latents, c["condition"]], dim=1) if i2v else latents
+            x = torch.cat([latents, c["condition"]], dim=1)
             common = dict(hidden_states=x, timestep=t.expand(batch))
-            if i2v:
-                common["encoder_hidden_states_image"] = c["image_embeds"]
+            common["encoder_hidden_states_image"] = c["image_embeds"]
             cond = model(**common, encoder_hidden_states=c["prompt_embeds"]).sample
             uncond = model(**common, encoder_hidden_states=c["negative_prompt_embeds"]).sample
             guided = uncond + GUIDANCE * (cond - uncond)
@@ -129,33 +145,24 @@ def _generate(name: str) -> np.ndarray:
     return out.latents
 
 
-def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.abs(a - b).max())
-
-
 def test_loop_matches_diffusers():
-    ref = _reference(False)
-    err = _max_diff(_generate("single"), ref)
-    print(f"single device: max |jaxdit - diffusers| = {err:.2e} (max |latent| {np.abs(ref).max():.2f})")
-    assert err < TOL
+    tol.check(
+        _generate("single"), _reference(False), tol.TORCH_LOOP, "single device vs diffusers' WanPipeline"
+    )
 
 
 @pytest.mark.parametrize("name", [n for n in MESHES if n != "single"])
 def test_same_seed_same_latents_on_every_mesh(name):
     out = _generate(name)
-    mesh_err, err = _max_diff(out, _generate("single")), _max_diff(out, _reference(False))
-    print(f"{name}: max difference {mesh_err:.2e} to one device, {err:.2e} to diffusers")
-    assert mesh_err < MESH_TOL
-    assert err < TOL
+    tol.check(out, _generate("single"), tol.SAME_SEED, f"{name} vs one device")
+    tol.check(out, _reference(False), tol.TORCH_LOOP, f"{name} vs diffusers' WanPipeline")
 
 
 def test_i2v_matches_diffusers():
     """I2V: condition tokens beside the noise, CLIP features in both branches; CFG, ring and ulysses."""
     pipe = _pipeline(ParallelConfig(cfg=2, ring=2, ulysses=2), i2v=True)
     out = pipe(**_call_kwargs(i2v=True), output_type="latent", progress=False)
-    err = _max_diff(out.latents, _reference(True))
-    print(f"i2v cfg2_ring2_ulysses2: max |jaxdit - diffusers| = {err:.2e}")
-    assert err < TOL
+    tol.check(out.latents, _reference(True), tol.TORCH_LOOP, "i2v cfg2_ring2_ulysses2 vs diffusers' loop")
 
 
 def test_cfg_step_exchanges_one_prediction():
@@ -325,7 +332,7 @@ def test_cli_generates_wan_latents(tmp_path, monkeypatch, capsys):
     argv += ["--num_frames", str(FRAMES), "--height", str(HEIGHT), "--width", str(WIDTH)]
     argv += ["--steps", str(STEPS), "--flow_shift", str(SHIFT), "--use_cfg_parallel", "--ulysses-degree", "4"]
     assert cli.main(argv) == 0, capsys.readouterr().err
-    assert _max_diff(np.load(out), _generate("cfg2_ulysses4")) < MESH_TOL
+    tol.check(np.load(out), _generate("cfg2_ulysses4"), tol.SAME_SEED, "jaxdit generate vs the library call")
     # The preset is checked against the checkpoint's config before any tensor is read.
     with pytest.raises(ValueError, match=r"is not wan2.1-t2v-14b: dim=96 \(preset: 5120\)"):
         WanPipeline.from_checkpoint(wan_tiny.diffusers_folder(False), preset="wan2.1-t2v-14b")
