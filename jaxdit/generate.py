@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdit import distributed, families
+from jaxdit import distributed, families, runtime
 from jaxdit.cache import FirstBlockCache, TeaCache
 from jaxdit.distributed import ProcessGroup, resolve
 from jaxdit.families.base import ModelFamily
@@ -510,12 +510,8 @@ def write(r: GenerateRequest, result: Any) -> Path:
 
 def start_devices(r: GenerateRequest) -> None:
     """Emulated devices and the process group, before anything touches a device."""
-    import jax
-
     if r.emulate_devices:
-        # Must happen before jax's backend starts (nothing above touched devices).
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", r.emulate_devices)
+        runtime.emulate_cpu_devices(r.emulate_devices)
     if r.process_group is not None:
         distributed.join(r.process_group, initialization_timeout_seconds=r.initialization_timeout)
 

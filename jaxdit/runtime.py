@@ -289,3 +289,26 @@ def configure(
         enable_compilation_cache(path)
     counter = CacheCounter().install() if count_cache and path is not None else None
     return RuntimeSetup(gpu, added, kept, path, source, counter)
+
+
+def emulate_cpu_devices(count: int) -> None:
+    """Run on ``count`` emulated CPU devices (``--emulate_devices``).
+
+    jax fixes its device count when its backend starts. In a process where it has already started (a
+    program calling ``jaxdit.cli.main`` after using jax itself), the devices it has are used if they are
+    CPU devices and enough of them; otherwise a ValueError says what to do, instead of jax's internal
+    error.
+    """
+    import jax
+
+    if not _backend_started():
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", count)
+        return
+    devices = jax.devices()
+    if devices[0].platform != "cpu" or len(devices) < count:
+        raise ValueError(
+            f"--emulate_devices {count}: jax has already started in this process with {len(devices)} "
+            f"{devices[0].platform} device(s), and its device count cannot change now; run in a fresh "
+            f"process, or set XLA_FLAGS=--xla_force_host_platform_device_count={count} before jax starts"
+        )

@@ -108,6 +108,16 @@ def test_configure_leaves_a_process_whose_jax_has_started_alone():
     ]
 
 
+def test_emulated_devices_in_a_process_whose_jax_has_started():
+    """``jaxdit.cli.main([... "--emulate_devices", N])`` after jax started: the 8 CPU devices the tests
+    run on serve any N up to 8; more is a ValueError saying what to do, not jax's internal RuntimeError."""
+    jax.devices()
+    runtime.emulate_cpu_devices(8)
+    runtime.emulate_cpu_devices(2)
+    with pytest.raises(ValueError, match=r"--emulate_devices 16: jax has already started .* 8 cpu device"):
+        runtime.emulate_cpu_devices(16)
+
+
 def test_an_unwritable_cache_directory_is_named(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")

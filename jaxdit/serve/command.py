@@ -151,8 +151,6 @@ def check(args: argparse.Namespace) -> _Plan:
 def start_devices(args: argparse.Namespace, plan: _Plan) -> None:
     """XLA flags and the compilation cache (``jaxdit.runtime``), emulated devices, the process group:
     before anything touches a device."""
-    import jax
-
     from jaxdit import runtime
 
     runtime.configure(
@@ -161,8 +159,7 @@ def start_devices(args: argparse.Namespace, plan: _Plan) -> None:
         gpu=False if args.emulate_devices else None,  # emulated devices run on the CPU
     )
     if args.emulate_devices:
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.emulate_devices)
+        runtime.emulate_cpu_devices(args.emulate_devices)
     if plan.group is not None:
         distributed.join(plan.group, initialization_timeout_seconds=args.initialization_timeout)
 
