@@ -39,7 +39,7 @@ from safetensors.numpy import load_file
 from converters.flux import write_bfl
 from converters.safetensors_io import write_safetensors
 from converters.wan import write_original
-from jaxdit.loading import load_params
+from jaxdit.families import load_params
 from jaxdit.mesh import single_device_mesh
 
 #: diffusers' FLUX converter: the rows of linear1 per segment (FLUX.1's inner_dim 3072, mlp_ratio 4).

@@ -13,7 +13,7 @@ from flax import nnx
 
 from converters.lora import LoraError, read_lora
 from converters.safetensors_io import write_safetensors
-from jaxdit.loading import load_params
+from jaxdit.families import load_params
 from jaxdit.lora import fuse_loras
 from jaxdit.mesh import ParallelConfig
 

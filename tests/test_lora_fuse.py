@@ -23,7 +23,7 @@ import pytest
 from flax import nnx
 
 from jaxdit import lora as jlora
-from jaxdit.loading import load_params
+from jaxdit.families import load_params
 from jaxdit.lora import fuse_cost, fuse_loras, fuse_memory, switch_loras, unfuse_loras
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
