@@ -58,6 +58,7 @@ class GenerateRequest:
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None  # Wan 2.2 A14B: the low-noise expert's
     true_cfg_scale: float | None = None
     seed: int = 0
     output: str | None = None
@@ -76,6 +77,7 @@ class GenerateRequest:
     flow_shift: float | None = None  # Wan
     image: str | None = None  # image-to-video (pipeline folders): the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
+    offload_idle_expert: bool = False  # Wan 2.2 A14B: the idle expert waits in host memory
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -147,6 +149,7 @@ class GenerateRequest:
             num_frames=pick("num_frames", self.num_frames),
             num_inference_steps=pick("num_inference_steps", self.num_inference_steps),
             guidance_scale=pick("guidance_scale", self.guidance_scale),
+            guidance_scale_2=self.guidance_scale_2,
             true_cfg_scale=pick("true_cfg_scale", self.true_cfg_scale) or 1.0,
             flow_shift=self.flow_shift,
             seed=self.seed,
@@ -216,7 +219,7 @@ def check_request(r: GenerateRequest) -> None:
         if r.emulate_devices < 1:
             raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
         parallel.validate_devices(r.emulate_devices)
-    for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
+    for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
         value = getattr(r, name)
         if value is not None and not math.isfinite(value):
             raise ValueError(f"--{name} must be a finite number, got {value}")
@@ -258,10 +261,10 @@ def _check_folder(r: GenerateRequest) -> None:
             "PipeFusion runs from transformer checkpoints with --prompt_embeds; from a pipeline folder use "
             "--ulysses_degree / --ring_degree / --use_cfg_parallel / --tensor_parallel_degree"
         )
-    takes_image = "image_encoder" in folder or folder.kind.endswith("i2v")
-    if takes_image and r.image is None:
+    takes_image = family.image_input(folder)
+    if takes_image == "required" and r.image is None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
-    if not takes_image and r.image is not None:
+    if takes_image == "none" and r.image is not None:
         raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
     if r.image is not None and not Path(r.image).is_file():
         raise ValueError(f"--image {r.image}: no such file")
@@ -298,17 +301,24 @@ def _check_checkpoint(r: GenerateRequest) -> None:
 def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
-    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",)):
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
         if any(getattr(r, f) is not None for f in flags) and not _takes(pipeline, flags[0]):
             owners = " / ".join(
                 f.display for f in families.FAMILIES.values() if _takes(f.pipeline_class, flags[0])
             )
+            if flags[0] == "guidance_scale_2":
+                raise ValueError(f"--guidance_scale_2 applies to {owners} models with two experts")
             if flags[0] == "true_cfg_scale":
                 raise ValueError(
                     f"--true_cfg_scale is {owners}'s; {family.display}'s classifier-free guidance scale is "
                     f"--{family.cfg_scale_argument}"
                 )
             raise ValueError(f"{' and '.join('--' + f for f in flags)} apply to {owners} models")
+    if (
+        r.offload_idle_expert
+        and "offload_idle_expert" not in inspect.signature(pipeline.from_pretrained).parameters
+    ):
+        raise ValueError(f"--offload_idle_expert applies to two-expert models; {family.display} has none")
     if call.num_inference_steps < 1:
         raise ValueError(f"--num_inference_steps must be >= 1, got {call.num_inference_steps}")
     config = _model_config(r)
@@ -350,7 +360,14 @@ class _CallView:
     request: GenerateRequest
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("num_pipeline_patch", "warmup_steps", "embeddings"):
+        if name in (
+            "num_pipeline_patch",
+            "warmup_steps",
+            "embeddings",
+            "folder",
+            "model",
+            "offload_idle_expert",
+        ):
             return getattr(self.request, name)
         return getattr(self.call, name)
 
@@ -399,11 +416,14 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     if r.is_tiny:
         return _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh)
     pipeline = r.family.pipeline_class
+    # Two-expert models only (checked): the other families' builders do not take it.
+    options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
     if r.folder is not None:
-        return pipeline.from_pretrained(r.folder.root, mesh, dtype)
+        return pipeline.from_pretrained(r.folder.root, mesh, dtype, **options)
     if pipefusion:
         return _legacy_pipefusion(r, mesh, dtype)
-    return pipeline.from_checkpoint(r.weights, mesh, dtype, preset=None if r.model == TINY else r.model)
+    preset = None if r.model == TINY else r.model
+    return pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, **options)
 
 
 def _legacy_pipefusion(r: GenerateRequest, mesh: Any, dtype: Any) -> Any:
@@ -448,7 +468,7 @@ def write(r: GenerateRequest, result: Any) -> Path:
         return out.save_array(path.with_suffix(".npy"), result.latents)
     pixels = out.to_uint8(result.images)
     if r.family.makes_video:
-        return out.save_video(path, list(pixels[0]), fps=r.family.fps)
+        return out.save_video(path, list(pixels[0]), fps=r.family.video_fps(r.folder))
     columns = 10 if r.is_tiny else 4
     picture = out.grid(pixels, columns=min(columns, len(pixels))) if len(pixels) > 1 else pixels[0]
     return out.save_image(path, picture, scale=8 if r.is_tiny else 1)

@@ -81,6 +81,9 @@ class DenoiseInputs:
     interleave_branches`` when ``cfg``). ``extras``: per-token arrays [B, N, *] laid out like ``tokens``
     (Wan I2V's condition). ``scale``: the classifier-free guidance scale. ``grid``: the latent token grid
     the tokens flatten (FLUX (rows, cols), Wan (frames, rows, cols)), for loops that split it (PipeFusion).
+    ``experts``: the parameter set each step runs, an index for the denoiser's ``experts`` (Wan 2.2's
+    high- and low-noise transformers); empty: the forward's own parameters every step. ``scales``: each
+    step's guidance scale (each expert has its own); empty: ``scale`` every step.
     """
 
     tokens: np.ndarray
@@ -91,6 +94,8 @@ class DenoiseInputs:
     scale: float = 1.0
     extras: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     grid: tuple[int, ...] = ()
+    experts: tuple[int, ...] = ()
+    scales: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass
@@ -121,6 +126,9 @@ class Denoiser:
       hooks: the family's :class:`TokenHooks`.
       dtype: the model's dtype (``hidden_states`` and the embedded context are cast to it).
       compiler_options: XLA options for the step (the outermost jit; jax rejects them on nested ones).
+      experts: ``experts(index) -> parameters`` on the mesh, for inputs that choose a parameter set per
+        step (:attr:`DenoiseInputs.experts`); they must share the forward's shapes and shardings (one
+        compiled step serves them all).
     """
 
     def __init__(
@@ -131,8 +139,10 @@ class Denoiser:
         *,
         dtype: Any,
         compiler_options: Mapping[str, Any] | None = None,
+        experts: Callable[[int], Any] | None = None,
     ) -> None:
         self.forward = forward
+        self.experts = experts
         self.sampler = sampler
         self.hooks = hooks or TokenHooks()
         self.dtype = jnp.dtype(dtype)
@@ -228,14 +238,24 @@ class Denoiser:
         """
         layout, names = self.layout(inputs)
         step = self.step_fn(layout, names, inputs.cfg)
-        x, state, i, *rest = self.place(inputs, layout)
+        x, state, i, *rest, scale = self.place(inputs, layout)
+        for name, per_step in (("experts", inputs.experts), ("scales", inputs.scales)):
+            if per_step and len(per_step) != inputs.steps:
+                raise ValueError(f"{len(per_step)} {name} for {inputs.steps} steps")
+        if params is None and inputs.experts:
+            if self.experts is None:
+                raise ValueError("these inputs choose an expert per step, but this denoiser has no experts")
+            params = lambda n: self.experts(inputs.experts[n])
         pick = (
             params if callable(params) else (lambda _: params if params is not None else self.forward.state)
         )
-        self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest)))
+        # Each step's guidance scale, placed once per distinct value (a traced argument: no recompilation).
+        placed = {s: jax.device_put(np.float32(s), self.replicated) for s in set(inputs.scales)}
+        scale_of = (lambda n: placed[inputs.scales[n]]) if inputs.scales else (lambda _: scale)
+        self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest, scale)))
         start = time.perf_counter()
         for n in progress_bar(range(inputs.steps), progress, inputs.steps):
-            x, state, i = step(pick(n), x, state, i, *rest)
+            x, state, i = step(pick(n), x, state, i, *rest, scale_of(n))
             if callback is not None and callback(n + 1, inputs.steps) is False:
                 raise GenerationCancelled(f"stopped after step {n + 1} of {inputs.steps}")
         tokens = np.asarray(jax.device_get(x))

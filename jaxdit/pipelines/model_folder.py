@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +27,15 @@ class FolderClass:
     """A diffusers pipeline class a family runs: which family and variant, and the components it needs.
 
     ``optional``: components the class may have (null or absent is fine), e.g. Wan 2.2's ``transformer_2``.
+    ``variant``: for a class that holds several variants, the kind read from ``model_index.json`` (Wan
+    2.2's ``WanPipeline`` is two-expert T2V with a ``boundary_ratio``, TI2V with ``expand_timesteps``).
     """
 
     family: str
     kind: str  # the variant, named in messages: "flux", "wan-t2v", "wan-i2v", ...
     components: tuple[str, ...]
     optional: tuple[str, ...] = ()
+    variant: Callable[[Mapping[str, Any]], str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,4 +104,5 @@ def open_diffusers_folder(root: Path, classes: Mapping[str, FolderClass]) -> Mod
         raise ValueError(f"{root} ({name}) is missing: {', '.join(missing)}")
     scheduler = read_json(root / "scheduler" / "scheduler_config.json")
     components = {c: root / c for c in (*spec.components, *present)}
-    return ModelFolder(root, spec.family, spec.kind, "diffusers", components, scheduler, index)
+    kind = spec.kind if spec.variant is None else spec.variant(index)
+    return ModelFolder(root, spec.family, kind, "diffusers", components, scheduler, index)

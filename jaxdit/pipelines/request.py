@@ -53,6 +53,7 @@ class GenerationRequest:
     num_frames: int | None = None  # video families
     num_inference_steps: int = 28
     guidance_scale: float = 3.5
+    guidance_scale_2: float | None = None  # Wan 2.2 A14B: the low-noise expert's (default: guidance_scale)
     true_cfg_scale: float = 1.0  # FLUX's classifier-free guidance (guidance_scale is its embedded one)
     flow_shift: float | None = None  # Wan: UniPC sigma shift (default: the scheduler's or by resolution)
     seed: int = 0
@@ -75,7 +76,7 @@ class GenerationRequest:
             raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
         if self.num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
-        for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
+        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(float(value)):
                 raise ValueError(f"{name} must be a finite number, got {value}")

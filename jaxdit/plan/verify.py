@@ -151,9 +151,7 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
         raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
-    pipe = w.family.bare_pipeline(
-        _abstract_model(w.family, w.model, w.dtype), mesh, compiler_options=FAST_COMPILE
-    )
+    pipe = w.family.bare_pipeline(_abstract_model(w.model, w.dtype), mesh, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     return pipe.denoiser.lower(inputs), pipe.forward
 
@@ -347,6 +345,9 @@ def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None
     The plan models a full pipeline (M = V x P patches); the Wan runner's patches are whole latent rows,
     so when P does not divide the rows (720p: 45) the runner takes a larger M that the model does not
     price, and the comparison would not be like for like."""
+    unsupported = w.family.pipefusion_unsupported(w)
+    if unsupported is not None:
+        return unsupported
     if w.family.name != "wan":
         return None
     from jaxdit.pipelines import pipefusion_wan as pw
