@@ -211,9 +211,9 @@ def _wan_transformer(in_channels: int, out_channels: int, text_dim: int, seed: i
 def _wan21_vae():
     from diffusers import AutoencoderKLWan
 
-    vae = AutoencoderKLWan(
-        base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    )
+    # The released depths (dim_mult, two residual blocks a level): an original-layout .pth carries no
+    # config, and is read as the release's with the widths taken from its tensors.
+    vae = AutoencoderKLWan(base_dim=4, z_dim=16, num_res_blocks=2, temperal_downsample=[False, True, True])
     return _perturb(vae, 42, 0.05)
 
 
@@ -230,7 +230,7 @@ def _wan22_vae():
         decoder_base_dim=6,
         z_dim=TI2V_Z,
         dim_mult=[1, 2, 4, 4],
-        num_res_blocks=1,
+        num_res_blocks=2,
         temperal_downsample=[False, True, True],
         is_residual=True,
         in_channels=12,
