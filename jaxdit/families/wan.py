@@ -27,7 +27,7 @@ from jaxdit.families.forward import as_float, per_batch
 from jaxdit.models import wan
 from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.flops import attention_flops
-from jaxdit.pipelines.model_folder import ModelFolder
+from jaxdit.pipelines.model_folder import ModelFolder, read_json
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan import (
     FOLDER_CLASSES,
@@ -372,7 +372,7 @@ def vae_factors(folder: ModelFolder | None) -> tuple[int, int]:
         return VAE_TEMPORAL, VAE_SPATIAL
     vae = folder["vae"]
     if vae.is_dir():
-        config = WanVAEConfig.from_diffusers(vae / "config.json")
+        config = WanVAEConfig.from_diffusers(read_json(vae / "config.json"))  # a missing file is named
         return config.temporal_factor, config.spatial_factor
     return (4, 16) if vae.name == ORIGINAL_VAE_22 else (VAE_TEMPORAL, VAE_SPATIAL)
 

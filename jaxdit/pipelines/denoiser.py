@@ -12,8 +12,10 @@ What differs between families is data, not control flow:
 - the forward's inputs (``ShardedForward.inputs``: which arrays, which token group the latent tokens
   belong to, which are cast to the model's dtype);
 - :class:`TokenHooks`: how latent tokens become the model's ``hidden_states`` (Wan I2V concatenates the
-  condition channels) and how its prediction becomes a token update (Wan's head writes each token's
-  features in another order than its patch embedding reads them).
+  condition channels, Wan 2.2 TI2V puts its first frame in place) and how its prediction becomes a token
+  update (Wan's head writes each token's features in another order than its patch embedding reads them);
+- which parameters and guidance scale each step uses (Wan 2.2 A14B's two experts:
+  ``DenoiseInputs.experts`` / ``scales``), arguments of the one compiled step.
 
 :class:`DenoiseInputs` is what a pipeline hands over: unpadded host arrays. ``Denoiser.run`` pads and
 places them once, runs the steps and returns the final tokens; ``Denoiser.lower`` compiles the same step
@@ -232,8 +234,10 @@ class Denoiser:
     ) -> DenoiseResult:
         """All ``inputs.steps`` steps; returns the final latent tokens (unpadded, on the host).
 
-        ``params``: the transformer's parameters (default: the forward's own); a callable
-        ``params(i)`` picks them per step (Wan 2.2's two experts share one compiled step).
+        ``params``: the transformer's parameters (default: the expert ``inputs.experts`` names for each
+        step, through ``experts``, else the forward's own); a callable ``params(i)`` picks them per step
+        (Wan 2.2's two experts share one compiled step). ``inputs.scales`` gives each step its guidance
+        scale, a traced argument like the parameters: the switch recompiles nothing.
         ``callback(i, total)`` runs on the host after step i is dispatched; False stops the loop.
         """
         layout, names = self.layout(inputs)
