@@ -231,6 +231,30 @@ def test_expert_errors(a14b_folder, tmp_path):
         WanPipeline.from_checkpoint(odd, parallel)
 
 
+def test_broken_low_noise_expert_is_named_before_any_weight_is_read(a14b_folder, tmp_path, monkeypatch):
+    # One mis-shaped tensor in the second expert: the key and its file are named by the header check,
+    # before either expert is read (load_model is never reached).
+    import shutil
+
+    from converters.errors import CheckpointError
+    from converters.safetensors_io import open_checkpoint, write_safetensors
+    from jaxdit.pipelines import wan as wan_pipeline
+
+    root = tmp_path / "broken"
+    shutil.copytree(a14b_folder, root)
+    index = json.loads((root / "low_noise_model/diffusion_pytorch_model.safetensors.index.json").read_text())
+    key = "blocks.1.ffn.0.weight"
+    shard = root / "low_noise_model" / index["weight_map"][key]
+    with open_checkpoint(shard) as f:
+        tensors = {k: f.read(k) for k in f}
+    tensors[key] = tensors[key][:-1]
+    write_safetensors(shard, tensors)
+    monkeypatch.setattr(wan_pipeline, "load_model", lambda *a, **k: pytest.fail("a weight was read"))
+    with pytest.raises(CheckpointError) as info:
+        WanPipeline.from_checkpoint(root, ParallelConfig())
+    assert key in str(info.value) and shard.name in str(info.value), str(info.value)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Requests
 # --------------------------------------------------------------------------------------------------------

@@ -183,7 +183,8 @@ class WanPipeline(DiffusionPipeline):
         (``jaxdit.pipelines.wan_experts``); default: both resident.
       scheduler: UniPC settings; its ``flow_shift`` is used when a call gives none (default: by resolution,
         :func:`default_flow_shift`).
-      vae_scale_factor_spatial / vae_scale_factor_temporal: the VAE's: 8 and 4 (Wan 2.1's), 16 and 4 (2.2).
+      vae_scale_factor_spatial / vae_scale_factor_temporal: the VAE's (default: ``WanConfig.vae_factors``,
+        8 and 4 for Wan 2.1's 16 latent channels, 16 and 4 for the Wan 2.2 VAE's 48).
       kernel: attention kernel options; compiler_options: XLA options for the compiled step.
     """
 
@@ -202,8 +203,8 @@ class WanPipeline(DiffusionPipeline):
         encode: Encoder | None = None,
         decode: Decoder | None = None,
         encode_image: ImageEncoder | None = None,
-        vae_scale_factor_spatial: int = 8,
-        vae_scale_factor_temporal: int = 4,
+        vae_scale_factor_spatial: int | None = None,
+        vae_scale_factor_temporal: int | None = None,
         kernel: dict[str, int] | None = None,
         compiler_options: dict[str, Any] | None = None,
     ) -> None:
@@ -236,8 +237,9 @@ class WanPipeline(DiffusionPipeline):
             self.experts = TwoExperts(self.forward, transformer_2, offload_idle_expert=offload_idle_expert)
         self.scheduler = scheduler
         self.encode_image = encode_image
-        self.vae_scale_factor_spatial = vae_scale_factor_spatial
-        self.vae_scale_factor_temporal = vae_scale_factor_temporal
+        temporal, spatial = self.config.vae_factors  # the VAE the latent width names, unless told
+        self.vae_scale_factor_spatial = vae_scale_factor_spatial or spatial
+        self.vae_scale_factor_temporal = vae_scale_factor_temporal or temporal
         sampler = UniPCSampler(scheduler or unipc.UniPCConfig())
         self.denoiser = Denoiser(
             self.forward,
