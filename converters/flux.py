@@ -402,7 +402,7 @@ def write_bfl(
 CHECKPOINTS = CheckpointFormat(
     name="flux",
     detect=is_flux_checkpoint,
-    open=lambda path, config: detect(path, config),
+    open=detect,
     config_class=FluxConfig,
     abstract_model=abstract_model,
 )

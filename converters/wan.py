@@ -548,7 +548,7 @@ def _write_text(path: Path, text: str) -> None:
 CHECKPOINTS = CheckpointFormat(
     name="wan",
     detect=is_wan_checkpoint,
-    open=lambda path, config: detect(path, config),
+    open=detect,
     config_class=WanConfig,
     abstract_model=abstract_model,
 )

@@ -16,12 +16,16 @@ import sys
 from collections.abc import Sequence
 
 DTYPES = ("float32", "bfloat16", "float16")
+#: jaxdit.parallel.kernels.CHOICES, spelled out so that parsing flags does not import jax.
+ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "triton", "splash")
 
 
 def _convert(args: argparse.Namespace) -> int:
     from jaxdit.families import convert_checkpoint
+    from jaxdit.lora import parse_lora
 
-    out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite)
+    loras = [parse_lora(arg) for arg in args.lora or ()]
+    out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras)
     print(f"wrote {out}")
     return 0
 
@@ -139,6 +143,32 @@ def _add_generate(sub) -> None:
         help="also run on one device and print the max difference",
     )
     _flag(gen, "dtype", choices=DTYPES, default=None)
+    _flag(
+        gen,
+        "attention_backend",
+        choices=ATTENTION_BACKENDS,
+        default="auto",
+        help="per-device attention kernel (default auto: cuDNN on NVIDIA GPUs for bf16/fp16, splash on TPUs, "
+        "XLA otherwise); one that cannot serve falls back with a warning",
+    )
+    _flag(
+        gen,
+        "lora",
+        action="append",
+        default=None,
+        metavar="FILE[:SCALE]",
+        help="a LoRA file (.safetensors: kohya, BFL/ComfyUI, diffusers/PEFT, XLabs, musubi layouts), fused "
+        "into the weights on the mesh; repeatable, each with its own scale (default 1)",
+    )
+    _flag(gen, "verbose", action="store_true", help="print the XLA flags and compilation cache jaxdit set up")
+    gen.add_argument("-v", dest="verbose", action="store_true", help=argparse.SUPPRESS)
+    _flag(
+        gen,
+        "compilation_cache_dir",
+        default=None,
+        help="keep compiled programs here (default: $JAXDIT_COMPILATION_CACHE, else ~/.cache/jaxdit/xla)",
+    )
+    _flag(gen, "no_compilation_cache", action="store_true", help="compile everything afresh, keep nothing")
     par = gen.add_argument_group("parallelism (xDiT's flags)")
     _flag(par, "data_parallel_degree", type=int, default=1)
     _flag(par, "use_cfg_parallel", action="store_true", help="split the CFG branches over 2 devices")
@@ -161,11 +191,23 @@ def _add_generate(sub) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jaxdit import runtime
     from jaxdit.generate import GenerateRequest, check_request, run
 
     request = GenerateRequest.from_args(args)
     check_request(request)  # every flag combination, before jax starts or anything loads
-    return run(request)
+    setup = runtime.configure(
+        cache_dir=args.compilation_cache_dir,
+        no_cache=args.no_compilation_cache,
+        gpu=False if request.emulate_devices else None,  # emulated devices run on the CPU
+        count_cache=args.verbose,
+    )
+    if args.verbose:
+        print("\n".join(setup.describe()))
+    code = run(request)
+    if setup.counter is not None:
+        print(setup.counter.describe())
+    return code
 
 
 def _add_plan(sub) -> None:
@@ -201,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
     convert.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    convert.add_argument(
+        "--lora",
+        action="append",
+        metavar="FILE[:SCALE]",
+        help="fuse this LoRA into the written checkpoint (repeatable, each with its own scale)",
+    )
     convert.set_defaults(func=_convert)
     _add_plan(sub)
     return parser

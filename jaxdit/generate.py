@@ -30,7 +30,9 @@ import numpy as np
 
 from jaxdit import families
 from jaxdit.families.base import ModelFamily
+from jaxdit.lora import parse_lora
 from jaxdit.mesh import ParallelConfig
+from jaxdit.parallel.kernels import check_backend
 from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.model_folder import ModelFolder
 from jaxdit.pipelines.request import GenerationRequest
@@ -77,13 +79,20 @@ class GenerateRequest:
     flow_shift: float | None = None  # Wan
     image: str | None = None  # image-to-video (pipeline folders): the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
+    lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
+    attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
     offload_idle_expert: bool = False  # Wan 2.2 A14B: the idle expert waits in host memory
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
-        return cls(
-            **{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
-        )
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+        values["lora"] = tuple(values.get("lora") or ())
+        return cls(**values)
+
+    @functools.cached_property
+    def loras(self) -> list[tuple[str, float]]:
+        """``--lora FILE[:SCALE]`` as (path, scale) pairs (the scale defaults to 1)."""
+        return [parse_lora(arg) for arg in self.lora]
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -150,10 +159,12 @@ class GenerateRequest:
             num_inference_steps=pick("num_inference_steps", self.num_inference_steps),
             guidance_scale=pick("guidance_scale", self.guidance_scale),
             guidance_scale_2=self.guidance_scale_2,
-            true_cfg_scale=pick("true_cfg_scale", self.true_cfg_scale) or 1.0,
+            true_cfg_scale=pick("true_cfg_scale", self.true_cfg_scale),
             flow_shift=self.flow_shift,
             seed=self.seed,
             max_sequence_length=self.max_sequence_length,
+            warmup_steps=self.warmup_steps,
+            num_pipeline_patch=self.num_pipeline_patch,
         )
 
 
@@ -200,6 +211,7 @@ def _load_embeddings(path: str) -> dict[str, np.ndarray]:
 
 def check_request(r: GenerateRequest) -> None:
     """Raise ValueError naming the problem; needs no devices."""
+    check_backend(r.attention_backend)
     known = families.presets()
     if r.weights is None and r.model != TINY:
         if r.model not in known:
@@ -256,11 +268,6 @@ def _check_folder(r: GenerateRequest) -> None:
         raise ValueError(f"{r.weights} is a whole pipeline: give --prompt (its text encoders encode it)")
     if r.prompt_embeds is not None:
         raise ValueError("--prompt_embeds and a pipeline folder: the folder's text encoders encode --prompt")
-    if r.pipefusion_parallel_degree > 1:
-        raise ValueError(
-            "PipeFusion runs from transformer checkpoints with --prompt_embeds; from a pipeline folder use "
-            "--ulysses_degree / --ring_degree / --use_cfg_parallel / --tensor_parallel_degree"
-        )
     takes_image = family.image_input(folder)
     if takes_image == "required" and r.image is None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
@@ -342,15 +349,29 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
         )
     if config is not None:
         parallel.validate_heads(config.num_heads)
+    if config is None and (parallel.pipefusion > 1 or r.lora) and r.folder is not None:
+        config = family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
     if parallel.pipefusion > 1:
-        if config is None:  # a folder's transformer: its config (and headers) only
-            config = family.checkpoints.open(r.folder["transformer"], None).config
         family.check_pipefusion(call_view(r, call), config, parallel, multiple)
+    _check_loras(r, config)
     _check_output(r)
 
 
+def _check_loras(r: GenerateRequest, config: Any) -> None:
+    """Every ``--lora`` file read and checked against the model (layout, family, sizes, values) before any
+    weight loads; they are small. Without a known config (a checkpoint without --model) the files are
+    checked when the pipeline loads them, still before the first step."""
+    from converters.lora import read_lora
+
+    for path, _ in r.loras:
+        if not Path(path).exists():
+            raise ValueError(f"--lora {path}: no such file")
+        if config is not None:
+            read_lora(path, config)
+
+
 def call_view(r: GenerateRequest, call: GenerationRequest) -> Any:
-    """The call's arguments plus the request's PipeFusion options and embeddings, for family checks."""
+    """The call's arguments plus the request's embeddings (names -> shapes), for family checks."""
     return _CallView(call, r)
 
 
@@ -360,14 +381,8 @@ class _CallView:
     request: GenerateRequest
 
     def __getattr__(self, name: str) -> Any:
-        if name in (
-            "num_pipeline_patch",
-            "warmup_steps",
-            "embeddings",
-            "folder",
-            "model",
-            "offload_idle_expert",
-        ):
+        # The request's embeddings, and what a family's checks need from the request beyond the call.
+        if name in ("embeddings", "folder", "model", "offload_idle_expert"):
             return getattr(self.request, name)
         return getattr(self.call, name)
 
@@ -375,9 +390,11 @@ class _CallView:
 def _model_config(r: GenerateRequest) -> Any:
     if r.is_tiny:
         return tiny.CONFIG
-    if r.folder is None:
+    if r.folder is not None:
+        return None  # the folder's transformer's, read only where a check needs it
+    if r.model != TINY:
         return r.family.preset_config(r.model)
-    return None  # read from the folder's transformer when the pipeline is built
+    return r.family.checkpoints.open(Path(r.weights), None).config  # a checkpoint without --model: its own
 
 
 def _check_output(r: GenerateRequest) -> None:
@@ -412,31 +429,19 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     from jaxdit.pipelines.flux import tiny_digits
 
     dtype = jnp.dtype(r.dtype) if r.dtype else None
-    pipefusion = r.pipefusion_parallel_degree > 1
-    if r.is_tiny:
-        return _legacy_pipefusion(r, mesh, dtype) if pipefusion else tiny_digits(mesh)
-    pipeline = r.family.pipeline_class
+    pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
     # Two-expert models only (checked): the other families' builders do not take it.
     options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
-    if r.folder is not None:
-        return pipeline.from_pretrained(r.folder.root, mesh, dtype, **options)
-    if pipefusion:
-        return _legacy_pipefusion(r, mesh, dtype)
-    preset = None if r.model == TINY else r.model
-    return pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, **options)
-
-
-def _legacy_pipefusion(r: GenerateRequest, mesh: Any, dtype: Any) -> Any:
-    # PipeFusion's pipelines until its runner serves every pipeline as a denoiser.
-    if r.family.makes_video:
-        from jaxdit.pipelines.pipefusion_wan import PipeFusionWanPipeline
-
-        return PipeFusionWanPipeline.from_checkpoint(r.weights, mesh, dtype, preset=r.model)
-    from jaxdit.pipelines import pipefusion_flux as pf
-
     if r.is_tiny:
-        return pf.tiny_digits(mesh)
-    return pf.PipeFusionFluxPipeline(pf.PipeFusionFlux.load(r.weights, mesh, dtype))
+        pipe = tiny_digits(mesh, kernel=kernel)
+    elif r.folder is not None:
+        pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel, **options)
+    else:
+        preset = None if r.model == TINY else r.model
+        pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, kernel=kernel, **options)
+    if r.loras:
+        pipe.load_lora(r.loras)
+    return pipe
 
 
 def generate(pipe: Any, r: GenerateRequest) -> Any:
@@ -450,12 +455,6 @@ def generate(pipe: Any, r: GenerateRequest) -> Any:
         call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
     if r.folder is None and not r.is_tiny:
         call = call.replace(output_type="latent")
-    if r.pipefusion_parallel_degree > 1:
-        kwargs = {
-            f.name: getattr(call, f.name) for f in dataclasses.fields(call) if _takes(type(pipe), f.name)
-        }
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        return pipe(**kwargs, num_pipeline_patch=r.num_pipeline_patch, warmup_steps=r.warmup_steps or 1)
     return pipe.generate(call)
 
 
@@ -504,13 +503,16 @@ def run(r: GenerateRequest) -> int:
     )
     if r.compare_single_device:
         single_mesh = ParallelConfig().make_mesh(devices[:1])
-        single = generate(build(dataclasses.replace(r, **_single_device_degrees()), single_mesh), r)
+        one = dataclasses.replace(r, **_single_device_degrees())
+        single = generate(build(one, single_mesh), one)
         pick = lambda x: x.images if x.images is not None else x.latents
         print(
             f"max |difference| to the single-device result: {np.abs(pick(single) - pick(result)).max():.2e}"
         )
     if r.is_tiny:
         _judge(r, result)
+    if r.loras:
+        print(f"LoRAs fused: {', '.join(f'{p} x {s:g}' for p, s in r.loras)}")
     print(f"wrote {write(r, result)}")
     return 0
 

@@ -88,7 +88,7 @@ def _workload(name: str, tiny: bool):
 
 def _describe(w) -> str:
     h, wd, f = w.size
-    frames = f" x {f} frames" if w.family == "wan" else ""
+    frames = f" x {f} frames" if w.family.name == "wan" else ""
     return f"{w.name} {wd}x{h}{frames}: {' + '.join(map(str, w.tokens))} tokens, batch 1, {w.dtype}"
 
 
@@ -99,7 +99,7 @@ def _inputs(w) -> dict:
     rng = np.random.default_rng(0)
     m = w.model
     height, width, frames = w.size
-    if w.family == "flux":
+    if w.family.name == "flux":
         text, image = w.tokens
         h, wd = height // 16, width // 16
         ids = np.zeros((image, 3), np.float32)
@@ -155,7 +155,7 @@ def jax_worker(name: str, steps: int, tiny: bool) -> None:
 
     w = _workload(name, tiny)
     x = _inputs(w)
-    module = flux if w.family == "flux" else wan
+    module = flux if w.family.name == "flux" else wan
     device = jax.devices()[0]
     start = time.perf_counter()
     graphdef, abstract = nnx.split(module.abstract_model(w.model, jnp.bfloat16))
@@ -172,7 +172,7 @@ def jax_worker(name: str, steps: int, tiny: bool) -> None:
     state = jax.tree.unflatten(treedef, jax.block_until_ready(_random(jax.random.key(0))))
     init_seconds = time.perf_counter() - start
     forward = module.sharded(nnx.merge(graphdef, state), ParallelConfig().make_mesh([device]))
-    if w.family == "wan":
+    if w.family.name == "wan":
         cfg = w.model
         grid = wan.latent_grid(x["hidden_states"].shape, cfg.patch_size)
         x = {
@@ -230,7 +230,7 @@ def torch_worker(name: str, steps: int, tiny: bool, use_compile: bool) -> None:
     start = time.perf_counter()
     torch.set_default_dtype(torch.bfloat16)  # build the weights in bf16 directly (no fp32 copy)
     with torch.device(device):
-        if w.family == "flux":
+        if w.family.name == "flux":
             model = FluxTransformer2DModel(
                 in_channels=m.in_channels,
                 num_layers=m.depth,

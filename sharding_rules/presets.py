@@ -23,6 +23,11 @@ ACTIVATIONS: Rules = MappingProxyType(
         "seq": ("ring", "ulysses"),
         "act_heads": "tensor",
         "act_mlp": "tensor",
+        # PipeFusion (arXiv 2405.14430): each stage's own copy of the latent patches (a leading axis of
+        # one entry per stage), and the stale K/V a stage keeps after Ulysses' all_to_all: its heads of
+        # the tensor split, then of the ulysses split. The K/V buffers' layer slots follow "layers".
+        "stage": "pipefusion",
+        "kv_heads": ("tensor", "ulysses"),
     }
 )
 

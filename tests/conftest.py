@@ -6,6 +6,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# `jaxdit generate` called in-process keeps no compiled programs in ~/.cache (tests that want the cache
+# pass a directory of their own).
+os.environ.setdefault("JAXDIT_COMPILATION_CACHE", "0")
 
 import jax  # noqa: E402
 

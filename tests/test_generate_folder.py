@@ -30,7 +30,10 @@ def wan_folder():
     [
         (dict(), "give --prompt"),
         (dict(prompt="a", prompt_embeds="x.npz"), "--prompt_embeds and a pipeline folder"),
-        (dict(prompt="a", pipefusion_parallel_degree=2), "PipeFusion runs from transformer checkpoints"),
+        (
+            dict(prompt="a", pipefusion_parallel_degree=2, num_pipeline_patch=4, height=24, width=32),
+            "does not divide the 6 rows",
+        ),
         (dict(prompt="a", model="wan2.1-t2v-14b"), "does not match"),
         (dict(prompt="a", height=18, width=32), "multiples of 4"),
         (dict(prompt="a", output="x.mp4"), r"must end in \.png"),
@@ -125,3 +128,15 @@ def test_cli_wan_folder_prompt_to_mp4(wan_folder, tmp_path):
     with av.open(str(out)) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 5 and frames[0].shape == (32, 48, 3)
+
+
+def test_cli_flux_folder_with_pipefusion_matches_the_serial_run(flux_folder, tmp_path, capsys):
+    """PipeFusion from a downloaded folder: prompt -> latents on pipefusion2 x ulysses2 with every step a
+    warm-up step (synchronous: the serial result), against the same call on one device."""
+    argv = ["generate", "--weights", flux_folder, "--prompt", "a small red cube", "--height", "24"]
+    argv += ["--width", "32", "--steps", "2", "--max_sequence_length", "8", "--seed", "3"]
+    assert cli.main([*argv, "--output", str(tmp_path / "serial.npy")]) == 0
+    pf = ["--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", "2"]
+    assert cli.main([*argv, *pf, "--output", str(tmp_path / "pf.npy")]) == 0, capsys.readouterr().err
+    serial, piped = np.load(tmp_path / "serial.npy"), np.load(tmp_path / "pf.npy")
+    assert serial.shape == piped.shape and np.abs(serial - piped).max() < 1e-4

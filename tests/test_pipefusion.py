@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
+from jax.sharding import PartitionSpec
 from pipefusion_helpers import ReferenceContext, collectives, make_mesh
 
 from jaxdit.families import load_params
@@ -29,13 +30,16 @@ from jaxdit.generate import GenerateRequest, check_request
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.models.layers import rope_angles
+from jaxdit.parallel.local_attention import reference_attention
 from jaxdit.parallel.pipefusion import PipeSchedule, stage_layer_order
+from jaxdit.parallel.ring import ring_attention
 from jaxdit.pipelines import digits
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines import pipefusion_flux as pf
 from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.flux import tiny_digits as serial_pipeline
 from jaxdit.samplers import flow_match_euler as euler
+from jaxdit.samplers.sampler import EulerSampler
 
 FAST = {"xla_backend_optimization_level": 0}
 CFG_SCALE = tiny.training_record().get("cfg_scale", 3.0)
@@ -121,6 +125,35 @@ def test_schedule_visits_each_virtual_stage_once_and_respects_the_latent_loop(st
     assert full.ticks == 28 * 8 + 2 * 4 - 1 and full.utilization > 0.96
     with pytest.raises(ValueError, match="num_pipeline_patch=1 is smaller than pipefusion_parallel_degree=2"):
         PipeSchedule(2, 1, 2, 3)
+
+
+def test_ring_attention_keeps_every_members_blocks_in_rank_order():
+    """PipeFusion's fresh K/V come from ``ring_attention(keep_blocks=True)``: the blocks that pass a
+    member are every member's K and V in rank order (an all-gather's result, without one: still exactly
+    R-1 permutes of K and of V), and the output is plain ring attention's."""
+    ring, spec = 4, PartitionSpec(None, "ring")
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2, ring * 3, 2, 8)), jnp.float32) for _ in range(3))
+
+    def local(q, k, v):
+        out, lse, (k_all, v_all) = ring_attention(q, k, v, ring, keep_blocks=True)
+        return out, k_all[None], v_all[None]
+
+    fn = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=make_mesh(ring=ring),
+            in_specs=(spec,) * 3,
+            out_specs=(spec, PartitionSpec("ring"), PartitionSpec("ring")),
+            check_vma=False,
+        )
+    )
+    out, k_all, v_all = fn(q, k, v)
+    for member in range(ring):
+        np.testing.assert_array_equal(np.asarray(k_all[member]), np.asarray(k))
+        np.testing.assert_array_equal(np.asarray(v_all[member]), np.asarray(v))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(reference_attention(q, k, v)), atol=1e-5)
+    assert collectives((fn, (q, k, v)))["collective-permute"][0] == 2 * (ring - 1)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -377,6 +410,25 @@ def test_quality_with_one_and_two_warmup_steps():
 
 
 # --------------------------------------------------------------------------------------------------------
+# The runner's own checks
+# --------------------------------------------------------------------------------------------------------
+
+
+def test_runner_rejects_a_context_that_is_not_one_or_two_rows_per_request():
+    """The runner takes the plain loop's inputs: latent tokens per request and the forward context with
+    one row per request, or two (CFG branches); anything else is refused before a compile."""
+    runner = _pipe(True, pipefusion=2, cfg=2, ulysses=2).runner
+    sampler = EulerSampler(euler.FlowMatchEulerConfig(shift=1.0))
+    call = dict(sampler=sampler, schedule=sampler.schedule(2, image_seq_len=64), grid=(8, 8))
+    latents = np.zeros((2, 64, tiny.LATENT_CHANNELS * 4), np.float32)  # 2 images of 8 x 8 packed tokens
+    context = {"encoder_hidden_states": np.zeros((3, 4, 32), np.float32)}
+    with pytest.raises(ValueError, match="the context has 3 rows for 2 latents"):
+        runner(latents, context, **call, guidance_scale=3.0, num_inference_steps=2)
+    with pytest.raises(ValueError, match="warmup_steps=3 exceeds the 2 denoising steps"):
+        runner(latents, context, **call, guidance_scale=3.0, num_inference_steps=2, warmup_steps=3)
+
+
+# --------------------------------------------------------------------------------------------------------
 # jaxdit generate
 # --------------------------------------------------------------------------------------------------------
 
@@ -440,7 +492,7 @@ def test_flux_dev_1024px_programs_move_what_the_cost_model_says(degrees, patches
     assert warm_seen["collective-permute"] == (permutes, cost["warmup_step"])
     assert run_seen["collective-permute"] == ((2 + true_cfg) * ticks, ticks * cost["tick"])
     assert set(run_seen) == {"collective-permute"} | ({"all-to-all"} if parallel.ulysses > 1 else set())
-    kv = 2 * sum(math.prod(pf._Programs(model, g, true_cfg, (), None).kv_shape(s)) for s in pf.STACKS)
+    kv = 2 * sum(math.prod(pf.make_programs(model, g, true_cfg).kv_shape(s)) for s in pf.STACKS)
     kv_per_device = kv * 2 // (parallel.num_devices // parallel.ring)  # bf16; split over all but ring
     print(
         f"\n{parallel.describe()}, M={patches}: {model.param_bytes_per_device() / 2**30:.2f} GiB parameters and "

@@ -479,7 +479,7 @@ def test_wan14b_480p_programs_move_what_the_cost_model_says(degrees):
         modelled = pipefusion_programs(w, parallel, 1, cpu=True)
         assert sum(b for _, b in run_seen.values()) == pytest.approx(modelled["pipelined"], rel=1e-9)
         assert sum(b for _, b in warm_seen.values()) == pytest.approx(modelled["warmup"], rel=1e-9)
-    kv = 2 * math.prod(pw._Programs(model, g, True, (), None).kv_shape()) * 2  # bf16 K and V
+    kv = 2 * math.prod(pw.make_programs(model, g, True).kv_shape()) * 2  # bf16 K and V
     kv_per_device = kv // (parallel.num_devices // parallel.ring)
     print(
         f"\n{parallel.describe()}, M={patches}: {model.param_bytes_per_device() / 2**30:.2f} GiB parameters and "

@@ -24,6 +24,7 @@ from jaxdit.families.flux import FLUX
 from jaxdit.families.wan import WAN
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models.sharded_forward import validate_forward
+from jaxdit.parallel.kernels import with_backend
 from jaxdit.pipelines.model_folder import ModelFolder, open_diffusers_folder
 
 __all__ = [
@@ -124,7 +125,7 @@ def load_params(
     """Read any supported checkpoint into a model on ``mesh``; returns (its family, the model)."""
     family = detect_family(path)
     model = loading.load_params(
-        path, mesh, dtype, family=family.checkpoints, config=config, rules=rules, check=check
+        path, mesh, dtype, checkpoints=family.checkpoints, config=config, rules=rules, check=check
     )
     return family, model
 
@@ -137,6 +138,7 @@ def load_transformer(
     config: Any = None,
     kernel: Mapping[str, Any] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    attention_backend: str | None = None,
 ) -> Callable[..., Any]:
     """Load a transformer checkpoint onto a mesh; returns a callable mirroring diffusers' ``forward``.
 
@@ -148,11 +150,14 @@ def load_transformer(
       dtype: parameter and compute dtype (e.g. ``jnp.bfloat16``); default: the checkpoint's.
       config: overrides the config read or inferred from the checkpoint (needed for BFL files whose RoPE
         split is not FLUX.1's).
-      kernel: options of the local attention kernel (tile sizes ``block_q``, ``block_k``).
+      kernel: local attention kernel options (``backend``, the XLA kernel's ``block_q``/``block_k``).
       compiler_options: XLA options for the compiled step (see ``ShardedForward``).
+      attention_backend: auto (default), xla, cudnn, triton or splash: ``kernel["backend"]``
+        (``jaxdit.parallel.kernels``); checked before any weight is read.
 
     The callable is the family's (``FluxForward``, ``WanForward``).
     """
+    kernel = with_backend(kernel, attention_backend)
     mesh = mesh_for(parallel)
     # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
     check = lambda cfg: validate_forward(ParallelConfig.from_mesh(mesh), cfg.num_heads)
@@ -161,12 +166,19 @@ def load_transformer(
 
 
 def convert_checkpoint(
-    src: PathLike, dst: PathLike, dtype: Any = None, *, config: Any = None, overwrite: bool = False
+    src: PathLike,
+    dst: PathLike,
+    dtype: Any = None,
+    *,
+    config: Any = None,
+    overwrite: bool = False,
+    loras: Any = (),
 ) -> Path:
-    """Convert any supported checkpoint into a jaxdit (orbax) folder, atomically."""
+    """Convert any supported checkpoint into a jaxdit (orbax) folder, atomically; ``loras`` ((path,
+    scale) pairs) are fused into the weights first."""
     family = detect_family(src)
     return loading.convert_checkpoint(
-        src, dst, dtype, family=family.checkpoints, config=config, overwrite=overwrite
+        src, dst, dtype, checkpoints=family.checkpoints, config=config, overwrite=overwrite, loras=loras
     )
 
 

@@ -26,7 +26,6 @@ from typing import Any, ClassVar
 from jax.sharding import Mesh
 
 from converters.checkpoints import CheckpointFormat
-from jaxdit.models.sharded_forward import Arg, ShardedForward
 from jaxdit.pipelines.model_folder import FolderClass, ModelFolder
 
 __all__ = ["ModelFamily", "Preset", "Reduction", "StepTerms"]
@@ -89,14 +88,14 @@ class ModelFamily:
     display: ClassVar[str]
     #: How its checkpoints are recognised and read (``converters/<family>.py``).
     checkpoints: ClassVar[CheckpointFormat]
-    #: The forward's inputs as the mesh lays them out (diffusers' argument names).
-    forward_inputs: ClassVar[Mapping[str, Arg]]
     #: Named full-size models.
     presets: ClassVar[Mapping[str, Preset]]
     #: diffusers pipeline ``_class_name`` -> what it is (``model_index.json`` recognition).
     folder_classes: ClassVar[Mapping[str, FolderClass]]
     #: The family's pipeline class (``from_pretrained``, ``from_checkpoint``, ``__call__``).
     pipeline_class: ClassVar[type]
+    #: Its transformer laid out in PipeFusion's stage slots (a ``StagedModel``); None: no PipeFusion.
+    staged_model: ClassVar[type | None] = None
     #: Images or videos (what ``jaxdit generate`` writes).
     makes_video: ClassVar[bool] = False
     #: Frames per second of the videos it makes.
@@ -104,6 +103,8 @@ class ModelFamily:
     #: The call argument that, above 1, turns classifier-free guidance on, and what CFG needs, in words.
     cfg_scale_argument: ClassVar[str]
     cfg_needs: ClassVar[str]
+    #: Forward passes per step a generation of this family makes by default (2: classifier-free guidance).
+    default_branches: ClassVar[int] = 1
     #: Why CFG parallelism has nothing to split by default, if the family says so (for ``jaxdit plan``).
     cfg_note: ClassVar[str] = ""
     #: Arrays a ``--prompt_embeds`` file may hold (the pipeline's call arguments of those names).
@@ -123,17 +124,13 @@ class ModelFamily:
     def image_input(self, folder: ModelFolder) -> str:
         """Whether a folder's pipeline takes a picture (``--image``): "required" (image-to-video),
         "optional" (text- or image-to-video) or "none"."""
-        return "required" if "image_encoder" in folder or folder.kind.endswith("i2v") else "none"
+        return "required" if folder.takes_image else "none"
 
     def video_fps(self, folder: ModelFolder | None) -> int:
         """Frames per second of the videos a folder's model makes (default: the family's ``fps``)."""
         return self.fps
 
     # ------------------------------------------------------------------ forward
-    def sharded(self, model: Any, mesh: Mesh, **options: Any) -> ShardedForward:
-        """The model's forward as one jitted ``shard_map`` (options: ``kernel``, ``compiler_options``)."""
-        raise NotImplementedError
-
     def wrap(self, model: Any, mesh: Mesh, **options: Any) -> Callable[..., Any]:
         """The diffusers-style callable of a loaded model (``jaxdit.load_transformer``'s result)."""
         raise NotImplementedError
@@ -157,8 +154,9 @@ class ModelFamily:
         """The family's own checks of a ``jaxdit generate`` request (before jax starts); ``config`` is
         the transformer's when known (a preset or an embeddings run), else None."""
 
-    def check_pipefusion(self, request: Any, config: Any, parallel: Any) -> None:
-        """PipeFusion's options against the model and the request's size (before jax starts)."""
+    def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
+        """PipeFusion's options against the model and the request's size (before jax starts); ``multiple``
+        is :meth:`size_multiple`'s (pixels per token row)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ jaxdit plan

@@ -20,9 +20,10 @@ from converters import flux as flux_converters
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, per_batch
 from jaxdit.models import flux
-from jaxdit.models.sharded_forward import ShardedForward
+from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.flux import FOLDER_CLASSES, FluxPipeline
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
+from jaxdit.pipelines.pipefusion.flux import PipeFusionFlux, default_num_patches, validate_patches
 from jaxdit.pipelines.request import GenerationRequest
 
 __all__ = ["FLUX", "FluxFamily", "FluxForward"]
@@ -95,13 +96,13 @@ class FluxFamily(ModelFamily):
     name = "flux"
     display = "FLUX.1"
     checkpoints = flux_converters.CHECKPOINTS
-    forward_inputs = flux.FORWARD_INPUTS
     presets = {
         "flux-dev": Preset(steps=28, height=1024, width=1024, kind="flux"),
         "flux-schnell": Preset(steps=4, height=1024, width=1024, kind="flux"),
     }
     folder_classes = FOLDER_CLASSES
     pipeline_class = FluxPipeline
+    staged_model = PipeFusionFlux
     cfg_note = "FLUX.1's guidance is a distilled input"
     cfg_scale_argument = "true_cfg_scale"
     cfg_needs = (
@@ -146,20 +147,47 @@ class FluxFamily(ModelFamily):
         levels = len(read_json(folder["vae"] / "config.json").get("block_out_channels", (0,) * 4))
         return 2 ** (levels - 1) * 2
 
+    def check_generate(self, request: Any, config: flux.FluxConfig | None, parallel: Any) -> None:
+        """An embeddings file against the model before any weight loads: T5 tokens [B, T, context width],
+        CLIP pooled [B, pooled width], negatives shaped like them."""
+        shapes = request.embeddings
+        if config is None or shapes is None:
+            return
+        expected = {
+            "prompt_embeds": ("B", "T", config.context_in_dim),
+            "pooled_prompt_embeds": ("B", config.vec_in_dim),
+        }
+        for name in ("prompt_embeds", "pooled_prompt_embeds"):
+            if name not in shapes:
+                raise ValueError(f"the embeddings file has no {name} (FLUX needs {', '.join(expected)})")
+        for name, want in expected.items():
+            for key in (name, "negative_" + name):
+                got = shapes.get(key)
+                if got is None:
+                    continue
+                if len(got) != len(want) or got[-1] != want[-1] or got[0] != shapes["prompt_embeds"][0]:
+                    wanted = ", ".join(map(str, want)).replace("B", str(shapes["prompt_embeds"][0]))
+                    raise ValueError(f"{key} has shape {tuple(got)}; this model takes [{wanted}]")
+        negatives = [k for k in ("negative_prompt_embeds", "negative_pooled_prompt_embeds") if k in shapes]
+        if len(negatives) == 1:
+            raise ValueError(f"the embeddings file has {negatives[0]} without its pair: give both negatives")
+        if negatives and shapes["negative_prompt_embeds"] != shapes["prompt_embeds"]:
+            raise ValueError(
+                f"negative_prompt_embeds {tuple(shapes['negative_prompt_embeds'])} differ from prompt_embeds "
+                f"{tuple(shapes['prompt_embeds'])}"
+            )
+
     def check_pipefusion(self, request: Any, config: flux.FluxConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole rows of packed tokens that ring x ulysses splits; 1 <= warm-up <= steps."""
-        from jaxdit.parallel.pipefusion import validate_pipefusion
-        from jaxdit.pipelines.pipefusion_flux import default_num_patches, validate_patches
-
         rows, cols = request.height // multiple, request.width // multiple
         patches = request.num_pipeline_patch or default_num_patches(parallel.pipefusion, rows)
         validate_pipefusion(
-            parallel.pipefusion, patches, request.warmup_steps or 1, request.num_inference_steps
+            parallel.pipefusion,
+            patches,
+            1 if request.warmup_steps is None else request.warmup_steps,
+            request.num_inference_steps,
         )
         validate_patches(rows, cols, patches, parallel.sequence_degree)
-
-    def sharded(self, model: nnx.Module, mesh: Mesh, **options: Any) -> ShardedForward:
-        return flux.sharded(model, mesh, **options)
 
     def wrap(self, model: nnx.Module, mesh: Mesh, **options: Any) -> FluxForward:
         return FluxForward(model, mesh, **options)

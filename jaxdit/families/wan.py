@@ -25,9 +25,10 @@ from converters import wan as wan_converters
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, per_batch
 from jaxdit.models import wan
-from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.flops import attention_flops
+from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
+from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, default_num_patches, validate_patches
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan import (
     FOLDER_CLASSES,
@@ -128,7 +129,6 @@ class WanFamily(ModelFamily):
     name = "wan"
     display = "Wan"
     checkpoints = wan_converters.CHECKPOINTS
-    forward_inputs = wan.FORWARD_INPUTS
     presets = {
         "wan2.1-t2v-1.3b": _preset(50, 480, 832, "wan-t2v"),
         "wan2.1-t2v-14b": _preset(50, 720, 1280, "wan-t2v"),
@@ -141,7 +141,9 @@ class WanFamily(ModelFamily):
     }
     folder_classes = FOLDER_CLASSES
     pipeline_class = WanPipeline
+    staged_model = PipeFusionWan
     makes_video = True
+    default_branches = 2  # Wan runs classifier-free guidance (guidance_scale 5.0)
     fps = 16  # Wan 2.1 is trained at 16 fps
     cfg_scale_argument = "guidance_scale"
     cfg_needs = "--guidance_scale > 1 (Wan's CFG)"
@@ -223,11 +225,12 @@ class WanFamily(ModelFamily):
     def check_pipefusion(self, request: Any, config: wan.WanConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole latent rows (after patchify) that ring x ulysses splits, blocks to split
         over the stages, 1 <= warmup_steps <= steps."""
-        from jaxdit.parallel.pipefusion import validate_pipefusion
-        from jaxdit.pipelines.pipefusion_wan import default_num_patches, validate_patches
-
-        if getattr(request, "model", None) in PRESET_VARIANTS or (
-            config.condition_channels and not config.is_i2v
+        folder = getattr(request, "folder", None)
+        wan22 = folder is not None and WanVariant.of(folder) != WanVariant()
+        if (
+            wan22
+            or getattr(request, "model", None) in PRESET_VARIANTS
+            or (config.condition_channels and not config.is_i2v)
         ):
             raise ValueError(
                 "PipeFusion does not run Wan 2.2 yet (two experts, condition channels without CLIP, per-token "
@@ -247,7 +250,10 @@ class WanFamily(ModelFamily):
             parallel.pipefusion, grid, parallel.sequence_degree
         )
         validate_pipefusion(
-            parallel.pipefusion, patches, request.warmup_steps or 1, request.num_inference_steps
+            parallel.pipefusion,
+            patches,
+            1 if request.warmup_steps is None else request.warmup_steps,
+            request.num_inference_steps,
         )
         validate_patches(grid, patches, parallel.sequence_degree)
 
@@ -256,9 +262,6 @@ class WanFamily(ModelFamily):
 
     def check_folder(self, folder: ModelFolder) -> None:
         check_folder(folder)
-
-    def sharded(self, model: nnx.Module, mesh: Mesh, **options: Any) -> ShardedForward:
-        return wan.sharded(model, mesh, **options)
 
     def wrap(self, model: nnx.Module, mesh: Mesh, **options: Any) -> WanForward:
         return WanForward(model, mesh, **options)

@@ -25,6 +25,7 @@ from converters import orbax_io
 from converters.checkpoints import CheckpointFormat, Source
 from converters.errors import CheckpointError
 from converters.keymap import place_params
+from jaxdit.lora import fuse_loras, read_loras
 from jaxdit.mesh import ParallelConfig, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
 from sharding_rules import rules_for
@@ -49,10 +50,10 @@ def _fill(abstract_state: nnx.State, arrays: Mapping[str, Any]) -> nnx.State:
     return nnx.from_flat_state([(p, v.replace(arrays[flat_path(p)])) for p, v in flat])
 
 
-def resolve_keys(family: CheckpointFormat, source: Source, dtype: Any = jnp.float32) -> None:
+def resolve_keys(checkpoints: CheckpointFormat, source: Source, dtype: Any = jnp.float32) -> None:
     """Check the checkpoint's key table against the model's parameters from headers alone (strict: a
     missing, extra or misshaped tensor is a ``CheckpointError`` naming it); reads no tensor."""
-    abstract = nnx.state(family.abstract_model(source.config, dtype))
+    abstract = nnx.state(checkpoints.abstract_model(source.config, dtype))
     source.resolve({flat_path(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)})
 
 
@@ -61,12 +62,12 @@ def load_params(
     mesh: Mesh,
     dtype: Any = None,
     *,
-    family: CheckpointFormat,
+    checkpoints: CheckpointFormat,
     config: Any = None,
     rules: Mapping[str, object] | None = None,
     check: Callable[[Any], None] | None = None,
 ) -> nnx.Module:
-    """Read ``family``'s checkpoint at ``path`` into a model whose parameters live on ``mesh``.
+    """Read the checkpoint at ``path`` (of the family whose ``checkpoints`` format is given) into a model whose parameters live on ``mesh``.
 
     ``dtype`` defaults to the checkpoint's storage dtype; ``rules`` to the mesh's rule table.
     ``check(config)`` runs once the config is known and before any tensor is read (e.g. heads against
@@ -77,13 +78,13 @@ def load_params(
     rules = rules if rules is not None else rules_for(tensor=degrees.tensor, pipefusion=degrees.pipefusion)
     if orbax_io.is_orbax_checkpoint(path):
         meta = orbax_io.read_metadata(path)
-        if meta["family"] != family.name:
-            raise CheckpointError(f"{path}: a {meta['family']!r} checkpoint, not {family.name!r}")
-        cfg = family.config_from_json(meta["config"]) if config is None else config
+        if meta["family"] != checkpoints.name:
+            raise CheckpointError(f"{path}: a {meta['family']!r} checkpoint, not {checkpoints.name!r}")
+        cfg = checkpoints.config_from_json(meta["config"]) if config is None else config
         if check is not None:
             check(cfg)
         dtype = jnp.dtype(dtype or meta["dtype"])
-        graphdef, abstract = nnx.split(family.abstract_model(cfg, dtype))
+        graphdef, abstract = nnx.split(checkpoints.abstract_model(cfg, dtype))
         shardings = named_shardings(abstract, rules, mesh)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
@@ -93,11 +94,11 @@ def load_params(
         nnx.replace_by_pure_dict(state, restored)
         return nnx.merge(graphdef, state)
 
-    source = family.open(path, config)
+    source = checkpoints.open(path, config)
     if check is not None:
         check(source.config)
     dtype = jnp.dtype(dtype or source.dtype)
-    graphdef, abstract = nnx.split(family.abstract_model(source.config, dtype))
+    graphdef, abstract = nnx.split(checkpoints.abstract_model(source.config, dtype))
     flat = nnx.to_flat_state(abstract)
     lazies = source.resolve({flat_path(p): tuple(v.shape) for p, v in flat})
     shardings = {
@@ -112,17 +113,27 @@ def convert_checkpoint(
     dst: PathLike,
     dtype: Any = None,
     *,
-    family: CheckpointFormat,
+    checkpoints: CheckpointFormat,
     config: Any = None,
     overwrite: bool = False,
+    loras: Any = (),
 ) -> Path:
-    """Convert ``family``'s checkpoint into a jaxdit (orbax) folder, atomically; loaded on one device."""
-    model = load_params(src, single_device_mesh(), dtype, family=family, config=config)
+    """Convert a checkpoint (of the family whose ``checkpoints`` format is given) into a jaxdit (orbax) folder, atomically; loaded on one device.
+
+    ``loras``: (path, scale) pairs fused into the weights before they are written (every file checked
+    against the model before the checkpoint's tensors are read)."""
+    if loras:
+        source = checkpoints.open(Path(src), config) if not orbax_io.is_orbax_checkpoint(Path(src)) else None
+        if source is not None:
+            read_loras(loras, source.config)
+    model = load_params(src, single_device_mesh(), dtype, checkpoints=checkpoints, config=config)
+    if loras:
+        fuse_loras(model, model.config, loras)
     state = nnx.state(model, nnx.Param)
     dtype = jax.tree.leaves(state)[0].dtype
     meta = {
-        "family": family.name,
+        "family": checkpoints.name,
         "dtype": jnp.dtype(dtype).name,
-        "config": family.config_to_json(model.config),
+        "config": checkpoints.config_to_json(model.config),
     }
     return orbax_io.save(dst, nnx.to_pure_dict(state), meta, overwrite=overwrite)

@@ -37,6 +37,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models.partitioning import named_shardings, partition_specs
 from jaxdit.parallel.context import ShardContext
+from jaxdit.parallel.kernels import check_kernel_options
 from jaxdit.parallel.layout import SequenceLayout
 from sharding_rules import logical_to_spec, rules_for
 
@@ -115,7 +116,8 @@ class ShardedForward:
       body: ``body(model, ctx, **local_inputs) -> local output``, run inside ``shard_map``.
       num_heads: checked against ulysses x tensor before anything is compiled.
       rules: logical -> mesh axes; default ``rules_for(tensor=..., pipefusion=...)`` of the mesh.
-      kernel: tile sizes for the local attention kernel (``block_q``, ``block_k``).
+      kernel: local attention kernel options: ``backend`` (auto, xla, cudnn, triton, splash), the XLA
+        kernel's tiles ``block_q``/``block_k`` (see ``jaxdit.parallel.kernels``).
       compiler_options: XLA options for compiling the step (``jax.jit(compiler_options=...)``), e.g.
         ``{"xla_backend_optimization_level": 0}`` for quick test compiles on CPU.
     """
@@ -130,9 +132,10 @@ class ShardedForward:
         body: Callable[..., jax.Array],
         num_heads: int,
         rules: Mapping[str, object] | None = None,
-        kernel: Mapping[str, int] | None = None,
+        kernel: Mapping[str, Any] | None = None,
         compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
+        check_kernel_options(kernel)
         self.config = ParallelConfig.from_mesh(mesh)
         validate_forward(self.config, num_heads)
         self.mesh = mesh
@@ -239,8 +242,11 @@ class ShardedForward:
             out = layout.unpad(out, self.output.group, axis=self.output.seq_axis)
         return out
 
-    def lower(self, **inputs: jax.ShapeDtypeStruct | None) -> jax.stages.Lowered:
-        """Lower the step from abstract (unpadded) inputs and this object's (possibly abstract) state."""
+    def lower(
+        self, *, lowering_platforms: tuple[str, ...] | None = None, **inputs: jax.ShapeDtypeStruct | None
+    ) -> jax.stages.Lowered:
+        """Lower the step from abstract (unpadded) inputs and this object's (possibly abstract) state;
+        ``lowering_platforms`` (e.g. ``("cuda",)``) lowers for another platform than this host's."""
         present = {n: inputs[n] for n in self.inputs if inputs.get(n) is not None}
         layout = self.layout({n: tuple(x.shape) for n, x in present.items()})
         args = [
@@ -254,7 +260,9 @@ class ShardedForward:
         state = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), self.state, self.param_shardings
         )
-        return self.step(layout, tuple(present)).lower(state, *args)
+        return (
+            self.step(layout, tuple(present)).trace(state, *args).lower(lowering_platforms=lowering_platforms)
+        )
 
     # ----------------------------------------------------------------- sizes
     def param_bytes_per_device(self) -> int:

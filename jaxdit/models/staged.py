@@ -1,12 +1,13 @@
 """The staged forward every model family implements: embed -> block stacks -> output.
 
-A diffusion transformer here is a few named pieces rather than one opaque ``__call__``, so that the
-code that reshapes the forward reuses the model's own pieces instead of copying them:
+A diffusion transformer here is a few named pieces (embed, block stacks, output) rather than one opaque
+``__call__``, so that the code that reshapes the forward reuses the model's own pieces instead of
+copying them:
 
 - the plain sharded forward (``models/sharded_forward.py``) runs :func:`run_stacks` between ``embed``
-  and ``head``;
+  and ``output``;
 - PipeFusion (arXiv 2405.14430) runs each stack's blocks on the stage that holds them, one patch at a
-  time, and calls ``embed`` / ``head`` on the first / last stage;
+  time, and embeds / predicts on the first / last stage with the model's own pieces;
 - feature caches (First-Block-Cache, TeaCache) run the first block, decide, and either run the rest or
   reuse a cached residual;
 - LoRA only touches parameters, but finds them by the same stack names.

@@ -127,6 +127,15 @@ def unpatchify(tokens: jax.Array, grid: Sequence[int], patch_size: Sequence[int]
     return rearrange(tokens, pattern, f=f, h=h, w=w, pt=pt, ph=ph, pw=pw, c=channels)
 
 
+def swap_features(tokens: Any, outer: int, inner: int) -> Any:
+    """[..., outer * inner] -> [..., inner * outer]: swap the two factors of each token's feature index.
+
+    (patch, channel) -> (channel, patch) turns the head's (t, h, w, c) features into the patch embedding's
+    (c, t, h, w) order, and back. numpy or jax; only each token's own features move.
+    """
+    return rearrange(tokens, "... (outer inner) -> ... (inner outer)", outer=outer, inner=inner)
+
+
 def token_positions(grid: Sequence[int]) -> np.ndarray:
     """[N, 3] int32 (frame, row, col) of every token, in patchify order (static: computed with numpy)."""
     f, h, w = grid
@@ -256,10 +265,11 @@ class WanCrossAttention(nnx.Module):
             for n in _rms_norm_across_heads(xs, scales, cfg.dim, cfg.eps, ctx)
         ]
         q, k = normed[0], normed[1]
-        out, _ = local_attention(q, k, _heads(self.v(text), cfg.head_dim), out_dtype=jnp.float32)
+        kernel = ctx.backend_options()  # the backend of self-attention (auto, xla, cudnn, triton, splash)
+        out, _ = local_attention(q, k, _heads(self.v(text), cfg.head_dim), out_dtype=jnp.float32, **kernel)
         if use_image:
             out_img, _ = local_attention(
-                q, normed[2], _heads(self.v_img(image), cfg.head_dim), out_dtype=jnp.float32
+                q, normed[2], _heads(self.v_img(image), cfg.head_dim), out_dtype=jnp.float32, **kernel
             )
             out = out + out_img
         return self.o(out.reshape(*out.shape[:2], -1).astype(dtype), ctx)

@@ -8,12 +8,14 @@ communication when the corresponding degrees are 1, so one model file serves eve
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from jax import lax
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.attention import attention_in_shard
+from jaxdit.parallel.kernels import check_kernel_options
 from jaxdit.parallel.layout import SequenceLayout
 
 
@@ -23,8 +25,18 @@ class ShardContext:
 
     config: ParallelConfig
     layout: SequenceLayout
-    #: Tile sizes for the local attention kernel (``block_q``, ``block_k``); defaults when empty.
-    kernel: tuple[tuple[str, int], ...] = ()
+    #: Options of the local attention kernel as sorted (name, value) pairs: ``backend`` (auto, xla, cudnn,
+    #: triton, splash), the XLA kernel's tiles ``block_q``/``block_k``, ``interpret``, ``platform``
+    #: (``jaxdit.parallel.kernels.KERNEL_OPTIONS``); defaults when empty.
+    kernel: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        check_kernel_options(dict(self.kernel))
+
+    def backend_options(self) -> dict[str, Any]:
+        """The kernel options that choose the backend (not the XLA tiles): for attention a model calls
+        on its own, e.g. Wan's cross-attention to the text tokens."""
+        return {k: v for k, v in self.kernel if k not in ("block_q", "block_k")}
 
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         """Self-attention over every shard's tokens; q/k/v [B, n_local, H_local, D] in the layout."""

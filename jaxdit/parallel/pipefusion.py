@@ -10,9 +10,9 @@ Neighbouring diffusion steps have nearly the same activations, so the error is s
 Only patch activations (and, if the last stage is not the first, latent patches) cross devices;
 K/V never does.
 
-This module holds what does not depend on the model (``jaxdit.pipelines.pipefusion_stages`` lays a
-model's parameters out in stage slots, ``pipefusion_programs`` holds the families' shared program
-scaffolding, ``pipefusion_flux`` and ``pipefusion_wan`` are FLUX's and Wan's stage glue):
+This module holds what does not depend on the model and everything that names a mesh axis
+(``jaxdit.pipelines.pipefusion`` runs a model family's staged forward on it: parameters in stage slots,
+the warm-up step and the pipelined phase, one runner for every family):
 
 - :class:`PipeSchedule`, the static timetable of the asynchronous phase as a ``lax.scan`` over ticks.
   A model may make V passes over the stages (FLUX: double blocks, then single blocks, each stack split
@@ -25,11 +25,14 @@ scaffolding, ``pipefusion_flux`` and ``pipefusion_wan`` are FLUX's and Wan's sta
   V x P - M idle ticks per step. Bubbles are only at the two ends of the scan.
 - :func:`stage_layer_order`, which layer of a stack each device's slots hold (V-shaped, padded to
   ceil(L / P) slots per device: padded slots hold zero weights).
-- :func:`shift`, the only PipeFusion collective: a ``ppermute`` of one patch's activations to the
-  neighbouring stage.
+- :func:`shift`, the PipeFusion collective: a ``ppermute`` of one patch's activations to the
+  neighbouring stage; :func:`to_first_stage`, the updated latent patch's way back when a model's last
+  pass ends on the last stage (odd V); :func:`guide_patch`, CFG on one patch's prediction (with cfg=2,
+  one permute of it to the other branch's device).
 - :func:`patch_attention` and :class:`PatchContext`: attention of a patch (or the full sequence, in
-  warm-up) against fresh K/V, merged by log-sum-exp with the stale buffer, with Ulysses and Ring inside a
-  stage; it returns the fresh K/V gathered over the sequence shards for the buffer.
+  warm-up) against fresh K/V, merged by log-sum-exp with the stale buffer: Ulysses and Ring inside a
+  stage, the ring being ``parallel/ring.py``'s, which keeps the K/V blocks that pass; they are the fresh
+  K/V of every sequence shard, returned for the buffer.
 - :func:`write_patch`: the buffer update of one patch's slot, only where the tick's work is real.
 """
 
@@ -37,15 +40,18 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxdit.parallel.cfg import CFG_AXIS
+from jaxdit.parallel.cfg import guidance as cfg_guidance
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.local_attention import local_attention, merge_partials
-from jaxdit.parallel.ring import RING_AXIS
+from jaxdit.parallel.ring import RING_AXIS, ring_attention
 from jaxdit.parallel.ulysses import ULYSSES_AXIS, heads_to_seq, seq_to_heads
 
 PIPE_AXIS = "pipefusion"
@@ -54,9 +60,12 @@ __all__ = [
     "PIPE_AXIS",
     "PatchContext",
     "PipeSchedule",
+    "guide_patch",
     "patch_attention",
     "shift",
+    "stage_index",
     "stage_layer_order",
+    "to_first_stage",
     "validate_pipefusion",
     "write_patch",
 ]
@@ -123,12 +132,18 @@ class PipeSchedule:
         return (self.steps - 1) * self.period + self.patches - 1 + self.depth
 
     @property
+    def last_stage(self) -> int:
+        """The device of a patch's last virtual stage, where its step ends (stage 0 for even V, else P-1)."""
+        return self.position(self.passes - 1, self.stages - 1)
+
+    @property
     def utilization(self) -> float:
         """Share of (tick, virtual stage) slots doing real work; the rest are bubbles."""
         return self.steps * self.patches / self.ticks if self.ticks else 1.0
 
     def position(self, pass_index: int, stage: jax.Array | int) -> jax.Array | int:
-        """The position of ``stage`` along pass ``pass_index`` (0 = the pass's first device)."""
+        """The position of ``stage`` along pass ``pass_index`` (0 = the pass's first device), and the
+        device at a position (the map is its own inverse)."""
         return stage if pass_index % 2 == 0 else self.stages - 1 - stage
 
     def item(self, tick: jax.Array, pass_index: int, stage: jax.Array) -> tuple[jax.Array, ...]:
@@ -179,6 +194,28 @@ def shift(x: jax.Array, direction: int, stages: int) -> jax.Array:
     return lax.ppermute(x, PIPE_AXIS, pairs)
 
 
+def to_first_stage(x: jax.Array, stages: int) -> jax.Array:
+    """The last stage's ``x`` on stage 0 (the others receive zeros). Inside ``shard_map``."""
+    return x if stages == 1 else lax.ppermute(x, PIPE_AXIS, [(stages - 1, 0)])
+
+
+def stage_index() -> jax.Array:
+    """This device's stage (traced). Inside ``shard_map``."""
+    return lax.axis_index(PIPE_AXIS)
+
+
+def guide_patch(pred: jax.Array, scale: jax.Array, cfg: int) -> jax.Array:
+    """Classifier-free guidance of one patch's prediction, laid out [uncond; cond] by
+    ``interleave_branches``: over the local branches (cfg=1) or with the other cfg device's branch
+    (cfg=2: one permute of this patch's prediction). Inside ``shard_map``."""
+    if cfg == 1:
+        uncond, cond = jnp.split(pred, 2, axis=0)
+        return cfg_guidance(uncond, cond, scale)
+    other = lax.ppermute(pred, CFG_AXIS, [(0, 1), (1, 0)])
+    is_cond = lax.axis_index(CFG_AXIS) == 1
+    return cfg_guidance(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
+
+
 # --------------------------------------------------------------------------------------------------------
 # Attention with fresh and stale K/V
 # --------------------------------------------------------------------------------------------------------
@@ -193,16 +230,17 @@ def patch_attention(
     ulysses: int,
     fresh_valid: jax.Array | None,
     stale: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-    kernel: Sequence[tuple[str, int]] = (),
+    kernel: Sequence[tuple[str, Any]] = (),
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Attention of this device's fresh tokens over (fresh K/V of every sequence shard) + (stale buffer).
 
     q/k/v [B, n, H, D]: this device's tokens (one patch's piece, or all pieces in warm-up), sequence-
     sharded over (ring, ulysses). Ulysses' all_to_all gathers the U pieces of a ring position and splits
-    heads; Ring passes those K/V blocks round the R positions (R - 1 hops), as in USP. Every block that
-    passes is kept: together they are the fresh K/V of the whole patch, [B, R*U*n, H/U, D] ordered by
-    sequence shard, which is what the caller stores (xDiT keeps post-all-to-all K/V the same way, so a
-    stage's buffer holds every token for its heads and stale attention needs no communication).
+    heads; :func:`ring_attention` passes those K/V blocks round the R positions (R - 1 hops), as in USP,
+    and keeps every block that passes: together they are the fresh K/V of the whole patch,
+    [B, R*U*n, H/U, D] ordered by sequence shard, which is what the caller stores (xDiT keeps
+    post-all-to-all K/V the same way, so a stage's buffer holds every token for its heads and stale
+    attention needs no communication).
 
     ``fresh_valid`` [R, U*n] marks the real keys of each ring position's block (None: all real).
     ``stale`` = (k_buf, v_buf, valid): the buffer [B, Lb, H/U, D] and [Lb] bool, False for padding and for
@@ -218,37 +256,15 @@ def patch_attention(
     def mask(valid: jax.Array | None) -> jax.Array | None:
         return None if valid is None else jnp.broadcast_to(valid, (batch, valid.shape[-1]))
 
-    me = lax.axis_index(RING_AXIS) if ring > 1 else 0
-    forward = [(i, (i + 1) % ring) for i in range(ring)]
-    out = lse = None
-    k_blocks, v_blocks = [], []
-    for hop in range(ring):  # static; the next hop is issued before the local block is computed
-        if hop < ring - 1:
-            k_next = lax.ppermute(kh, RING_AXIS, forward)
-            v_next = lax.ppermute(vh, RING_AXIS, forward)
-        source = (me - hop) % ring
-        valid = None if fresh_valid is None else fresh_valid[source]
-        o, l = local_attention(qh, kh, vh, mask(valid), out_dtype=jnp.float32, **kw)
-        out, lse = (o, l) if out is None else merge_partials(out, lse, o, l)
-        k_blocks.append(kh)
-        v_blocks.append(vh)
-        if hop < ring - 1:
-            kh, vh = k_next, v_next
+    key_valid_for = None if fresh_valid is None else (lambda source: mask(fresh_valid[source]))
+    out, lse, (k_all, v_all) = ring_attention(
+        qh, kh, vh, ring, key_valid_for, RING_AXIS, out_dtype=jnp.float32, keep_blocks=True, **kw
+    )
     if stale is not None:
         k_buf, v_buf, stale_valid = stale
         o, l = local_attention(qh, k_buf, v_buf, mask(stale_valid), out_dtype=jnp.float32, **kw)
         out, lse = merge_partials(out, lse, o, l)
-    out = heads_to_seq(out.astype(q.dtype), ulysses, ULYSSES_AXIS)
-
-    def by_source(blocks: list[jax.Array]) -> jax.Array:
-        # After `hop` hops a device holds ring position (me - hop)'s block: reorder to position order.
-        if ring == 1:
-            return blocks[0]
-        stacked = jnp.stack(blocks)  # [R (hop), B, U*n, h, D]
-        stacked = stacked[(me - jnp.arange(ring)) % ring]  # [R (source), ...]
-        return jnp.moveaxis(stacked, 0, 1).reshape(batch, -1, *stacked.shape[3:])
-
-    return out, by_source(k_blocks), by_source(v_blocks)
+    return heads_to_seq(out.astype(q.dtype), ulysses, ULYSSES_AXIS), k_all, v_all
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import Mesh
 
 from converters.checkpoints import CheckpointFormat
@@ -63,15 +62,26 @@ def load_model(
     dtype: Any,
     checkpoints: CheckpointFormat,
     check: Callable[[Any], None] | None = None,
-) -> nnx.Module:
-    """The transformer's parameters on ``mesh``: the plain model (every layer on every device)."""
+    staged: Any = None,
+) -> Any:
+    """The transformer's parameters on ``mesh``: on a mesh with ``pipefusion > 1`` the family's PipeFusion
+    stage layout (``staged``, a ``StagedModel`` class: each device reads only its own stages' blocks),
+    else the plain model (every layer on every device). ``check(config)`` runs before any tensor is read."""
+    parallel = ParallelConfig.from_mesh(mesh)
 
     def checks(config: Any) -> None:
         if check is not None:
             check(config)
-        validate_forward(ParallelConfig.from_mesh(mesh), config.num_heads)
+        if parallel.pipefusion > 1:
+            staged.check(config, parallel)
+        else:
+            validate_forward(parallel, config.num_heads)
 
-    return load_params(path, mesh, as_dtype(dtype), family=checkpoints, check=checks)
+    if parallel.pipefusion > 1:
+        if staged is None:
+            raise ValueError(f"pipefusion={parallel.pipefusion}: this family has no PipeFusion stage layout")
+        return staged._load(path, mesh, as_dtype(dtype), checks)
+    return load_params(path, mesh, as_dtype(dtype), checkpoints=checkpoints, check=checks)
 
 
 def preset_check(

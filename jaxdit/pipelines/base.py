@@ -6,8 +6,9 @@ denoiser's inputs (latent tokens, the forward's context, the sampler's schedule)
 turns the final tokens back into latents. Everything else is here, once:
 
 - the call template (checks, the denoising loop, decoding, ``output_type`` np / pil / latent);
-- the choice of denoiser: the plain loop (:class:`~jaxdit.pipelines.denoiser.Denoiser`) or, when the mesh
-  has ``pipefusion > 1``, the PipeFusion runner;
+- the denoiser's interface: the plain loop (:class:`~jaxdit.pipelines.denoiser.Denoiser`) or, when the
+  mesh has ``pipefusion > 1``, the PipeFusion runner (``pipelines/pipefusion/denoiser.py``), which each
+  family's constructor picks; ``from_checkpoint`` for either;
 - prompt encoding with classifier-free guidance branches laid out for the ``cfg`` axis, and
   ``num_images_per_prompt``.
 
@@ -19,14 +20,21 @@ downloaded folder (``jaxdit.families`` builds those).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
+import inspect
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Self
 
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdit.mesh import ParallelConfig
+from converters.checkpoints import CheckpointFormat
+from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, unfuse_loras
+from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.parallel.cfg import interleave_branches
+from jaxdit.parallel.kernels import check_kernel_options, with_backend
+from jaxdit.pipelines.assemble import load_model, preset_check
 from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
 
@@ -63,31 +71,142 @@ def to_pil(images: np.ndarray) -> list:
 class DiffusionPipeline:
     """A transformer on a mesh, a sampler, optional encoders and decoder (see the module docstring).
 
-    Subclasses set :meth:`prepare`; ``denoiser`` is built by :meth:`make_denoiser` (the plain loop, or the
-    PipeFusion runner on a mesh with ``pipefusion > 1``).
+    Subclasses set :meth:`prepare`, ``checkpoints``, ``staged_model`` and, in their constructor, ``denoiser``
+    (the plain loop, or the PipeFusion runner on a mesh with ``pipefusion > 1``).
     """
 
     #: What a cfg=2 mesh needs, in the family's own words (completes the error message).
     cfg_hint: str = "pass negative conditioning with a guidance scale > 1"
+    #: The family's transformer checkpoints (``converters.<family>.CHECKPOINTS``) and its PipeFusion
+    #: stage layout (a ``StagedModel`` class), set by each family's pipeline.
+    checkpoints: ClassVar[CheckpointFormat]
+    staged_model: ClassVar[type]
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        parallel: ParallelConfig | Mesh | None = None,
+        dtype: Any = None,
+        *,
+        preset: str | None = None,
+        kernel: Mapping[str, Any] | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
+        attention_backend: str | None = None,
+        **options: Any,
+    ) -> Self:
+        """A transformer checkpoint alone (a diffusers, original or ``jaxdit convert`` folder, a BFL file):
+        calls take prompt embeddings and, without a VAE, return latents (``output_type="latent"``).
+
+        ``preset`` (e.g. ``"flux-dev"``): the checkpoint must be that architecture. The preset, the mesh's
+        heads, the kernel options and the pipeline's ``options`` are all checked before any weight is read.
+        On a mesh with ``pipefusion > 1`` each device reads only its stages' blocks.
+        """
+        kernel = with_backend(kernel, attention_backend)
+        check_kernel_options(kernel)
+        mesh = mesh_for(parallel)
+        # The pipeline's own keyword arguments, checked now rather than after the weights load.
+        inspect.signature(cls.__init__).bind(
+            None, None, mesh, kernel=kernel, compiler_options=compiler_options, **options
+        )
+        check = preset_check(path, cls.checkpoints, preset)
+        model = load_model(Path(path), mesh, dtype, cls.checkpoints, check, staged=cls.staged_model)
+        return cls(model, mesh, kernel=kernel, compiler_options=compiler_options, **options)
 
     def __init__(self, mesh: Mesh, *, encode: Any = None, decode: Any = None) -> None:
         self.mesh = mesh
         self.parallel = ParallelConfig.from_mesh(mesh)
         self.encode = encode
         self.decode = decode
+        #: The LoRAs fused into the transformer's weights now (``load_lora``), or None.
+        self.loras: FusedLoras | None = None
+
+    @property
+    def last_step(self):
+        """The last denoising step function and its abstract arguments (the plain loop's)."""
+        return getattr(self.denoiser, "last_step", None)
+
+    @property
+    def last_programs(self):
+        """PipeFusion: the last call's warm-up and pipelined programs with abstract arguments."""
+        return getattr(self.denoiser, "last_programs", None)
+
+    @property
+    def runner(self):
+        """PipeFusion: the runner behind the denoiser (None on a plain mesh)."""
+        return getattr(self.denoiser, "runner", None)
+
+    @property
+    def _programs(self) -> dict:
+        """PipeFusion: (geometry, guided) -> the programs compiled for it."""
+        return self.runner.programs
+
+    # ------------------------------------------------------------------ LoRA
+    def lora_targets(self) -> tuple[Any, Any, Any]:
+        """(the transformer's parameter state as the denoiser reads it, its config, the stack layout
+        of PipeFusion's stage slots or None): what ``load_lora`` fuses into."""
+        if self.parallel.pipefusion > 1:
+            return self.model.state, self.config, self.model.orders
+        return self.forward.state, self.config, None
+
+    def load_lora(self, loras: LoraArg | list[LoraArg], scale: float = 1.0) -> FusedLoras:
+        """Fuse LoRA file(s) into the transformer's weights where they lie on the mesh, on top of those
+        already loaded (diffusers' ``load_lora_weights`` + ``fuse_lora``). ``loras``: a path, or a list of
+        paths / ``(path, scale)`` pairs; ``scale`` applies to the ones given without one.
+
+        Every file is read and checked against the model first (layout, family, sizes, finite values):
+        a bad file changes nothing. Shapes and shardings stay, so the compiled step is reused.
+        """
+        items = loras if isinstance(loras, list) else [loras]
+        new = [item if isinstance(item, tuple) else (item, scale) for item in items]
+        state, config, orders = self.lora_targets()
+        fused = fuse_loras(state, config, new, stack_orders=orders)
+        if self.loras is not None:
+            fused = dataclasses.replace(fused, loras=self.loras.loras + fused.loras)
+        self.loras = fused
+        return fused
+
+    def unload_lora(self) -> None:
+        """Take every loaded LoRA out of the weights (each weight back within one rounding)."""
+        if self.loras is not None:
+            state, _, _ = self.lora_targets()
+            unfuse_loras(state, self.loras)
+            self.loras = None
 
     # ------------------------------------------------------------------ family hook
     def prepare(self, request: GenerationRequest) -> Prepared:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the call
+    @classmethod
+    def call_defaults(cls) -> dict[str, Any]:
+        """The defaults of this pipeline's ``__call__`` (diffusers' for the model), by argument name."""
+        parameters = inspect.signature(cls.__call__).parameters
+        return {
+            n: p.default for n, p in parameters.items() if p.default not in (inspect.Parameter.empty, None)
+        }
+
+    def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
+        """``request`` with every field it left None set to this pipeline's call default."""
+        defaults = self.call_defaults()
+        unset = {
+            f.name: defaults[f.name]
+            for f in dataclasses.fields(request)
+            if getattr(request, f.name) is None and f.name in defaults
+        }
+        return request.replace(**unset) if unset else request
+
     def generate(self, request: GenerationRequest) -> GenerationOutput:
         """Run one request: checks, conditioning, the denoising loop, decoding."""
+        request = self.with_defaults(request)
         request.check()
         if request.output_type != "latent" and self.decode is None:
             raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
+        options = self.denoiser_options(request)
         prepared = self.prepare(request)
-        result = self.denoiser.run(prepared.inputs, progress=request.progress, callback=request.callback)
+        result = self.denoiser.run(
+            prepared.inputs, progress=request.progress, callback=request.callback, **options
+        )
         latents = prepared.to_latents(result.tokens)
         images = None
         if request.output_type != "latent":
@@ -95,6 +214,22 @@ class DiffusionPipeline:
             if request.output_type == "pil":
                 images = to_pil(images)
         return GenerationOutput(images=images, latents=latents, seconds=result.seconds)
+
+    def denoiser_options(self, request: GenerationRequest) -> dict[str, Any]:
+        """The request's options for this mesh's denoiser: PipeFusion's, which only PipeFusion takes."""
+        options = {
+            "warmup_steps": request.warmup_steps,
+            "num_pipeline_patch": request.num_pipeline_patch,
+            "patch_by": request.patch_by,
+        }
+        given = {k: v for k, v in options.items() if v is not None}
+        if self.parallel.pipefusion == 1:
+            if given:
+                raise ValueError(
+                    f"{', '.join(sorted(given))} apply to PipeFusion (a mesh with pipefusion > 1)"
+                )
+            return {}
+        return given
 
     # ------------------------------------------------------------------ helpers for prepare
     def check_cfg(self, cfg: bool) -> None:

@@ -26,17 +26,20 @@ import numpy as np
 from jax.sharding import Mesh
 
 from converters.flux import CHECKPOINTS
-from jaxdit.loading import load_params
 from jaxdit.loading.encoders import load_flux_text_encoders
 from jaxdit.loading.vae import load_flux_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import flux
+from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines import tiny_digits as tiny
-from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
+from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
 from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
+from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
+from jaxdit.pipelines.pipefusion.flux import FluxPatches, PipeFusionFlux
+from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
@@ -74,6 +77,8 @@ class FluxPipeline(DiffusionPipeline):
     """
 
     cfg_hint = "pass a negative prompt and true_cfg_scale > 1"
+    checkpoints = CHECKPOINTS
+    staged_model = PipeFusionFlux
 
     def __init__(
         self,
@@ -96,16 +101,18 @@ class FluxPipeline(DiffusionPipeline):
         self.latent_channels = latent_channels
         self.vae_scale_factor = vae_scale_factor
         self.compiler_options = compiler_options
-        # XLA options belong to the outermost jit (the step); jax rejects them on a nested one.
-        self.forward = flux.sharded(model, mesh, kernel=kernel)
-        self.denoiser = Denoiser(
-            self.forward, self.sampler, dtype=model.dtype, compiler_options=compiler_options
-        )
-
-    @property
-    def last_step(self):
-        """The last denoising step function and its abstract arguments (to read its compiled program)."""
-        return self.denoiser.last_step
+        if self.parallel.pipefusion > 1:  # ``model`` is the stage layout (PipeFusionFlux)
+            self.forward = None
+            runner = PipeFusionRunner(
+                FluxPatches(model.config), model, kernel=kernel, compiler_options=compiler_options
+            )
+            self.denoiser = PipeFusionDenoiser(runner, self.sampler)
+        else:
+            # XLA options belong to the outermost jit (the step); jax rejects them on a nested one.
+            self.forward = flux.sharded(model, mesh, kernel=kernel)
+            self.denoiser = Denoiser(
+                self.forward, self.sampler, dtype=model.dtype, compiler_options=compiler_options
+            )
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -116,8 +123,9 @@ class FluxPipeline(DiffusionPipeline):
         dtype: Any = None,
         *,
         encoder_device: jax.Device | None = None,
-        kernel: dict[str, int] | None = None,
+        kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
     ) -> FluxPipeline:
         """A downloaded FLUX.1 diffusers pipeline folder (``model_index.json``, ``transformer/``, ``vae/``,
         ``text_encoder{,_2}/``, ``tokenizer{,_2}/``, ``scheduler/``) on the mesh of ``parallel``.
@@ -125,7 +133,10 @@ class FluxPipeline(DiffusionPipeline):
         The transformer is sharded over the mesh; the text encoders run on ``encoder_device`` (default: the
         first local device); the VAE decodes patch-parallel over the mesh (``jaxdit.pipelines.assemble``).
         The transformer's heads and key table are checked before anything is read.
+        ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
+        kernel = with_backend(kernel, attention_backend)
+        check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
         mesh = mesh_for(parallel)
         check_transformer(folder["transformer"], mesh, CHECKPOINTS)
@@ -134,7 +145,7 @@ class FluxPipeline(DiffusionPipeline):
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS)
+        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
         return cls(
             model,
             mesh,
@@ -146,23 +157,6 @@ class FluxPipeline(DiffusionPipeline):
             kernel=kernel,
             compiler_options=compiler_options,
         )
-
-    @classmethod
-    def from_checkpoint(
-        cls,
-        path: str | os.PathLike[str],
-        parallel: ParallelConfig | Mesh | None = None,
-        dtype: Any = None,
-        *,
-        preset: str | None = None,
-        **options: Any,
-    ) -> FluxPipeline:
-        """A FLUX transformer checkpoint alone (BFL file, diffusers or ``jaxdit convert`` folder): calls
-        take prompt embeddings; without a VAE, ``output_type="latent"``. ``preset`` (``"flux-dev"``):
-        the checkpoint must be that architecture, checked before any weight is read."""
-        mesh = mesh_for(parallel)
-        model = load_model(Path(path), mesh, dtype, CHECKPOINTS, preset_check(path, CHECKPOINTS, preset))
-        return cls(model, mesh, **options)
 
     # ------------------------------------------------------------------ call
     def __call__(
@@ -186,11 +180,15 @@ class FluxPipeline(DiffusionPipeline):
         output_type: str = "np",
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
     ) -> GenerationOutput:
         """Generate images. ``guidance_scale`` feeds FLUX-dev's guidance embedding (ignored by models
         without one); ``true_cfg_scale`` > 1 with negative conditioning runs classifier-free guidance.
         ``latents``: initial noise [B, C, H/f, W/f] instead of the seed's. ``max_sequence_length``: T5's
-        token count (default: the text encoder's, 512 for FLUX). ``output_type``: np, pil or latent."""
+        token count (default: the text encoder's, 512 for FLUX). ``output_type``: np, pil or latent.
+        PipeFusion (a mesh with pipefusion > 1): ``num_pipeline_patch`` (default 2P when it divides the
+        latent's token rows, else P) and ``warmup_steps`` (default 1), as xDiT's flags."""
         return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
 
     # ------------------------------------------------------------------ family hook
@@ -272,11 +270,12 @@ def tiny_digits(
     parallel: ParallelConfig | Mesh | None = None,
     folder: str | Path | None = None,
     compiler_options: dict[str, Any] | None = None,
+    kernel: dict[str, Any] | None = None,
 ) -> FluxPipeline:
     """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789")."""
     mesh = mesh_for(parallel)
     folder = folder or tiny.asset_dir()
-    model = load_params(folder, mesh, jnp.float32, family=CHECKPOINTS)
+    model = load_model(Path(folder), mesh, jnp.float32, CHECKPOINTS, staged=PipeFusionFlux)
     labels = tiny.LabelEncoder.load(folder)
 
     def encode(prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -290,5 +289,6 @@ def tiny_digits(
         decode=lambda z: z[:, 0],  # pixel space: the 1-channel latent is the image
         latent_channels=tiny.LATENT_CHANNELS,
         vae_scale_factor=1,
+        kernel=kernel,
         compiler_options=compiler_options,
     )

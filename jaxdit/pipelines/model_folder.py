@@ -35,6 +35,7 @@ class FolderClass:
     kind: str  # the variant, named in messages: "flux", "wan-t2v", "wan-i2v", ...
     components: tuple[str, ...]
     optional: tuple[str, ...] = ()
+    takes_image: bool = False  # image-to-video: a call needs a first frame
     variant: Callable[[Mapping[str, Any]], str] | None = None
 
 
@@ -56,6 +57,7 @@ class ModelFolder:
     components: dict[str, Path]
     scheduler_config: dict[str, Any] | None = None
     index: dict[str, Any] = dataclasses.field(default_factory=dict)
+    takes_image: bool = False  # image-to-video: a call needs a first frame
 
     def __getitem__(self, component: str) -> Path:
         return self.components[component]
@@ -105,4 +107,4 @@ def open_diffusers_folder(root: Path, classes: Mapping[str, FolderClass]) -> Mod
     scheduler = read_json(root / "scheduler" / "scheduler_config.json")
     components = {c: root / c for c in (*spec.components, *present)}
     kind = spec.kind if spec.variant is None else spec.variant(index)
-    return ModelFolder(root, spec.family, kind, "diffusers", components, scheduler, index)
+    return ModelFolder(root, spec.family, kind, "diffusers", components, scheduler, index, spec.takes_image)

@@ -1,9 +1,10 @@
 """One generation request, as a frozen value: what a pipeline call asks for, checked once.
 
 The pipelines' ``__call__`` take diffusers' keyword arguments (that is what users know); they are turned
-into a :class:`GenerationRequest` at once, and everything below the call (conditioning, the denoisers,
-PipeFusion, decoding) reads this one object instead of repeating an 18-argument signature. Fields a
-family does not use stay None (a FLUX request has no ``num_frames``; Wan has no ``true_cfg_scale``).
+into a :class:`GenerationRequest` at once, and everything below the call (conditioning, the plain or
+PipeFusion denoiser, decoding) reads this one object instead of repeating an 18-argument signature.
+Fields a family does not use stay None (a FLUX request has no ``num_frames``; Wan has no
+``true_cfg_scale``); fields left None take the pipeline's defaults (its ``__call__``'s).
 
 Family-independent checks live here (:meth:`GenerationRequest.check`); what depends on the model
 (sizes its VAE and patches divide, the text width of embeddings) is checked by the family's pipeline.
@@ -48,13 +49,16 @@ class GenerationRequest:
     image: Any = None  # image-to-video: the first frame
     image_embeds: Any = None  # Wan I2V: CLIP features
     condition: Any = None  # Wan I2V: mask + first-frame latent
-    height: int = 1024
-    width: int = 1024
+    # None: the pipeline's own default (its ``__call__``'s), filled in by ``DiffusionPipeline.generate``.
+    height: int | None = None
+    width: int | None = None
     num_frames: int | None = None  # video families
-    num_inference_steps: int = 28
-    guidance_scale: float = 3.5
+    num_inference_steps: int | None = None
+    guidance_scale: float | None = None
     guidance_scale_2: float | None = None  # Wan 2.2 A14B: the low-noise expert's (default: guidance_scale)
-    true_cfg_scale: float = 1.0  # FLUX's classifier-free guidance (guidance_scale is its embedded one)
+    true_cfg_scale: float | None = (
+        None  # FLUX's classifier-free guidance (guidance_scale is its embedded one)
+    )
     flow_shift: float | None = None  # Wan: UniPC sigma shift (default: the scheduler's or by resolution)
     seed: int = 0
     latents: Any = None  # initial noise instead of the seed's, shaped like the family's latents
@@ -65,6 +69,11 @@ class GenerationRequest:
     #: Called on the host after each denoising step as ``callback(step, total)``; returning False stops
     #: the loop there (the result is then not produced: :class:`GenerationCancelled` is raised).
     callback: Any = None
+    #: PipeFusion (meshes with pipefusion > 1; xDiT's flags): synchronous first steps (default 1), patches
+    #: (default: the family's full pipeline), and a family's own option (Wan: patch_by "rows"/"frames").
+    warmup_steps: int | None = None
+    num_pipeline_patch: int | None = None
+    patch_by: str | None = None
 
     def check(self) -> None:
         """Family-independent checks; raise ``ValueError`` naming the argument."""
@@ -72,20 +81,24 @@ class GenerationRequest:
             raise ValueError(
                 f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {self.output_type!r}"
             )
-        if self.num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
-        if self.num_images_per_prompt < 1:
-            raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
         for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(float(value)):
                 raise ValueError(f"{name} must be a finite number, got {value}")
-        if self.height < 1 or self.width < 1:
-            raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
-        if self.prompt is not None and self.prompt_embeds is not None:
-            raise ValueError("pass either a prompt or prompt embeddings, not both")
         if self.latents is not None and not np.isfinite(np.asarray(self.latents, np.float32)).all():
             raise ValueError("latents hold NaN or inf")
+        if self.prompt is not None and self.prompt_embeds is not None:
+            raise ValueError("pass either a prompt or prompt embeddings, not both")
+        if self.height is None or self.width is None or self.num_inference_steps is None:
+            raise ValueError(
+                "height, width and num_inference_steps must be set (the pipeline fills defaults)"
+            )
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be >= 1, got {self.num_inference_steps}")
+        if self.num_images_per_prompt < 1:
+            raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
+        if self.height < 1 or self.width < 1:
+            raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
 
     def replace(self, **changes: Any) -> GenerationRequest:
         return dataclasses.replace(self, **changes)

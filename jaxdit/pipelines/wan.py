@@ -59,7 +59,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from einops import rearrange
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -68,10 +67,15 @@ from jaxdit.loading.encoders import load_wan_image_encoder, load_wan_text_encode
 from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
+from jaxdit.models.wan import swap_features
+from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser, TokenHooks
+from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
+from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
+from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, WanPatches
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan_experts import TwoExperts, expert_of_steps, guidance_of_steps, to_host
 from jaxdit.pipelines.wan_folder import (
@@ -122,15 +126,6 @@ ImageEncoder = Callable[[np.ndarray, int, int, int], tuple[np.ndarray | None, np
 # --------------------------------------------------------------------------------------------------------
 # Token features and hooks
 # --------------------------------------------------------------------------------------------------------
-
-
-def swap_features(tokens: Any, outer: int, inner: int) -> Any:
-    """[..., outer * inner] -> [..., inner * outer]: swap the two factors of each token's feature index.
-
-    (patch, channel) -> (channel, patch) turns the head's (t, h, w, c) features into the patch embedding's
-    (c, t, h, w) order, and back. numpy or jax; only each token's own features move.
-    """
-    return rearrange(tokens, "... (outer inner) -> ... (inner outer)", outer=outer, inner=inner)
 
 
 def _model_input(x: jax.Array, extras: dict[str, jax.Array]) -> jax.Array:
@@ -186,9 +181,14 @@ class WanPipeline(DiffusionPipeline):
       vae_scale_factor_spatial / vae_scale_factor_temporal: the VAE's (default: ``WanConfig.vae_factors``,
         8 and 4 for Wan 2.1's 16 latent channels, 16 and 4 for the Wan 2.2 VAE's 48).
       kernel: attention kernel options; compiler_options: XLA options for the compiled step.
+
+    On a mesh with ``pipefusion > 1`` ``model`` is the PipeFusion stage layout (``PipeFusionWan``) and the
+    denoiser is the PipeFusion runner; it runs Wan 2.1 only (see :meth:`check_pipefusion`).
     """
 
     cfg_hint = "use guidance_scale > 1 with negative conditioning"
+    checkpoints = CHECKPOINTS
+    staged_model = PipeFusionWan
 
     def __init__(
         self,
@@ -205,7 +205,7 @@ class WanPipeline(DiffusionPipeline):
         encode_image: ImageEncoder | None = None,
         vae_scale_factor_spatial: int | None = None,
         vae_scale_factor_temporal: int | None = None,
-        kernel: dict[str, int] | None = None,
+        kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(mesh, encode=encode, decode=decode)
@@ -220,12 +220,14 @@ class WanPipeline(DiffusionPipeline):
             )
         if expand_timesteps and transformer_2 is not None:
             raise ValueError("expand_timesteps (TI2V) with two experts is no Wan 2.2 release")
+        wan22 = transformer_2 is not None or expand_timesteps
+        self._refuse_pipefusion(wan22 or (model.config.condition_channels > 0 and not model.config.is_i2v))
+        self.model = model  # with offload_idle_expert the parameters' truth is ``forward.state``
         self.config: wan.WanConfig = model.config
         self.dtype = model.dtype
         self.compiler_options = compiler_options
         # XLA options belong to the outermost jit (the step below); jax rejects them on a nested one.
-        self.forward = wan.sharded(model, mesh, kernel=kernel)
-        del model  # the forward holds the parameters; nothing else may (an offloaded expert is freed)
+        self.forward = wan.sharded(model, mesh, kernel=kernel) if self.parallel.pipefusion == 1 else None
         self.boundary_ratio = boundary_ratio
         self.expand_timesteps = expand_timesteps
         self.experts = None
@@ -241,18 +243,39 @@ class WanPipeline(DiffusionPipeline):
         self.vae_scale_factor_spatial = vae_scale_factor_spatial or spatial
         self.vae_scale_factor_temporal = vae_scale_factor_temporal or temporal
         sampler = UniPCSampler(scheduler or unipc.UniPCConfig())
-        self.denoiser = Denoiser(
-            self.forward,
-            sampler,
-            token_hooks(self.config),
-            dtype=self.dtype,
-            compiler_options=compiler_options,
-            experts=None if self.experts is None else self.experts.params,
-        )
+        if self.parallel.pipefusion > 1:  # ``model`` is the stage layout (PipeFusionWan)
+            runner = PipeFusionRunner(
+                WanPatches(model.config), model, kernel=kernel, compiler_options=compiler_options
+            )
+            self.denoiser = PipeFusionDenoiser(runner, sampler)
+        else:
+            self.denoiser = Denoiser(
+                self.forward,
+                sampler,
+                token_hooks(self.config),
+                dtype=self.dtype,
+                compiler_options=compiler_options,
+                experts=None if self.experts is None else self.experts.params,
+            )
 
-    @property
-    def last_step(self):
-        return self.denoiser.last_step
+    def _refuse_pipefusion(self, wan22: bool) -> None:
+        """PipeFusion's runner does not run Wan 2.2 yet: it switches no experts, takes no per-token
+        timestep mask or first-frame hook, and reads condition channels only beside CLIP features."""
+        if self.parallel.pipefusion > 1 and wan22:
+            raise ValueError(
+                "PipeFusion (pipefusion > 1) does not run Wan 2.2 yet (two experts, per-token timesteps, "
+                "condition channels without CLIP): put the devices on ulysses/ring/tensor/cfg instead"
+            )
+
+    def load_lora(self, loras: Any, scale: float = 1.0) -> Any:
+        """As :meth:`DiffusionPipeline.load_lora`; Wan 2.2 A14B's LoRAs come per expert (a high- and a
+        low-noise file), which this does not take yet."""
+        if self.experts is not None:
+            raise ValueError(
+                "LoRAs for Wan 2.2's two experts (one file per expert) are not supported yet; this pipeline "
+                "has a high- and a low-noise transformer"
+            )
+        return super().load_lora(loras, scale)
 
     # ------------------------------------------------------------------ builders
     @classmethod
@@ -264,6 +287,9 @@ class WanPipeline(DiffusionPipeline):
         *,
         preset: str | None = None,
         offload_idle_expert: bool = False,
+        kernel: dict[str, Any] | None = None,
+        compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
         **options: Any,
     ) -> WanPipeline:
         """Load a Wan checkpoint (diffusers, original or ``jaxdit convert`` folder) onto a mesh; calls take
@@ -272,16 +298,29 @@ class WanPipeline(DiffusionPipeline):
         (e.g. ``"wan2.1-t2v-14b"``, ``"wan2.2-ti2v-5b"``): the checkpoint must be that architecture,
         checked, like the heads against the mesh, before any weight is read; a Wan 2.2 preset also gives
         the pipeline settings a bare checkpoint does not carry (boundary_ratio, expand_timesteps)."""
+        paths, variant = checkpoint_experts(Path(path), preset)
+        if len(paths) == 1 and variant == WanVariant() and not offload_idle_expert:
+            return super().from_checkpoint(
+                path,
+                parallel,
+                dtype,
+                preset=preset,
+                kernel=kernel,
+                compiler_options=compiler_options,
+                attention_backend=attention_backend,
+                **options,
+            )
+        kernel = with_backend(kernel, attention_backend)
+        check_kernel_options(kernel)
         mesh = mesh_for(parallel)
         check = preset_check(path, CHECKPOINTS, preset)
-        paths, variant = checkpoint_experts(Path(path), preset)
         second = None
         if len(paths) == 2:
             _check_experts(paths, mesh)
             second = _load_second(paths[1], mesh, dtype, check, offload_idle_expert)
         elif offload_idle_expert:
             raise ValueError(f"offload_idle_expert applies to two-expert checkpoints; {path} holds one")
-        model = load_model(paths[0], mesh, dtype, CHECKPOINTS, check)
+        model = load_model(paths[0], mesh, dtype, CHECKPOINTS, check, staged=PipeFusionWan)
         return cls(
             model,
             mesh,
@@ -289,6 +328,8 @@ class WanPipeline(DiffusionPipeline):
             boundary_ratio=variant.boundary_ratio,
             expand_timesteps=variant.expand_timesteps,
             offload_idle_expert=offload_idle_expert,
+            kernel=kernel,
+            compiler_options=compiler_options,
             **options,
         )
 
@@ -302,8 +343,9 @@ class WanPipeline(DiffusionPipeline):
         encoder_device: jax.Device | None = None,
         vae_dtype: Any = jnp.float32,
         offload_idle_expert: bool = False,
-        kernel: dict[str, int] | None = None,
+        kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
     ) -> WanPipeline:
         """A downloaded Wan folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or Wan's
         original release (Wan 2.1 T2V; Wan 2.2 A14B and TI2V-5B) -- with its umT5 text encoder, VAE (and
@@ -313,8 +355,10 @@ class WanPipeline(DiffusionPipeline):
         host memory); the encoders run on ``encoder_device`` (default: the first local device); the VAE
         decodes (and encodes an I2V first frame) patch-parallel over the mesh, in ``vae_dtype`` (fp32 by
         default, as Wan keeps it). The transformers' heads and key tables are checked before anything is
-        read.
+        read. ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
+        kernel = with_backend(kernel, attention_backend)
+        check_kernel_options(kernel)
         folder = open_folder(path)
         variant = WanVariant.of(folder)
         mesh = mesh_for(parallel)
@@ -343,7 +387,7 @@ class WanPipeline(DiffusionPipeline):
         second = None
         if len(experts) == 2:
             second = _load_second(experts[1], mesh, dtype, None, offload_idle_expert)
-        model = load_model(experts[0], mesh, dtype, CHECKPOINTS)
+        model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
 
         def decode(z: np.ndarray) -> np.ndarray:
             video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
@@ -394,6 +438,9 @@ class WanPipeline(DiffusionPipeline):
         output_type: str = "np",
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
+        patch_by: str | None = None,
     ) -> GenerationOutput:
         """Generate videos; returns latents [B, C, F', H/s, W/s] and, decoded, ``images`` = video frames
         [B, F, H, W, 3] in [-1, 1].
@@ -405,7 +452,9 @@ class WanPipeline(DiffusionPipeline):
         ``latents``: initial noise instead of the seed's. Image-to-video: ``image`` (with an image
         encoder), or ``image_embeds`` (Wan 2.1 only) and ``condition``. ``max_sequence_length``: the text
         encoder's token count (default: the encoder's, 512 for umT5). ``output_type``: np, pil (a list of
-        frame lists) or latent.
+        frame lists) or latent. PipeFusion (a mesh with pipefusion > 1; Wan 2.1): ``num_pipeline_patch``
+        (default: the smallest M >= P that splits the latent rows), ``warmup_steps`` (default 1),
+        ``patch_by`` ("rows", default, or "frames"), as xDiT's flags.
         """
         kwargs = {k: v for k, v in locals().items() if k not in ("self", "num_videos_per_prompt")}
         return self.generate(GenerationRequest(**kwargs, num_images_per_prompt=num_videos_per_prompt))
@@ -413,15 +462,14 @@ class WanPipeline(DiffusionPipeline):
     def lower_step(self, **kwargs: Any):
         """The compiled denoising step of a call with these keyword arguments (as ``__call__``'s), lowered
         on its real placed inputs: for reading its collectives (``jaxdit.hlo_stats``) and memory."""
-        kwargs = {"num_inference_steps": 50, "guidance_scale": 5.0, "height": 480, "width": 832, **kwargs}
-        kwargs.setdefault("num_frames", 81)
-        inputs = self.prepare(GenerationRequest(**kwargs)).inputs
-        return self.denoiser.lower(inputs)
+        videos = kwargs.pop("num_videos_per_prompt", 1)
+        request = self.with_defaults(GenerationRequest(**kwargs, num_images_per_prompt=videos))
+        return self.denoiser.lower(self.prepare(request).inputs)
 
     # ------------------------------------------------------------------ family hook
     def prepare(self, r: GenerationRequest) -> Prepared:
         """Everything before the loop: conditioning, checks, noise, tokens, each step's expert."""
-        num_frames = 81 if r.num_frames is None else r.num_frames
+        num_frames = r.num_frames
         txt = self._embed(r.prompt, r.prompt_embeds, "prompt", r)
         neg = None
         if r.guidance_scale > 1.0:
@@ -436,14 +484,17 @@ class WanPipeline(DiffusionPipeline):
             if self.encode_image is None:
                 raise ValueError("this pipeline has no image encoder: pass image_embeds and condition")
             image_embeds, condition = self.encode_image(np.asarray(r.image), num_frames, r.height, r.width)
-            # One picture for several videos: diffusers repeats its features and latent over the batch.
-            image_embeds, condition = (_repeat(a, len(txt)) for a in (image_embeds, condition))
+        # Each prompt's videos share its image (diffusers repeats the image features and condition too).
+        image_embeds, condition = (
+            self.repeat_per_prompt(image_embeds, r),
+            self.repeat_per_prompt(condition, r),
+        )
         flow_shift = r.flow_shift
         if flow_shift is None and self.scheduler is not None:
             flow_shift = self.scheduler.flow_shift
         plan = check_inputs(
             self.config,
-            self.parallel,
+            dataclasses.replace(self.parallel, pipefusion=1),  # PipeFusion's split: its runner checks it
             height=r.height,
             width=r.width,
             num_frames=num_frames,
@@ -533,12 +584,6 @@ class WanPipeline(DiffusionPipeline):
 # --------------------------------------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------------------------------------
-
-
-def _repeat(a: np.ndarray | None, batch: int) -> np.ndarray | None:
-    if a is None or len(a) == batch or len(a) != 1:
-        return a
-    return np.repeat(np.asarray(a), batch, axis=0)
 
 
 def _with_first_frame(latents: np.ndarray, first: np.ndarray) -> np.ndarray:

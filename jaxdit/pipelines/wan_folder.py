@@ -111,14 +111,17 @@ def _diffusers_kind(index: Mapping[str, Any]) -> str:
 _T2V_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
 #: The diffusers pipeline classes this module runs from a downloaded folder.
 FOLDER_CLASSES = {
-    "WanPipeline": FolderClass("wan", "wan-t2v", _T2V_COMPONENTS, ("transformer_2",), _diffusers_kind),
+    "WanPipeline": FolderClass(
+        "wan", "wan-t2v", _T2V_COMPONENTS, optional=("transformer_2",), variant=_diffusers_kind
+    ),
     "WanImageToVideoPipeline": FolderClass(
         "wan",
         "wan-i2v",
         _T2V_COMPONENTS,
         # Wan 2.1 I2V needs its CLIP image encoder (check_folder); Wan 2.2's I2V and TI2V have none.
-        ("image_encoder", "image_processor", "transformer_2"),
-        _diffusers_kind,
+        optional=("image_encoder", "image_processor", "transformer_2"),
+        takes_image=True,  # TI2V's image is optional: WanFamily.image_input says so
+        variant=_diffusers_kind,
     ),
 }
 
@@ -165,7 +168,8 @@ def _original_22(root: Path) -> ModelFolder | None:
         "num_train_timesteps": 1000,
         "flow_shift": flow_shift,
     }
-    return ModelFolder(root, "wan", kind, "wan-original", paths, scheduler, settings)
+    takes_image = kind == "wan2.2-i2v"  # TI2V's image is optional (WanFamily.image_input)
+    return ModelFolder(root, "wan", kind, "wan-original", paths, scheduler, settings, takes_image)
 
 
 def open_original_folder(root: Path) -> ModelFolder | None:

@@ -1,6 +1,7 @@
 """``jaxdit plan``: its flags and what it runs (jaxdit/cli.py only dispatches here).
 
 jaxdit plan --model flux-dev --height 1024 --width 1024 --devices 8 --link nvlink [--json]
+jaxdit plan --model flux-dev --devices 8 --attention_backend cudnn [--attention_tflops 520 | --calibration gpu_check.json]
 jaxdit plan --model wan2.1-t2v-14b --height 720 --width 1280 --frames 81 --devices 8 --verify \\
     --configs ulysses8,ring8,ring2xulysses4,cfg2xulysses4,tensor2xulysses4
 
@@ -10,6 +11,7 @@ Argument parsing imports nothing heavy; jax is imported when the command runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -49,7 +51,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="nvlink", choices=("nvlink", "pcie", "ib"), help="link between devices")
     p.add_argument("--bandwidth", type=float, default=None, help="GB/s per device per direction (effective)")
     p.add_argument("--latency-us", type=float, default=None, help="microseconds per collective")
-    p.add_argument("--tflops", type=float, default=None, help="achieved TFLOP/s per device (default 480)")
+    p.add_argument(
+        "--tflops",
+        type=float,
+        default=None,
+        help="achieved matmul TFLOP/s per device, attention aside (default 450)",
+    )
+    p.add_argument(
+        "--attention_backend",
+        "--attention-backend",
+        default="auto",
+        choices=("auto", "xla", "cudnn", "triton", "splash"),
+        help="attention kernel to model (default auto: cuDNN for bf16/fp16, XLA for fp32, as jaxdit picks "
+        "on an NVIDIA GPU)",
+    )
+    p.add_argument(
+        "--attention_tflops",
+        "--attention-tflops",
+        type=float,
+        default=None,
+        help="the attention kernel's measured TFLOP/s (default: tokamax's H100 figures: cudnn 680, "
+        "triton 390, xla 62)",
+    )
+    p.add_argument(
+        "--calibration",
+        default=None,
+        metavar="GPU_CHECK_JSON",
+        help="take the attention (and, from its steps, matmul) rates from a scripts/gpu_check.py --out file",
+    )
     p.add_argument("--memory-gb", type=float, default=None, help="memory per device (default 80)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default: the model's)")
     p.add_argument("--requests", type=int, default=1, help="independent generations (for data parallelism)")
@@ -81,8 +110,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan (and verify); prints a table or JSON. Raises ValueError on bad arguments."""
-    from jaxdit.plan.latency import DEFAULT_MEMORY_GB, DEFAULT_TFLOPS, Hardware
-    from jaxdit.plan.report import format_plan, format_verify, format_verify_pipefusion
+    from jaxdit.plan.latency import DEFAULT_MEMORY_GB, DEFAULT_TFLOPS, Hardware, read_calibration
+    from jaxdit.plan.report import add_attention_json, format_plan, format_verify, format_verify_pipefusion
     from jaxdit.plan.search import plan
     from jaxdit.plan.workload import Workload
 
@@ -104,9 +133,23 @@ def run(args: argparse.Namespace) -> int:
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
         tflops=args.tflops or DEFAULT_TFLOPS,
         memory_gb=args.memory_gb or DEFAULT_MEMORY_GB,
+        attention_backend=args.attention_backend,
+        attention_tflops=args.attention_tflops,
     )
+    if args.calibration:
+        # The kernel the plan would use, then that kernel's measured rates (flags given explicitly win).
+        backend = hw.attention_kernel(workload.dtype, workload.head_dim).backend
+        measured = read_calibration(args.calibration, backend)
+        hw = dataclasses.replace(
+            hw,
+            attention_tflops=args.attention_tflops or measured["attention_tflops"],
+            attention_source=None if args.attention_tflops else measured["source"],
+            tflops=args.tflops or measured["tflops"] or hw.tflops,
+        )
     report = plan(workload, args.devices, hw)
     data = report.to_json() if args.json else None
+    if data is not None:
+        add_attention_json(data, report)
     if not args.json:
         print(format_plan(report), flush=True)
 

@@ -14,7 +14,7 @@ which code it models), so that ``jaxdit plan --verify`` can hold it against the 
   all heads): each family lists them in its ``step_terms`` (``jaxdit/families/<family>.py``).
 - CFG (``parallel/cfg.py``): one collective-permute of this device's share of one noise prediction per
   step, in the dtype the family's head predicts in.
-- PipeFusion (``pipelines/pipefusion*``): each stack of blocks is split over the P stages
+- PipeFusion (``pipelines/pipefusion/programs.py``): each stack of blocks is split over the P stages
   (ceil(L/P) blocks of every stack per device) and the latent into M patches; a patch makes V passes
   over the stages (one per stack; FLUX: double blocks up, single blocks back down, V=2; Wan: V=1), so
   per tick each device sends V collective-permutes of one patch's fp32 residual stream, overlapped with

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from jaxdit.plan.latency import AttentionKernel
 from jaxdit.plan.search import Plan, PlanReport
 from jaxdit.plan.verify import Comparison, PipeFusionComparison
 
@@ -50,10 +52,14 @@ def format_plan(report: PlanReport) -> str:
     """The ranked table (recommended first), the baseline, and the invalid configurations."""
     w, hw, single = report.workload, report.hardware, report.single
     base = single.timing.generation
+    kernel = single.timing.kernel
     out = [
         f"jaxdit plan: {w.describe()}",
         f"hardware: {report.devices} devices; {hw.describe()}",
-        f"one device: {single.cost.flops / 1e12:.1f} TFLOP and {_seconds(single.timing.step)} per step, "
+        f"{kernel.describe()}",
+        f"one device: {single.cost.flops / 1e12:.1f} TFLOP and {_seconds(single.timing.step)} per step "
+        f"(attention {single.cost.attention_flops / single.cost.flops:.0%} of the FLOPs, "
+        f"{single.timing.attention / single.timing.compute:.0%} of the compute time), "
         f"{_seconds(base)} per generation, {single.cost.memory_bytes / GB:.1f} GB",
     ]
     rec = report.recommended
@@ -79,6 +85,8 @@ def format_plan(report: PlanReport) -> str:
         "params",
         "activ.",
         "TFLOP/dev",
+        "kernel",
+        "attention",
         "step",
         "generation",
         "speedup",
@@ -98,13 +106,15 @@ def format_plan(report: PlanReport) -> str:
                 f"{c.resident_param_bytes / GB:.1f} GB",
                 f"{(c.activation_bytes + c.kv_cache_bytes) / GB:.2f} GB",
                 f"{c.flops / 1e12:.2f}",
+                t.kernel.backend,
+                _seconds(t.attention),
                 _seconds(t.step),
                 _seconds(t.generation),
                 f"{base / t.generation:.2f}x",
                 "; ".join(p.notes),
             ]
         )
-    out += _table(header, rows, right={0, 2, 3, 4, 6, 7, 8, 9, 10, 11})
+    out += _table(header, rows, right={0, 2, 3, 4, 6, 7, 8, 10, 11, 12, 13})
     if report.invalid:
         out += ["", f"invalid ({len(report.invalid)}):"]
         by_reason: dict[str, list[str]] = {}
@@ -118,9 +128,30 @@ def format_plan(report: PlanReport) -> str:
         "",
         "sent/dev/step: bytes one device sends per denoising step (bf16 as served; tensor all-reduces in "
         "fp32). exposed: communication not hidden behind compute. activ.: live activations of one block "
-        "(+ PipeFusion's stale K/V). Transformer only: text encoders and VAE are not modelled.",
+        "(+ PipeFusion's stale K/V). kernel / attention: the attention kernel and its share of the step's "
+        "compute. Transformer only: text encoders and VAE are not modelled.",
     ]
     return "\n".join(out)
+
+
+def _kernel_json(kernel: AttentionKernel) -> dict[str, Any]:
+    return {
+        "backend": kernel.backend,
+        "tflops": kernel.tflops,
+        "source": kernel.source,
+        "why": kernel.why,
+        "implemented": kernel.implemented,
+    }
+
+
+def add_attention_json(data: dict[str, Any], report: PlanReport) -> None:
+    """Add to :meth:`PlanReport.to_json`'s output the attention kernel and its time, per configuration."""
+    data["attention"] = _kernel_json(report.single.timing.kernel)
+    entries = [data["single_device"], *data["configurations"]]
+    for entry, p in zip(entries, (report.single, *report.plans), strict=True):
+        entry["attention_kernel"] = p.timing.kernel.backend
+        entry["attention_flops_per_device_per_step"] = p.cost.attention_flops
+        entry["attention_seconds_per_step"] = p.timing.attention
 
 
 def format_verify(workload_line: str, comparisons: Sequence[Comparison]) -> str:

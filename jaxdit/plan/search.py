@@ -13,7 +13,6 @@ jaxdit today, is exact and fits; within 3% of the fastest it is the one that sen
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import itertools
 import math
 from typing import Any
@@ -22,14 +21,6 @@ from jaxdit.mesh import MESH_AXES, ParallelConfig
 from jaxdit.plan.cost import StepCost, step_cost
 from jaxdit.plan.latency import Hardware, Timing, timing
 from jaxdit.plan.workload import Workload
-
-
-def pipefusion_available(family: str) -> bool:
-    """Whether this checkout has a PipeFusion runner for the model family."""
-    try:
-        return importlib.util.find_spec(f"jaxdit.pipelines.pipefusion_{family}") is not None
-    except ImportError:
-        return False
 
 
 def _divisors(n: int) -> list[int]:
@@ -149,9 +140,9 @@ def evaluate(w: Workload, c: ParallelConfig, hw: Hardware) -> Plan:
     if c.pipefusion > 1:
         exact = False
         notes.append("stale K/V from the previous step (approximate)")
-        if not pipefusion_available(w.family.name):
+        if getattr(w.family, "staged_model", None) is None:
             runnable = False
-            notes.append(f"modelled only: no PipeFusion runner for {w.family.name} yet")
+            notes.append(f"modelled only: no PipeFusion stage layout for {w.family.display} yet")
         elif (why := w.family.pipefusion_unsupported(w)) is not None:
             runnable = False
             notes.append(f"modelled only: {why}")

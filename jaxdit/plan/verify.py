@@ -1,15 +1,17 @@
 """Hold the cost model against compiled programs: compile one denoising step per configuration on
 emulated CPU devices from abstract shapes (no weights allocated) and measure it with ``jaxdit.hlo_stats``.
 
-The step compiled is the pipelines' (``jaxdit.pipelines.flux``): the two-branch batch built without
-communication (``cfg.replicate_branches``), the sharded transformer forward, CFG's exchange
-(``cfg.combine_branches``) and an Euler update, latents kept in the padded token layout; for Wan the
-same step with its inputs (its pipeline's UniPC update is elementwise too). Parameters and inputs are ``jax.ShapeDtypeStruct``s
-in the workload's dtype (bf16 as served).
+The step compiled is the pipelines' own (``jaxdit.pipelines.denoiser``): the family's pipeline on the
+abstract model, prepared from a request of the workload's shape with zero embeddings
+(``ModelFamily.example_request``): the two-branch batch built without communication
+(``cfg.replicate_branches``), the sharded transformer forward, CFG's exchange (``cfg.combine_branches``)
+and the family's sampler update (elementwise), latents kept in the padded token layout. Parameters are
+``jax.ShapeDtypeStruct``s in the workload's dtype (bf16 as served); no weight is read.
 
-PipeFusion (FLUX and Wan) is compiled separately (:func:`verify_pipefusion`): the runner's warm-up step
-and its pipelined phase (the remaining steps as one scan, fill/drain bubbles included), each program's
-collective bytes against ``cost.pipefusion_programs`` evaluated for that same program.
+PipeFusion is compiled separately (:func:`verify_pipefusion`), through the same pipelines on the abstract
+stage layout: the runner's warm-up step and its pipelined phase (the remaining steps as one scan,
+fill/drain bubbles included), each program's collective bytes against ``cost.pipefusion_programs``
+evaluated for that same program.
 
 What is compared:
 
@@ -252,7 +254,7 @@ def verify(
 @dataclasses.dataclass(frozen=True)
 class PipeFusionComparison:
     """A PipeFusion configuration: collective bytes sent per device by each compiled program of
-    ``jaxdit.pipelines.pipefusion_flux`` / ``pipefusion_wan`` beside
+    the PipeFusion runner (``jaxdit.pipelines.pipefusion``, FLUX's or Wan's adapter) beside
     :func:`jaxdit.plan.cost.pipefusion_programs` (CPU dtypes).
 
     ``warmup``: one synchronous warm-up step. ``pipelined``: the asynchronous phase, the S-W remaining
@@ -307,7 +309,8 @@ class PipeFusionComparison:
 
 def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1, devices=None):
     """PipeFusion's warm-up step and pipelined phase lowered from abstract shapes, with the plan's patch
-    count (FLUX: M = 2P, a pass per block stack; Wan: M = P)."""
+    count (M = V x P: a pass per block stack), as the pipelines run them: the family's pipeline on the
+    abstract stage layout, prepared from a request of ``w``'s shape (``ModelFamily.example_request``)."""
     import jax
     import jax.numpy as jnp
 
@@ -317,76 +320,37 @@ def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1,
         raise ValueError(f"warmup_steps={warmup_steps} for {w.steps} steps")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     mesh = config.make_mesh(devices)
-    if w.family.name == "wan":
-        return _lower_pipefusion_wan(w, config, mesh, warmup_steps)
-    from jaxdit.pipelines import pipefusion_flux as pf
-
-    height, width, _ = w.size
-    rows, cols = height // 16, width // 16
-    if rows * cols != w.tokens[1]:
-        raise ValueError(f"{w.name}: {w.tokens[1]} image tokens are not {rows} x {cols}")
+    model = w.family.staged_model.abstract(w.model, mesh, jnp.dtype(w.dtype))
+    pipe = w.family.bare_pipeline(model, mesh, compiler_options=FAST_COMPILE)
+    inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
-    pf.validate_patches(rows, cols, patches, config.sequence_degree)
-    model = pf.PipeFusionFlux.abstract(w.model, mesh, jnp.dtype(w.dtype))
-    g = pf.Geometry(w.tokens[0], rows, cols, patches, config.ring, config.ulysses, w.batch, w.requests)
-    return pf.lower(
-        model,
-        g,
-        steps=w.steps,
-        warmup_steps=warmup_steps,
-        true_cfg=w.branches == 2,
-        compiler_options=FAST_COMPILE,
-    )
+    return pipe.denoiser.lower(inputs, warmup_steps=warmup_steps, num_pipeline_patch=patches)
 
 
 def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None:
     """Why :func:`lower_pipefusion` cannot compile ``config`` with the plan's patch count, or None.
 
-    The plan models a full pipeline (M = V x P patches); the Wan runner's patches are whole latent rows,
-    so when P does not divide the rows (720p: 45) the runner takes a larger M that the model does not
-    price, and the comparison would not be like for like."""
+    The plan models a full pipeline (M = V x P patches); a family's patches may be whole latent rows
+    (Wan), so when P does not divide the rows (Wan at 720p: 45) the runner would need a larger M that the
+    model does not price, and the comparison would not be like for like."""
     unsupported = w.family.pipefusion_unsupported(w)
     if unsupported is not None:
         return unsupported
-    if w.family.name != "wan":
-        return None
-    from jaxdit.pipelines import pipefusion_wan as pw
+    import jax
+    import jax.numpy as jnp
+
     from jaxdit.plan.cost import pipeline_shape
 
+    mesh = config.make_mesh(jax.devices()[: config.num_devices])
+    model = w.family.staged_model.abstract(w.model, mesh, jnp.dtype(w.dtype))
+    pipe = w.family.bare_pipeline(model, mesh, compiler_options=FAST_COMPILE)
+    inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
     try:
-        pw.validate_patches(_wan_grid(w), patches, config.sequence_degree)
+        pipe.denoiser.check(inputs.grid, w.steps, 1, patches)
     except ValueError as e:
         return str(e)
     return None
-
-
-def _wan_grid(w: Workload) -> tuple[int, int, int]:
-    height, width, frames = w.size
-    pt, ph, pwidth = w.model.patch_size
-    grid = (((frames - 1) // 4 + 1) // pt, height // 8 // ph, width // 8 // pwidth)
-    if math.prod(grid) != w.tokens[0]:
-        raise ValueError(f"{w.name}: {w.tokens[0]} video tokens are not {grid}")
-    return grid
-
-
-def _lower_pipefusion_wan(w: Workload, config: ParallelConfig, mesh, warmup_steps: int):
-    """Wan PipeFusion's two programs from abstract shapes: patches of whole latent rows, M = P (the plan's
-    full pipeline), both CFG branches on each stage when the workload has two."""
-    import jax.numpy as jnp
-
-    from jaxdit.pipelines import pipefusion_wan as pw
-    from jaxdit.plan.cost import pipeline_shape
-
-    grid = _wan_grid(w)
-    _, patches = pipeline_shape(w, config)
-    pw.validate_patches(grid, patches, config.sequence_degree)
-    model = pw.PipeFusionWan.abstract(w.model, mesh, jnp.dtype(w.dtype))
-    image = w.context[1] if len(w.context) > 1 else 0
-    g = pw.Geometry(grid, patches, config.ring, config.ulysses, w.batch, w.requests, w.context[0], image)
-    return pw.lower(
-        model, g, steps=w.steps, warmup_steps=warmup_steps, cfg=w.branches == 2, compiler_options=FAST_COMPILE
-    )
 
 
 def verify_pipefusion(

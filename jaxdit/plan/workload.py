@@ -207,7 +207,7 @@ class Workload:
             model=config,
             tokens=tokens,
             context=context,
-            branches=branches or (2 if family.makes_video else 1),
+            branches=branches or family.default_branches,
             requests=requests,
             steps=steps,
             dtype=dtype,

@@ -354,7 +354,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: Rows, **kernel_kwa
 
     q/k/v [B, ..., local, W, C] (leading dims other than B fold into the batch: Wan attends per frame
     by passing [B, T, ...]); scale 1/sqrt(C). Ring attention over the tiles (module docstring), padded
-    keys masked and their values zeroed. ``kernel_kwargs``: ``block_q``/``block_k`` of the local kernel.
+    keys masked and their values zeroed. ``kernel_kwargs``: ``local_attention``'s (``backend``, tiles).
     Returns [B, ..., local, W, C] in q's dtype.
     """
     shape = q.shape

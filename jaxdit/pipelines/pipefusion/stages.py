@@ -3,13 +3,15 @@
 ``jaxdit.parallel.pipefusion.stage_layer_order`` says which layer each slot of a stack holds: P x
 ceil(L/P) slots, device s holding slots ``[s k, (s + 1) k)``, padded slots holding zeros. This module
 builds a model's parameters in that layout, whatever the family: from a checkpoint (each device reads
-only the layers of its own slots), by re-laying out a loaded model, or as shapes only. A family's module
-(``pipefusion_flux``, ``pipefusion_wan``) subclasses :class:`StagedModel` and says which stacks it has,
-how its config is padded and checked; the loading and placement here are the same for every family.
+only the layers of its own slots), by re-laying out a loaded model, or as shapes only. A family
+(``pipefusion/flux.py``, ``pipefusion/wan.py``) subclasses :class:`StagedModel` and names its stacks'
+depth fields, its checks and its abstract model; the layout, loading and placement here are the same for
+every family. Stack i (in the order the forward runs them, ``STACKS``) is pass i over the stages.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,9 +23,15 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from converters import orbax_io
+from converters.checkpoints import CheckpointFormat
+from converters.keymap import place_params
 from converters.safetensors_io import LazyTensor
+from jaxdit.loading import flat_path as _path
+from jaxdit.loading import load_params
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models.partitioning import named_shardings, partition_specs
+from jaxdit.parallel.pipefusion import stage_layer_order
 from sharding_rules import rules_for
 
 __all__ = ["StageOrdered", "StagedModel"]
@@ -66,31 +74,40 @@ class StagedModel:
     :meth:`from_model` (re-lays out arrays), :meth:`load` (straight from a checkpoint, each device reading
     its own slots) or :meth:`abstract` (shapes only).
 
-    A subclass names its family and fills in the hooks below (all static: they run before an instance
-    exists, to check a config before a tensor is read).
+    A subclass names its family and its stacks' depth fields, and gives ``check`` and ``abstract_model``
+    (all class-level: they run before an instance exists, to check a config before a tensor is read).
     """
 
     #: This family's checkpoints (``converters.<family>.CHECKPOINTS``).
-    checkpoints: ClassVar[Any]
+    checkpoints: ClassVar[CheckpointFormat]
     #: The error for another family's checkpoint, formatted with ``path`` and ``family``.
     wrong_family: ClassVar[str]
     #: A parameter whose dtype is the model's (norm and modulation tables may be fp32 whatever it is).
     dtype_param: ClassVar[tuple[str, ...]]
+    #: Stack name -> the config field holding its number of layers, in the order the forward runs them.
+    depth_fields: ClassVar[dict[str, str]]
 
     @staticmethod
     def check(config: Any, parallel: ParallelConfig) -> None:
         """Raise ValueError for a model this mesh cannot run with PipeFusion."""
         raise NotImplementedError
 
-    @staticmethod
-    def stack_orders(config: Any, stages: int) -> dict[str, np.ndarray]:
-        """Stack name -> slot -> layer (``stage_layer_order`` with the stack's pass)."""
-        raise NotImplementedError
+    @classmethod
+    def stack_orders(cls, config: Any, stages: int) -> dict[str, np.ndarray]:
+        """Stack name -> slot -> layer: ``stage_layer_order`` with the stack's pass (its place in the
+        forward's order)."""
+        return {
+            stack: stage_layer_order(getattr(config, field), stages, pass_index)
+            for pass_index, (stack, field) in enumerate(cls.depth_fields.items())
+        }
 
-    @staticmethod
-    def padded(config: Any, stages: int) -> Any:
+    @classmethod
+    def padded(cls, config: Any, stages: int) -> Any:
         """The config whose stacks have P x ceil(L/P) layers: the layout's parameter container."""
-        raise NotImplementedError
+        pad = lambda n: stages * -(-n // stages)
+        return dataclasses.replace(
+            config, **{field: pad(getattr(config, field)) for field in cls.depth_fields.values()}
+        )
 
     @staticmethod
     def abstract_model(config: Any, dtype: Any) -> nnx.Module:
@@ -119,7 +136,10 @@ class StagedModel:
     @classmethod
     def _container(cls, config: Any, mesh: Mesh, dtype: Any) -> tuple[nnx.GraphDef, nnx.State]:
         stages = ParallelConfig.from_mesh(mesh).pipefusion
-        return nnx.split(cls.abstract_model(cls.padded(config, stages), dtype))
+        model = cls.abstract_model(cls.padded(config, stages), dtype)
+        if tuple(cls.depth_fields) != type(model).STACKS:  # stack i is pass i: the forward's order
+            raise TypeError(f"{cls.__name__}.depth_fields {tuple(cls.depth_fields)} != {type(model).STACKS}")
+        return nnx.split(model)
 
     @staticmethod
     def _shardings(abstract: nnx.State, mesh: Mesh) -> nnx.State:
@@ -168,23 +188,17 @@ class StagedModel:
     @classmethod
     def _load(cls, path: str | Path, mesh: Mesh, dtype: Any, check: Callable[[Any], None]) -> Self:
         """:meth:`load` with ``check(config)`` run on the checkpoint's config before any tensor is read."""
-        from converters import orbax_io
-        from converters.keymap import place_params
-        from jaxdit.loading import flat_path as _path
-        from jaxdit.loading import load_params
-
         pc = ParallelConfig.from_mesh(mesh)
-        family = cls.checkpoints
         if orbax_io.is_orbax_checkpoint(Path(path)):
             # Orbax restores into the checkpoint's own (unpadded) stacks: restore without the layer split,
             # then re-lay out (each device briefly holds every block).
             model = load_params(
-                path, mesh, dtype, family=family, rules=rules_for(tensor=pc.tensor), check=check
+                path, mesh, dtype, checkpoints=cls.checkpoints, rules=rules_for(tensor=pc.tensor), check=check
             )
             return cls.from_model(model, mesh)
-        if not family.detect(Path(path)):
-            raise ValueError(cls.wrong_family.format(path=path, family="another model family's"))
-        source = family.open(Path(path), None)
+        if not cls.checkpoints.detect(Path(path)):
+            raise ValueError(cls.wrong_family.format(path=path, family="another family's"))
+        source = cls.checkpoints.open(Path(path), None)
         config = source.config
         check(config)
         dtype = jnp.dtype(dtype or source.dtype)

@@ -1,0 +1,137 @@
+"""cuDNN's fused attention on NVIDIA GPUs, with its log-sum-exp in fp32.
+
+The public ``jax.nn.dot_product_attention(implementation="cudnn", return_residual=True)`` casts the
+log-sum-exp to the output's dtype (bf16), too coarse to merge Ring attention's partial results. jax's own
+entry point one level down keeps it in fp32 (MaxText's ``cudnn_flash_jax`` path calls it too):
+
+    jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(
+        query, key, value, bias, mask, q_seqlen, kv_seqlen, *, scale, mask_type, qkv_layout="BTNH",
+        return_residual=True) -> (out [B, T, N, H] in query's dtype, lse [B, N, T] fp32, natural log)
+
+It is private, so :func:`load` imports it at trace time and says why when it cannot (a test pins it).
+
+cuDNN takes padding only as lengths (``mask_type=PADDING`` with ``q_seqlen`` / ``kv_seqlen``): the valid
+keys must come first. The shard-major layout has padding in the middle of a shard (``[text_r; image_r]``,
+each padded) and Ring hands over other shards' blocks, so the adapter reorders the keys of each batch
+element, valid ones first in their original order (a stable sort of the mask), and passes their count as
+``kv_seqlen``. Softmax attention does not depend on the order of its keys, so this is exact. Every query is
+real to the kernel (``q_seqlen`` = Tq); queries the caller pads are dropped by the caller.
+
+Limits (checked before tracing, see :func:`unsupported`): float16/bfloat16 only; head_dim a multiple of 8,
+at most 256 on Hopper and newer (128 before); an NVIDIA GPU with cuDNN present.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxdit.parallel.kernels.contract import clear_empty_rows
+
+#: Where jax keeps the fp32-LSE entry point (private: may move between releases).
+PRIVATE_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
+
+
+def load() -> tuple[Callable, type]:
+    """jax's private cuDNN attention and its ``MaskType`` enum, once cuDNN is known to be present.
+
+    Raises RuntimeError naming the reason (the private function moved in this jax version, or cuDNN is
+    not detected), which the backend choice turns into a fallback with a warning.
+    """
+    import importlib
+
+    try:
+        module = importlib.import_module(PRIVATE_MODULE)
+        call, mask_type, check = module.dot_product_attention, module.MaskType, module.check_cudnn_version
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(
+            f"jax {jax.__version__} has no {PRIVATE_MODULE}.dot_product_attention ({e})"
+        ) from e
+    try:
+        check()
+    except Exception as e:  # RuntimeError("cuDNN is not detected.") on hosts without cuDNN
+        raise RuntimeError(f"cuDNN is unavailable: {e}") from e
+    return call, mask_type
+
+
+@functools.cache
+def max_head_dim() -> int:
+    """cuDNN's head_dim limit on the local GPU: 256 on Hopper (compute capability 9.0) and newer, else 128.
+    256 when no GPU can be asked (lowering for a GPU from another machine)."""
+    try:
+        capability = jax.devices("gpu")[0].compute_capability
+    except (RuntimeError, AttributeError, IndexError):
+        return 256
+    return 256 if tuple(int(x) for x in str(capability).split(".")) >= (9, 0) else 128
+
+
+def unsupported(dtype, head_dim: int) -> str | None:
+    """Why cuDNN cannot serve this dtype / head dimension here, or None."""
+    if jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16):
+        return f"cuDNN attention takes float16/bfloat16, not {jnp.dtype(dtype).name}"
+    limit = max_head_dim()
+    if head_dim % 8 or head_dim > limit:
+        return f"cuDNN attention takes head_dim a multiple of 8 up to {limit}, not {head_dim}"
+    try:
+        load()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def valid_keys_first(
+    k: jax.Array, v: jax.Array, key_valid: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Reorder each batch element's keys (and values) so the valid ones come first, in their order.
+
+    Returns (k, v, kv_seqlen [B] int32): the layout cuDNN's padding mask describes.
+    """
+    order = jnp.argsort(~key_valid, axis=1, stable=True)  # [B, Tk]: valid keys' positions first
+    take = lambda x: jnp.take_along_axis(x, order[:, :, None, None], axis=1)
+    return take(k), take(v), key_valid.sum(axis=1, dtype=jnp.int32)
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    key_valid: jax.Array | None,
+    *,
+    scale: float,
+    out_dtype=None,
+    fused: tuple[Callable, type] | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """q [B, Tq, H, D], k/v [B, Tk, H, D] (float16/bfloat16), key_valid [B, Tk] or None ->
+    (out [B, Tq, H, D] in ``out_dtype``, default q's; lse [B, Tq, H] fp32).
+
+    ``fused`` = (call, MaskType) replaces jax's private function (tests substitute a stand-in with its
+    argument and result contract); default :func:`load`.
+    """
+    call, mask_type = fused or load()
+    b, tq = q.shape[:2]
+    if key_valid is None:
+        out, lse = call(
+            q, k, v, scale=scale, mask_type=mask_type.NO_MASK, qkv_layout="BTNH", return_residual=True
+        )
+    else:
+        k, v, kv_seqlen = valid_keys_first(k, v, key_valid)
+        q_seqlen = jnp.full((b,), tq, jnp.int32)
+        out, lse = call(
+            q,
+            k,
+            v,
+            None,
+            None,
+            q_seqlen,
+            kv_seqlen,
+            scale=scale,
+            mask_type=mask_type.PADDING,
+            qkv_layout="BTNH",
+            return_residual=True,
+        )
+    out = out.astype(out_dtype or q.dtype)
+    lse = jnp.transpose(lse, (0, 2, 1)).astype(jnp.float32)  # [B, N, T] -> [B, T, N]
+    return clear_empty_rows(out, lse, key_valid)  # kv_seqlen = 0: cuDNN's rows are not defined

@@ -1,0 +1,90 @@
+"""PipeFusion as a pipeline's denoiser: the runner behind the plain loop's interface.
+
+A family's pipeline builds the same :class:`~jaxdit.pipelines.denoiser.DenoiseInputs` whatever the mesh;
+on a mesh with ``pipefusion > 1`` its ``denoiser`` is a :class:`PipeFusionDenoiser`, which hands them to
+the :class:`~jaxdit.pipelines.pipefusion.runner.PipeFusionRunner` (warm-up steps, then one pipelined call)
+with the request's PipeFusion options (``warmup_steps``, ``num_pipeline_patch``, and a family's own, e.g.
+Wan's ``patch_by``).
+
+Progress and the step callback: the warm-up steps are separate calls, the pipelined phase is ONE program
+(a ``lax.scan`` over ticks in which steps overlap), so ``callback`` is called once, after the last step;
+a service that must cancel mid-generation should not use PipeFusion for it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from jaxdit.pipelines.denoiser import DenoiseInputs, DenoiseResult, GenerationCancelled
+from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner, lower
+from jaxdit.samplers.sampler import Sampler
+
+__all__ = ["PipeFusionDenoiser"]
+
+
+class PipeFusionDenoiser:
+    """``run(inputs, progress=, callback=, warmup_steps=, num_pipeline_patch=, **family options)``."""
+
+    def __init__(self, runner: PipeFusionRunner, sampler: Sampler) -> None:
+        self.runner, self.sampler = runner, sampler
+
+    @property
+    def last_programs(self) -> dict[str, Any]:
+        return self.runner.last_programs
+
+    def check(
+        self, grid: tuple[int, ...], steps: int, warmup_steps: int | None, patches: int | None, **options
+    ):
+        """The patch count for a request, checked with the warm-up steps before any work."""
+        return self.runner.check(grid, steps, 1 if warmup_steps is None else warmup_steps, patches, **options)
+
+    def lower(
+        self,
+        inputs: DenoiseInputs,
+        *,
+        warmup_steps: int | None = None,
+        num_pipeline_patch: int | None = None,
+        **options: Any,
+    ) -> tuple[Any, Any]:
+        """The warm-up step and the pipelined phase (None when every step is a warm-up step) for
+        ``inputs``, lowered from abstract shapes (the model may be abstract; only shapes are read)."""
+        runner, warmup = self.runner, 1 if warmup_steps is None else warmup_steps
+        patches = runner.check(inputs.grid, inputs.steps, warmup, num_pipeline_patch, **options)
+        context = {**inputs.context, **inputs.extras}
+        requests = np.shape(inputs.tokens)[0]
+        g = runner.family.geometry(inputs.grid, patches, runner.parallel, requests, context, **options)
+        programs = runner.programs_for(g, g.batch == 2 * g.requests, self.sampler)
+        return lower(programs, inputs.schedule, steps=inputs.steps, warmup_steps=warmup)
+
+    def run(
+        self,
+        inputs: DenoiseInputs,
+        *,
+        progress: bool = True,
+        callback: Callable[[int, int], bool | None] | None = None,
+        warmup_steps: int | None = None,
+        num_pipeline_patch: int | None = None,
+        **options: Any,
+    ) -> DenoiseResult:
+        warmup = 1 if warmup_steps is None else warmup_steps
+        start = time.perf_counter()
+        tokens = self.runner(
+            inputs.tokens,
+            {**inputs.context, **inputs.extras},
+            sampler=self.sampler,
+            schedule=inputs.schedule,
+            grid=inputs.grid,
+            guidance_scale=inputs.scale,
+            num_inference_steps=inputs.steps,
+            warmup_steps=warmup,
+            num_pipeline_patch=num_pipeline_patch,
+            progress=progress,
+            **options,
+        )
+        if callback is not None and callback(inputs.steps, inputs.steps) is False:
+            raise GenerationCancelled(f"stopped after step {inputs.steps} of {inputs.steps}")
+        return DenoiseResult(tokens, time.perf_counter() - start)

@@ -1,0 +1,373 @@
+"""PipeFusion's compiled programs (arXiv 2405.14430), written once for every model family.
+
+Two programs per generation geometry, both inside ``shard_map`` over the model's mesh:
+
+- the synchronous warm-up step: every patch at once goes through the stages, pass after pass (each
+  device runs its slots of the pass's stack when the sequence reaches it, P ticks per pass with one hop
+  between ticks), filling every layer's K/V buffer; then head, CFG and one sampler step on all patches;
+- the pipelined phase: the remaining steps as ONE ``lax.scan`` over ticks (``PipeSchedule``): at every
+  tick each device runs each of its V passes once, on whichever patches the schedule puts there, against
+  the fresh K/V of its patch and the stale K/V of the others.
+
+Generic over
+
+- the passes: V = ``len(model.STACKS)``, stack i being pass i, V-shaped (even passes up the stages, odd
+  ones down). Even V: the last pass ends on stage 0, where the patch's next step starts, so the latent
+  never moves. Odd V: it ends on stage P-1, which runs the head and the sampler step and sends the
+  updated fp32 latent patch back to stage 0 (one more permute per tick);
+- the sampler (``jaxdit.samplers.sampler``): its per-sample state is a tuple of arrays shaped like the
+  latents, so patch m's state is their [:, m] slices; the step index of a tick's item is the phase's first
+  step plus the item's step in the schedule;
+- the family (``family.PatchFamily``): how a patch is embedded and conditioned, by the model's own staged
+  pieces; the blocks run through the model's ``enter`` / ``run_block`` / ``output``.
+
+Hand-over. Between stages a patch travels as ONE fp32 array [b, L, E], its streams' token groups joined
+(:class:`Wire`), so a hop is one collective-permute however many streams a stack carries (FLUX's double
+blocks: text and image). The streams entering pass v + 1 are ``model.enter`` of pass v's output, taken on
+the device where pass v ends (the turn of the V).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxdit.parallel.context import ShardContext
+from jaxdit.parallel.layout import SequenceLayout
+from jaxdit.parallel.pipefusion import (
+    PatchContext,
+    PipeSchedule,
+    guide_patch,
+    shift,
+    stage_index,
+    to_first_stage,
+    write_patch,
+)
+from jaxdit.pipelines.pipefusion.family import PatchFamily
+from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
+from jaxdit.pipelines.pipefusion.stages import StagedModel
+from jaxdit.samplers.sampler import Sampler
+from sharding_rules import logical_to_spec
+
+__all__ = ["KV_AXES", "LATENT_AXES", "PipeFusionPrograms", "Wire"]
+
+#: Latent patches (and the sampler state): one copy per stage [P, requests, M, S*n, K], tokens over seq.
+LATENT_AXES = ("stage", "request", None, "seq", None)
+#: K/V buffers [slots, batch, M, L, H, D]: layer slots split like the stacks, heads as after Ulysses.
+KV_AXES = ("layers", "batch", None, None, "kv_heads", None)
+
+
+class Wire:
+    """A pass's streams as one array and back: their leaves joined along the token axis (a single-leaf
+    stream is its own wire). The structure of each stack's streams is recorded when it is first packed."""
+
+    def __init__(self) -> None:
+        self._formats: dict[str, tuple[Any, list[int]]] = {}
+
+    def pack(self, stack: str, streams: Any) -> jax.Array:
+        leaves, treedef = jax.tree.flatten(streams)
+        self._formats[stack] = (treedef, [leaf.shape[1] for leaf in leaves])
+        return leaves[0] if len(leaves) == 1 else jnp.concatenate(leaves, axis=1)
+
+    def unpack(self, stack: str, x: jax.Array) -> Any:
+        treedef, sizes = self._formats[stack]
+        parts = [x] if len(sizes) == 1 else jnp.split(x, np.cumsum(sizes)[:-1].tolist(), axis=1)
+        return jax.tree.unflatten(treedef, parts)
+
+
+class PipeFusionPrograms:
+    """The warm-up step and the pipelined phase of a family's model for one geometry ``g``, compiled
+    lazily. ``guided``: the calls run classifier-free guidance (both branches in the model batch);
+    ``kernel``: attention tile sizes; ``compiler_options``: XLA options of the compiled programs."""
+
+    def __init__(
+        self,
+        family: PatchFamily,
+        model: StagedModel,
+        g: PatchGeometry,
+        guided: bool,
+        sampler: Sampler,
+        kernel: Mapping[str, int] | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.family, self.model, self.g, self.guided, self.sampler = family, model, g, guided, sampler
+        self.kernel = tuple(sorted((kernel or {}).items()))  # attention tile sizes, hashable
+        self.compiler_options = dict(compiler_options) if compiler_options else None
+        self.parallel = model.parallel
+        self.stacks = tuple(model.orders)  # the forward's order: stack i is pass i
+        spec = lambda axes: logical_to_spec(axes, model.rules)
+        self.specs = {"latents": spec(LATENT_AXES), "kv": spec(KV_AXES), "scalar": PartitionSpec()}
+        self.specs.update({name: spec(axes) for name, axes in family.context_axes.items()})
+        self.shardings = {k: NamedSharding(model.mesh, s) for k, s in self.specs.items()}
+        self._built: dict[tuple, Callable] = {}
+
+    # ------------------------------------------------------------------ shapes and placement
+    def schedule(self, steps: int) -> PipeSchedule:
+        return PipeSchedule(self.parallel.pipefusion, self.g.patches, len(self.stacks), steps)
+
+    def latent_shape(self) -> tuple[int, ...]:
+        g = self.g
+        return (self.model.stages, g.requests, g.patches, g.seq * g.latent_piece, self.family.latent_features)
+
+    def kv_shape(self, stack: str | None = None) -> tuple[int, ...]:
+        """One K (or V) buffer of ``stack`` (default: the only one): [slots, B, M, L, H, D]."""
+        (stack,) = self.stacks if stack is None else (stack,)
+        g, c = self.g, self.model.config
+        slots = len(self.model.orders[stack])
+        return (slots, g.batch, g.patches, g.seq * g.piece, c.num_heads, c.head_dim)
+
+    def buffer_shapes(self) -> list[tuple[int, ...]]:
+        """K and V of every stack, in pass order."""
+        return [self.kv_shape(s) for s in self.stacks for _ in range(2)]
+
+    def zero_buffers(self) -> tuple[jax.Array, ...]:
+        """The K/V buffers, zeroed, created on the devices that own them."""
+        shapes, dtype, sharding = self.buffer_shapes(), self.model.dtype, self.shardings["kv"]
+        return self._cached(
+            ("zeros",),
+            lambda: jax.jit(
+                lambda: tuple(jnp.zeros(s, dtype) for s in shapes), out_shardings=(sharding,) * len(shapes)
+            ),
+        )()
+
+    def init_state(self, lat: jax.Array) -> tuple[jax.Array, ...]:
+        """The sampler's state for the placed latents, laid out like them."""
+        count = len(jax.eval_shape(self.sampler.init_state, lat))
+        if not count:
+            return ()
+        init = jax.jit(self.sampler.init_state, out_shardings=(self.shardings["latents"],) * count)
+        return tuple(init(lat))
+
+    def _sds(self, shape: tuple[int, ...], dtype: Any, key: str) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.shardings[key])
+
+    def abstract_args(self, steps: int | None, schedule: Any) -> tuple:
+        """``jax.ShapeDtypeStruct`` arguments of the warm-up step (``steps=None``) or of the pipelined
+        phase over ``steps`` steps with the sampler's host ``schedule``, for ``.lower(*args)`` without
+        weights or data."""
+        mdl = self.model
+        params = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), mdl.state, mdl.param_shardings
+        )
+        lat = self._sds(self.latent_shape(), jnp.float32, "latents")
+        state = tuple(
+            self._sds(a.shape, a.dtype, "latents") for a in jax.eval_shape(self.sampler.init_state, lat)
+        )
+        kv = tuple(self._sds(s, mdl.dtype, "kv") for s in self.buffer_shapes())
+        context = {
+            name: None if entry is None else self._sds(*entry, name)
+            for name, entry in self.family.abstract_context(self.g, mdl.dtype).items()
+        }
+        schedule = jax.tree.map(lambda a: self._sds(np.shape(a), np.asarray(a).dtype, "scalar"), schedule)
+        scale = self._sds((), jnp.float32, "scalar")
+        if steps is None:
+            return (params, lat, state, kv, context, schedule, self._sds((), jnp.int32, "scalar"), scale)
+        return (params, lat, state, kv, context, schedule, scale)
+
+    # ------------------------------------------------------------------ builds
+    def _cached(self, key: tuple, build: Callable[[], Callable]) -> Callable:
+        if key not in self._built:
+            self._built[key] = build()
+        return self._built[key]
+
+    def warmup(self) -> Callable:
+        """``(params, lat, state, kv, context, schedule, i, scale) -> (lat, state, kv)``: step ``i``."""
+        return self._cached(("warmup",), self._build_warmup)
+
+    def asynchronous(self, steps: int, first_step: int) -> Callable:
+        """``(params, lat, state, kv, context, schedule, scale) -> lat``: steps ``first_step`` to
+        ``first_step + steps - 1`` pipelined."""
+        return self._cached(("async", steps, first_step), lambda: self._build_async(steps, first_step))
+
+    # ------------------------------------------------------------------ pieces (inside shard_map)
+    def _model_batch(self, x: jax.Array) -> jax.Array:
+        # cfg=1 with guidance: this data shard's [uncond; cond] halves share the latent.
+        return jnp.concatenate([x, x], 0) if self.guided and self.parallel.cfg == 1 else x
+
+    def _guide(self, pred: jax.Array, scale: jax.Array) -> jax.Array:
+        return guide_patch(pred, scale, self.parallel.cfg) if self.guided else pred
+
+    def _run_slots(
+        self,
+        model: nnx.Module,
+        stack: str,
+        streams: Any,
+        cond: Any,
+        layout: SequenceLayout,
+        fresh_valid: jax.Array | None,
+        stale: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+    ) -> tuple[Any, tuple[jax.Array, jax.Array]]:
+        """Scan this device's slots of ``stack`` on ``streams``, attention against the slot's stale
+        buffer when ``stale`` = (K, V [slots, B, M, L, h, D], valid [M*L]) is given. Returns the streams
+        and each slot's fresh K/V [slots, B, L', h, D]."""
+        graphdef, state = nnx.split(getattr(model, stack))
+
+        def body(c, xs):
+            if stale is None:
+                block_state, stale_kv = xs, None
+            else:
+                block_state, kb, vb = xs
+                flat = lambda b: b.reshape(b.shape[0], -1, *b.shape[3:])  # [B, M*L, h, D]
+                stale_kv = (flat(kb), flat(vb), stale[2])
+            ctx = PatchContext(self.parallel, layout, self.kernel, fresh_valid=fresh_valid, stale=stale_kv)
+            c = model.run_block(stack, nnx.merge(graphdef, block_state), c, cond, ctx)
+            ((k, v),) = ctx.fresh  # one self-attention per block
+            return c, (k, v)
+
+        return lax.scan(body, streams, state if stale is None else (state, *stale[:2]))
+
+    def _jit(self, local: Callable, *, pipelined: bool, state_count: int) -> Callable:
+        """``local(params, lat, state, kv, context, schedule, [i,] scale)`` under ``shard_map``, jitted."""
+        sp = self.specs
+        lat, kv = sp["latents"], (sp["kv"],) * 2 * len(self.stacks)
+        state = (lat,) * state_count
+        context = {name: sp[name] for name in self.family.context_axes}
+        index = () if pipelined else (sp["scalar"],)
+        in_specs = (lat, state, kv, context, sp["scalar"], *index, sp["scalar"])  # schedule: replicated
+        out_specs = lat if pipelined else (lat, state, kv)
+        mesh, model = self.model.mesh, self.model
+        fn = jax.shard_map(
+            local, mesh=mesh, in_specs=(model.param_specs, *in_specs), out_specs=out_specs, check_vma=False
+        )
+        shard = lambda spec: NamedSharding(mesh, spec)
+        is_spec = lambda x: isinstance(x, PartitionSpec)
+        return jax.jit(
+            fn,
+            in_shardings=(model.param_shardings, *jax.tree.map(shard, in_specs, is_leaf=is_spec)),
+            out_shardings=jax.tree.map(shard, out_specs, is_leaf=is_spec),
+            # The latents, sampler state and (in warm-up) the K/V buffers are updated in place.
+            donate_argnums=(1,) if pipelined else (1, 2, 3),
+            compiler_options=self.compiler_options,
+        )
+
+    def _state_count(self) -> int:
+        return len(jax.eval_shape(self.sampler.init_state, jax.ShapeDtypeStruct((1,), jnp.float32)))
+
+    # ------------------------------------------------------------------ warm-up
+    def _build_warmup(self) -> Callable:
+        g, pc, sampler = self.g, self.parallel, self.sampler
+        stages, sched = pc.pipefusion, self.schedule(1)
+        layout, full_valid = g.full_layout(), g.full_valid()
+        valid = None if full_valid is None else jnp.asarray(full_valid)
+
+        def local(params, lat, state, kv, context, schedule, i, scale):
+            model = nnx.merge(self.model.graphdef, params)
+            pieces = self.family.pieces(model, context, g, full=True, batch=self._model_batch)
+            ctx, wire, s = ShardContext(pc, layout, self.kernel), Wire(), stage_index()
+            flat = lambda a: a[0].reshape(a.shape[1], -1, a.shape[-1])  # [b, M*n, K]: every patch
+            x_lat, sampler_state = flat(lat), tuple(flat(a) for a in state)
+            cond = pieces.cond(pieces.step_cond(sampler.model_time(schedule, i)), None)
+
+            def run_pass(pass_index, stack, x, kb, vb):
+                direction = 1 if pass_index % 2 == 0 else -1
+
+                def tick(c, position):
+                    x, kb, vb = c
+                    streams, (k, v) = self._run_slots(
+                        model, stack, wire.unpack(stack, x), cond, layout, valid
+                    )
+                    active = sched.position(pass_index, s) == position  # the sequence is on this device
+                    kb = jnp.where(active, jax.vmap(g.to_slots)(k).astype(kb.dtype), kb)
+                    vb = jnp.where(active, jax.vmap(g.to_slots)(v).astype(vb.dtype), vb)
+                    return wire.pack(stack, streams), kb, vb
+
+                def hop(c, position):
+                    y, kb, vb = tick(c, position)
+                    return (shift(y, direction, stages), kb, vb), None
+
+                carry, _ = lax.scan(hop, (x, kb, vb), jnp.arange(stages - 1))
+                return tick(carry, stages - 1)  # the pass ends on its last device, which starts the next
+
+            streams, kv = pieces.embed(x_lat, None), list(kv)
+            for v, stack in enumerate(self.stacks):
+                x = wire.pack(stack, model.enter(stack, streams, ctx))
+                x, kv[2 * v], kv[2 * v + 1] = run_pass(v, stack, x, kv[2 * v], kv[2 * v + 1])
+                streams = wire.unpack(stack, x)
+            pred = self._guide(pieces.prediction(model.output(streams, cond, ctx)), scale)
+            x_new, sampler_state = sampler.step(schedule, i, sampler_state, x_lat, pred)
+            if sched.last_stage != 0:  # the updated latent goes back to stage 0
+                x_new = jnp.where(s == 0, to_first_stage(x_new, stages), x_new)
+            out = tuple(a.reshape(lat.shape) for a in (x_new, *sampler_state))
+            return out[0], out[1:], tuple(kv)
+
+        return self._jit(local, pipelined=False, state_count=self._state_count())
+
+    # ------------------------------------------------------------------ pipelined phase
+    def _build_async(self, steps: int, first_step: int) -> Callable:
+        g, pc, sampler, stacks = self.g, self.parallel, self.sampler, self.stacks
+        stages, sched = pc.pipefusion, self.schedule(steps)
+        layout, patch_valid = g.patch_layout(), g.patch_valid()
+        end = sched.last_stage
+        pick = lambda a, m: lax.dynamic_index_in_dim(a, m, 1, keepdims=False)
+        put = lambda a, x, m: lax.dynamic_update_index_in_dim(a, x, m, 1)
+
+        def local(params, lat, state, kv, context, schedule, scale):
+            model = nnx.merge(self.model.graphdef, params)
+            pieces = self.family.pieces(model, context, g, full=False, batch=self._model_batch)
+            ctx, wire, s = ShardContext(pc, layout, self.kernel), Wire(), stage_index()
+            # Every step's conditioning once per call, indexed by the step of each tick's items.
+            times = jax.vmap(lambda j: sampler.model_time(schedule, first_step + j))(jnp.arange(steps))
+            step_conds = jax.vmap(pieces.step_cond)(times)
+            fresh = None if patch_valid is None else jnp.asarray(patch_valid)
+            lat, state = lat[0], tuple(a[0] for a in state)  # [b, M, n, K]; used where the step ends
+
+            def tick(carry, t):
+                lat, state, wires, kv = carry
+                kv, outs, turns = list(kv), [], []
+                for v, stack in enumerate(stacks):
+                    ok, step, m = sched.item(t, v, s)
+                    cond = pieces.cond(jax.tree.map(lambda a, step=step: a[step], step_conds), m)
+                    x = wires[v]
+                    if v == 0:  # stage 0 embeds the patch that enters the pipeline
+                        entering = model.enter(stack, pieces.embed(pick(lat, m), m), ctx)
+                        x = jnp.where(s == 0, wire.pack(stack, entering), x)
+                    stale = (kv[2 * v], kv[2 * v + 1], g.stale_valid(m))
+                    mask = None if fresh is None else fresh[m]
+                    streams, (k, vv) = self._run_slots(
+                        model, stack, wire.unpack(stack, x), cond, layout, mask, stale
+                    )
+                    kv[2 * v], kv[2 * v + 1] = (
+                        write_patch(kv[2 * v], k, m, ok),
+                        write_patch(kv[2 * v + 1], vv, m, ok),
+                    )
+                    outs.append(wire.pack(stack, streams))
+                    if v + 1 < len(stacks):  # the next pass starts on the device where this one ends
+                        turns.append(wire.pack(stacks[v + 1], model.enter(stacks[v + 1], streams, ctx)))
+
+                # The last pass ends the patch's step on stage `end`: head, CFG, sampler on its state slice.
+                pred = self._guide(pieces.prediction(model.output(streams, cond, ctx)), scale)
+                x_old = pick(lat, m)
+                x_new, new_state = sampler.step(
+                    schedule, first_step + step, tuple(pick(a, m) for a in state), x_old, pred
+                )
+                done = ok & (s == end)
+                lat = put(lat, jnp.where(done, x_new, x_old), m)
+                state = tuple(
+                    put(a, jnp.where(done, b, pick(a, m)), m) for a, b in zip(state, new_state, strict=True)
+                )
+                if end != 0:  # (odd V, P > 1) the updated patch goes back to stage 0 for its next step
+                    ok_r, _, m_r = sched.item(t, len(stacks) - 1, jnp.int32(end))
+                    back = jnp.where(ok_r & (s == 0), to_first_stage(x_new, stages), pick(lat, m_r))
+                    lat = put(lat, back, m_r)
+
+                wires = [shift(outs[0], 1, stages)]
+                for v in range(1, len(stacks)):
+                    turn = sched.position(v, 0)  # the device where pass v - 1 hands over to pass v
+                    onward = shift(outs[v], 1 if v % 2 == 0 else -1, stages)
+                    wires.append(jnp.where(s == turn, turns[v - 1], onward))
+                return (lat, state, tuple(wires), tuple(kv)), None
+
+            local_batch = g.batch // (pc.data * pc.cfg)
+            zero = jnp.zeros((local_batch, layout.local_length, self.family.width), jnp.float32)
+            carry = (lat, state, (zero,) * len(stacks), kv)
+            (lat, *_), _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
+            return lat[None]
+
+        return self._jit(local, pipelined=True, state_count=self._state_count())

@@ -1,0 +1,186 @@
+"""PipeFusion's denoising loop (arXiv 2405.14430) for any model family: warm-up steps, then one pipelined call.
+
+A pipeline hands the runner what its plain denoising loop would take, and gets the final latents back::
+
+    runner = PipeFusionRunner(FluxPatches(model.config), model)  # model: a PipeFusionFlux (stages.py)
+    tokens = runner(
+        latents,          # [B, N, K] fp32 initial latent tokens, one row per request (CFG not doubled),
+                          # numpy or placed; N in the family's token order (FLUX: packed 2x2 patches,
+                          # row-major; Wan: patchify order), unpadded
+        context,          # the family's forward context by diffusers' names, CFG rows interleaved
+                          # (``jaxdit.parallel.cfg.interleave_branches``), unpadded: FLUX
+                          # encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance (dev);
+                          # Wan encoder_hidden_states, positions, and for I2V encoder_hidden_states_image
+                          # and condition (the mask + first-frame tokens [B, N, K'] beside the noise)
+        sampler=sampler,  # a jaxdit.samplers.sampler.Sampler (EulerSampler, UniPCSampler, ...)
+        schedule=sched,   # sampler.schedule(num_inference_steps, ...), on the host
+        grid=grid,        # the token grid of the latents: FLUX (rows, cols), Wan (F', H', W')
+        guidance_scale=s, # classifier-free guidance scale (used when the context has both branches)
+        num_inference_steps=n, warmup_steps=1, num_pipeline_patch=None,  # None: the family's default
+        **options,        # the family's: Wan's patch_by="rows" | "frames"
+    )                     # -> np.ndarray [B, N, K] fp32, the final latent tokens
+
+Guidance runs when the context's batch is twice the latents' (both branches, interleaved). The request
+is checked before anything compiles (patches against the grid and the sequence degree, warm-up steps
+against the steps); ``runner.check(grid, steps, warmup_steps, num_pipeline_patch)`` runs the same checks
+alone, for a pipeline to call before it encodes prompts. The model is a :class:`StagedModel` of the family: its block stacks laid out in stage
+slots on the mesh it was built for. The programs (``programs.py``) are compiled once per geometry and
+kept; ``last_programs`` holds the last call's programs with abstract arguments, for reading their
+collectives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxdit.parallel.pipefusion import validate_pipefusion
+from jaxdit.pipelines.denoiser import abstract_like
+from jaxdit.pipelines.denoiser import progress_bar as _progress
+from jaxdit.pipelines.pipefusion.family import PatchFamily
+from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
+from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
+from jaxdit.pipelines.pipefusion.stages import StagedModel
+from jaxdit.samplers.sampler import Sampler
+
+__all__ = ["RunnerPrograms", "PipeFusionRunner", "lower"]
+
+
+class PipeFusionRunner:
+    """A family's model laid out in stages, and the compiled programs of the geometries it has run.
+
+    See the module docstring for the call. ``kernel``: attention tile sizes; ``compiler_options``: XLA
+    options of the compiled programs.
+    """
+
+    def __init__(
+        self,
+        family: PatchFamily,
+        model: StagedModel,
+        *,
+        kernel: Mapping[str, int] | None = None,
+        compiler_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.family, self.model, self.parallel = family, model, model.parallel
+        self.kernel, self.compiler_options = kernel, compiler_options
+        #: (geometry, guided) -> its programs.
+        self.programs: dict[tuple[PatchGeometry, bool], PipeFusionPrograms] = {}
+        #: After a call: (warm-up fn, its abstract args) and (pipelined fn, its abstract args) or None.
+        self.last_programs: dict[str, tuple[Callable, tuple] | None] = {}
+
+    def programs_for(self, g: PatchGeometry, guided: bool, sampler: Sampler) -> PipeFusionPrograms:
+        """The programs of ``g``, built once (per sampler kind: a sampler's settings live in its schedule)."""
+        programs = self.programs.get((g, guided))
+        if programs is None or type(programs.sampler) is not type(sampler):
+            programs = PipeFusionPrograms(
+                self.family, self.model, g, guided, sampler, self.kernel, self.compiler_options
+            )
+            self.programs[(g, guided)] = programs
+        return programs
+
+    def check(
+        self,
+        grid: tuple[int, ...],
+        num_inference_steps: int,
+        warmup_steps: int,
+        num_pipeline_patch: int | None = None,
+        **options: Any,
+    ) -> int:
+        """The patch count for a request (the family's default when None), checked with the warm-up
+        steps before any work: raises ValueError naming the numbers."""
+        pc = self.parallel
+        patches = num_pipeline_patch or self.family.default_patches(grid, pc, **options)
+        validate_pipefusion(pc.pipefusion, patches, warmup_steps, num_inference_steps)
+        self.family.validate_patches(grid, patches, pc, **options)
+        return patches
+
+    def __call__(
+        self,
+        latents: Any,
+        context: Mapping[str, Any],
+        *,
+        sampler: Sampler,
+        schedule: Any,
+        grid: tuple[int, ...],
+        guidance_scale: float,
+        num_inference_steps: int,
+        warmup_steps: int = 1,
+        num_pipeline_patch: int | None = None,
+        progress: bool = False,
+        **options: Any,
+    ) -> np.ndarray:
+        """The final latent tokens [B, N, K] (see the module docstring); ``options`` are the family's
+        (Wan: ``patch_by``)."""
+        pc, family = self.parallel, self.family
+        x = np.asarray(jax.device_get(latents), np.float32)
+        patches = self.check(grid, num_inference_steps, warmup_steps, num_pipeline_patch, **options)
+        g = family.geometry(grid, patches, pc, x.shape[0], context, **options)
+        if g.batch not in (g.requests, 2 * g.requests):
+            raise ValueError(
+                f"the context has {g.batch} rows for {g.requests} latents: one per request, or two with "
+                "classifier-free guidance (both branches, interleaved)"
+            )
+        if g.requests % pc.data:
+            raise ValueError(f"{g.requests} requests cannot be split over data={pc.data}")
+        programs = self.programs_for(g, g.batch == 2 * g.requests, sampler)
+        sh, params = programs.shardings, self.model.state
+
+        tokens = g.to_patches(x, 1)  # [B, M, N/M, K]: every stage keeps its own copy
+        lat = jax.device_put(np.broadcast_to(tokens[None], (pc.pipefusion, *tokens.shape)), sh["latents"])
+        state = programs.init_state(lat)
+        placed = {
+            name: None if entry is None else jax.device_put(entry[0], sh[name]).astype(entry[1])
+            for name, entry in family.program_context(context, g, self.model.dtype).items()
+        }
+        sched = jax.device_put(schedule, sh["scalar"])
+        scale = jnp.float32(guidance_scale)
+
+        kv = programs.zero_buffers()
+        warm = programs.warmup()
+        args = (params, lat, state, kv, placed, sched, jnp.int32(0), scale)
+        self.last_programs = {"warmup": (warm, jax.tree.map(abstract_like, args)), "pipelined": None}
+        for i in _progress(range(warmup_steps), progress, warmup_steps):
+            lat, state, kv = warm(params, lat, state, kv, placed, sched, jnp.int32(i), scale)
+        remaining = num_inference_steps - warmup_steps
+        if remaining:
+            run = programs.asynchronous(remaining, warmup_steps)
+            args = (params, lat, state, kv, placed, sched, scale)
+            self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
+            lat = run(*args)
+        # The copy of the stage where a patch's step ends holds the result (the others: what they computed).
+        out = np.asarray(jax.device_get(lat[programs.schedule(1).last_stage]))
+        return g.from_patches(out, 1)
+
+
+class RunnerPrograms:
+    """A pipeline over a :class:`PipeFusionRunner` (``self.runner``): its programs, to inspect them."""
+
+    runner: PipeFusionRunner
+
+    @property
+    def _programs(self) -> dict[tuple[PatchGeometry, bool], PipeFusionPrograms]:
+        """(geometry, guided) -> the programs compiled for it."""
+        return self.runner.programs
+
+    @property
+    def last_programs(self) -> dict[str, tuple[Callable, tuple] | None]:
+        """After a call: (warm-up fn, its abstract args) and (pipelined fn, its abstract args) or None."""
+        return self.runner.last_programs
+
+
+def lower(
+    programs: PipeFusionPrograms, schedule: Any, *, steps: int, warmup_steps: int = 1
+) -> tuple[jax.stages.Lowered, jax.stages.Lowered | None]:
+    """``programs``' warm-up step and pipelined phase (None when ``warmup_steps == steps``) lowered from
+    abstract shapes, with the sampler's host ``schedule`` of ``steps`` steps: full-size compiles,
+    collectives and memory without weights."""
+    warm = programs.warmup().lower(*programs.abstract_args(None, schedule))
+    rest = steps - warmup_steps
+    run = None
+    if rest:
+        run = programs.asynchronous(rest, warmup_steps).lower(*programs.abstract_args(rest, schedule))
+    return warm, run

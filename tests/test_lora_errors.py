@@ -1,0 +1,181 @@
+"""LoRA files that cannot be applied fail before any device work, naming the file and the key, and a
+failed load leaves the base weights as they were (same arrays, bit for bit, still usable)."""
+
+import functools
+
+import flux_tiny
+import jax
+import lora_tiny
+import numpy as np
+import pytest
+import wan_tiny
+from flax import nnx
+
+from converters.lora import LoraError, read_lora
+from converters.safetensors_io import write_safetensors
+from jaxdit.loading import load_params
+from jaxdit.lora import fuse_loras
+from jaxdit.mesh import ParallelConfig
+
+FLUX = flux_tiny.config(lora_tiny.GUIDANCE)
+WAN = wan_tiny.config(False)
+E = FLUX.hidden_size
+
+
+def _write(name: str, tensors: dict) -> str:
+    return str(write_safetensors(lora_tiny.ROOT / name, tensors))
+
+
+def _pair(key: str, out: int, inp: int, rank: int = 4, seed: int = 0) -> dict:
+    down, up = lora_tiny.factors(np.random.default_rng(seed), out, inp, rank)
+    return {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up}
+
+
+@functools.cache
+def _good() -> str:
+    shapes = lora_tiny.bfl_shapes()
+    return str(
+        lora_tiny.write_kohya_style(
+            lora_tiny.ROOT / "errors-good.safetensors",
+            shapes,
+            lora_tiny.linear_modules(shapes),
+            prefix="lora_unet_",
+            underscore=True,
+        )
+    )
+
+
+def _error(path: str, config=FLUX) -> str:
+    with pytest.raises(LoraError) as info:
+        read_lora(path, config)
+    message = str(info.value)
+    assert path in message, message
+    return message
+
+
+def test_lora_for_another_family():
+    message = _error(_good(), WAN)
+    assert "a LoRA for FLUX" in message and "the model is WAN" in message
+
+
+def test_lora_for_another_model_size():
+    """A LoRA for a wider FLUX: the factors' shapes are checked against the model's."""
+    path = _write(
+        "errors-size.safetensors", _pair("lora_unet_double_blocks_0_img_attn_qkv", 3 * 2 * E, 2 * E)
+    )
+    message = _error(path)
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight" in message
+    assert "another model size" in message
+
+
+def test_block_the_model_does_not_have():
+    tensors = _pair("lora_unet_double_blocks_0_img_attn_proj", E, E)
+    tensors.update(_pair("lora_unet_double_blocks_7_img_attn_proj", E, E))
+    message = _error(_write("errors-depth.safetensors", tensors))
+    assert "'lora_unet_double_blocks_7_img_attn_proj.lora_down.weight' matches no parameter" in message
+    assert "kohya layout" in message
+
+
+def test_unknown_layout():
+    tensors = {"encoder.layer.0.w1.lora_down.weight": np.zeros((4, 8), np.float32)}
+    message = _error(_write("errors-unknown.safetensors", tensors))
+    assert "unknown LoRA layout" in message and "'encoder.layer.0.w1.lora_down.weight'" in message
+    assert "kohya, bfl, diffusers, kohya-diffusers, xlabs" in message
+
+
+def test_rank_mismatch():
+    tensors = _pair("lora_unet_double_blocks_0_img_attn_proj", E, E)
+    tensors["lora_unet_double_blocks_0_img_attn_proj.lora_up.weight"] = np.zeros((E, 3), np.float32)
+    message = _error(_write("errors-rank.safetensors", tensors))
+    assert (
+        "rank mismatch" in message and "'lora_unet_double_blocks_0_img_attn_proj.lora_down.weight'" in message
+    )
+
+
+def test_rank_mismatch_with_peft_metadata():
+    """diffusers' metadata says r=8, the tensors have rank 4."""
+    import json
+
+    tensors = {
+        "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": np.zeros((4, E), np.float32),
+        "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": np.zeros((E, 4), np.float32),
+    }
+    meta = {"lora_adapter_metadata": json.dumps({"transformer.r": 8, "transformer.lora_alpha": 8})}
+    path = str(write_safetensors(lora_tiny.ROOT / "errors-peft-rank.safetensors", tensors, meta))
+    message = _error(path)
+    assert "rank mismatch" in message and "r=8" in message and "lora_B.weight" in message
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_nan_or_inf(bad):
+    tensors = _pair("lora_unet_double_blocks_1_txt_mlp_0", FLUX.mlp_hidden, E)
+    tensors["lora_unet_double_blocks_1_txt_mlp_0.lora_up.weight"][3, 1] = bad
+    message = _error(_write("errors-nan.safetensors", tensors))
+    assert "'lora_unet_double_blocks_1_txt_mlp_0.lora_up.weight' holds 1 NaN/inf" in message
+
+
+def test_missing_alpha_where_the_layout_needs_one():
+    """musubi-tuner writes an alpha per module; a file without one is damaged."""
+    path = lora_tiny.write_kohya_style(
+        lora_tiny.ROOT / "errors-alpha.safetensors",
+        lora_tiny.original_shapes(),
+        ["blocks.0.self_attn.q", "blocks.1.ffn.0"],
+        prefix="lora_unet_",
+        underscore=True,
+        alpha=None,
+    )
+    message = _error(str(path), WAN)
+    assert "no alpha" in message and "musubi" in message and "lora_unet_blocks_0_self_attn_q.alpha" in message
+
+
+def test_missing_partner_factor():
+    tensors = _pair("lora_unet_single_blocks_0_linear2", E, E + FLUX.mlp_hidden)
+    del tensors["lora_unet_single_blocks_0_linear2.lora_up.weight"]
+    message = _error(_write("errors-partner.safetensors", tensors))
+    assert "'lora_unet_single_blocks_0_linear2.lora_down.weight' has no lora_up partner" in message
+
+
+@pytest.mark.parametrize(
+    "key, why",
+    [
+        ("lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight", "text-encoder"),
+        ("lora_unet_double_blocks_0_img_attn_proj.dora_scale", "DoRA"),
+        ("lora_unet_double_blocks_0_img_attn_proj.lokr_w1", "LoKr"),
+    ],
+)
+def test_weights_not_fused_here(key, why):
+    tensors = _pair("lora_unet_double_blocks_0_img_attn_proj", E, E)
+    tensors[key] = np.zeros((4, 4), np.float32)
+    message = _error(_write("errors-unsupported.safetensors", tensors))
+    assert repr(key) in message and why in message
+
+
+def test_pickle_files_are_not_read(tmp_path):
+    path = tmp_path / "lora.pt"
+    path.write_bytes(b"\x80\x04not read")
+    message = _error(str(path))
+    assert "pickle" in message
+
+
+def test_failed_load_leaves_the_base_untouched():
+    """A good file and a broken one (NaN in its last module): nothing is fused, the same arrays hold the
+    same bits and the model still runs."""
+    config = ParallelConfig(tensor=2)
+    _, model = load_params(
+        flux_tiny.diffusers_folder(lora_tiny.GUIDANCE), config.make_mesh(jax.devices()[:2])
+    )
+    state = nnx.state(model, nnx.Param)
+    arrays = {p: v.get_value() for p, v in nnx.to_flat_state(state)}
+    before = {p: np.asarray(a) for p, a in arrays.items()}
+    tensors = _pair("lora_unet_final_layer_linear", FLUX.out_channels, E)
+    tensors["lora_unet_final_layer_linear.lora_down.weight"][0, 0] = np.nan
+    broken = _write(
+        "errors-broken.safetensors", {**_pair("lora_unet_txt_in", E, FLUX.context_in_dim), **tensors}
+    )
+    with pytest.raises(LoraError, match="NaN/inf"):
+        fuse_loras(state, FLUX, [_good(), (broken, 0.5)])
+    for path, var in nnx.to_flat_state(state):
+        assert var.get_value() is arrays[path]  # not even replaced
+        np.testing.assert_array_equal(np.asarray(var.get_value()), before[path])
+    with pytest.raises(ValueError, match="not finite"):
+        fuse_loras(state, FLUX, [(_good(), float("nan"))])
