@@ -7,7 +7,7 @@ again instead of reading a stack trace.
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointKeyError"]
+__all__ = ["CheckpointError", "CheckpointKeyError", "DestinationError"]
 
 
 class CheckpointError(ValueError):
@@ -26,3 +26,11 @@ class CheckpointKeyError(CheckpointError, KeyError):
     def __str__(self) -> str:
         # KeyError.__str__ would repr() the message and wrap it in quotes.
         return str(self.args[0]) if self.args else ""
+
+
+class DestinationError(CheckpointError):
+    """A converted checkpoint cannot be written where it was asked to go: the folder is not writable, a
+    parent is a file, the disk is full, or what is there must not be replaced.
+
+    The message names the path and the reason; nothing has been left behind.
+    """

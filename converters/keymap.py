@@ -25,8 +25,10 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
+import ml_dtypes
 import numpy as np
 
+from converters import checks
 from converters.errors import CheckpointError, CheckpointKeyError
 from converters.safetensors_io import LazyTensor, concatenate, narrow, place, transpose
 
@@ -114,8 +116,9 @@ class Without:
 
 
 class _ArrayView(LazyTensor):
-    def __init__(self, array: np.ndarray) -> None:
+    def __init__(self, array: np.ndarray, key: str | None = None, origin: str | None = None) -> None:
         self._array = array
+        self.key, self.origin = key, origin
         self.shape = tuple(array.shape)
         self.dtype = np.dtype(array.dtype)
 
@@ -148,7 +151,7 @@ class StateDict:
     def tensor(self, key: str) -> LazyTensor:
         if key not in self._tensors:
             raise CheckpointKeyError(f"{self.name}: no tensor {key!r}")
-        return _ArrayView(self._tensors[key])
+        return _ArrayView(self._tensors[key], key, self.name)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -411,6 +414,17 @@ def _check_keys(table: KeyTable, ckpt: Checkpoint, prefix: str) -> None:
         )
 
 
+def _check_dtypes(table: KeyTable, ckpt: Checkpoint, prefix: str) -> None:
+    """Weights are floating point: an integer or boolean tensor would be cast silently into nonsense."""
+    for key in table.source_keys(prefix):
+        dtype = ckpt.tensor(key).dtype
+        if not checks.is_floating(dtype):
+            raise CheckpointError(
+                f"{file_of(ckpt, key)}: tensor {key!r} is {dtype}, not floating point; the {table.name} "
+                "layout holds only floating-point weights (a damaged or hand-edited checkpoint?)"
+            )
+
+
 def _disjoint(a: Box, b: Box) -> bool:
     return any(x1 <= y0 or y1 <= x0 for (x0, x1), (y0, y1) in zip(a, b, strict=True))
 
@@ -441,11 +455,12 @@ def resolve(
 
     ``expected`` maps every target path to the model's shape for it (stacked parameters include the layer
     axis). ``prefix`` is prepended to every source key (e.g. ComfyUI's ``model.diffusion_model.``).
-    Raises :class:`CheckpointError` (naming the key and the file) for missing, unused and mis-shaped
-    tensors; nothing is read but the headers.
+    Raises :class:`CheckpointError` (naming the key and the file) for missing, unused, mis-shaped and
+    non-floating-point tensors; nothing is read but the headers.
     """
     _check_targets(table, expected)
     _check_keys(table, ckpt, prefix)
+    _check_dtypes(table, ckpt, prefix)
     out: dict[str, LazyTensor] = {}
     read: dict[str, list[Box]] = {}
     for rule in table.rules:
@@ -481,8 +496,37 @@ def place_params(
     shardings: Mapping[str, Any],
     dtype: Any = None,
 ) -> dict[str, Any]:
-    """Place every lazy target on its sharding (each device reads only its own box), cast to ``dtype``."""
-    return {path: place(t, shardings[path], dtype=dtype) for path, t in tensors.items()}
+    """Place every lazy target on its sharding (each device reads only its own box), cast to ``dtype``.
+
+    The placed parameters are then checked where they are (:func:`converters.checks.scan`): a NaN or inf
+    is a :class:`CheckpointError` naming the parameter and the source tensor holding it, or saying that
+    the values overflowed ``dtype``.
+    """
+    arrays = {path: place(t, shardings[path], dtype=dtype) for path, t in tensors.items()}
+    finite, _ = checks.scan(arrays)
+    if not all(finite.values()):
+        bad = [tensors[p] for p, ok in finite.items() if not ok]
+        origins = sorted({str(s.origin) for t in bad for s in t.stored() if getattr(s, "origin", None)})
+        where = ", ".join(origins[:3]) or "checkpoint"
+        checks.raise_if_nonfinite(arrays, finite, where, lambda p: _explain_nonfinite(tensors[p], dtype))
+    return arrays
+
+
+def _explain_nonfinite(target: LazyTensor, dtype: Any) -> str:
+    """Which stored tensors behind ``target`` hold the NaN/inf, or that the cast to ``dtype`` made them."""
+    culprits = []
+    for source in target.stored():
+        values = np.asarray(source[()])
+        if not np.all(np.isfinite(values)):
+            culprits.append(f"{source.key!r} holds {int(np.sum(~np.isfinite(values)))} NaN/inf value(s)")
+            if len(culprits) == 3:
+                break
+    if culprits:
+        return "source tensor " + ", ".join(culprits)
+    if dtype is not None and checks.is_floating(dtype):
+        top = float(ml_dtypes.finfo(np.dtype(dtype)).max)
+        return f"its source tensors are finite: they hold values beyond {np.dtype(dtype)}'s range (+-{top:g})"
+    return ""
 
 
 def invert(table: KeyTable, params: Mapping[str, Any], *, prefix: str = "") -> dict[str, np.ndarray]:

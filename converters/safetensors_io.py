@@ -156,6 +156,27 @@ class LazyTensor:
     def _read(self, box: Box) -> np.ndarray:
         raise NotImplementedError
 
+    def children(self) -> tuple[LazyTensor, ...]:
+        """The lazy tensors this one is computed from; none for a stored tensor.
+
+        Views keep theirs in ``_source`` / ``_sources`` (subclasses elsewhere follow the same names)."""
+        sources = getattr(self, "_sources", None)
+        if sources is not None:
+            return tuple(sources)
+        source = getattr(self, "_source", None)
+        return (source,) if isinstance(source, LazyTensor) else ()
+
+    def stored(self) -> list[LazyTensor]:
+        """The stored tensors (leaves with a ``key``) this one reads from, each once, in order."""
+        out: dict[int, LazyTensor] = {}
+        todo = [self]
+        while todo:
+            t = todo.pop()
+            if getattr(t, "key", None) is not None:
+                out.setdefault(id(t), t)
+            todo.extend(reversed(t.children()))
+        return list(out.values())
+
 
 class _ArrayTensor(LazyTensor):
     """An in-memory array (e.g. computed by a converter hook) behind the lazy interface."""
@@ -185,6 +206,7 @@ class _FileTensor(LazyTensor):
         info = file.info(key)
         self._file = file
         self.key = key
+        self.origin = str(file.path)
         self.shape = info.shape
         self.dtype = info.dtype
 
@@ -724,7 +746,8 @@ def place(
                     f"transform changed a box of {src!r} from {_box_shape(box)} to {chunk.shape}; "
                     "it must keep the shape"
                 )
-        chunk = chunk.astype(out_dtype, copy=False)
+        with np.errstate(over="ignore"):  # values beyond out_dtype's range: reported by place_params' check
+            chunk = chunk.astype(out_dtype, copy=False)
         cache[box] = chunk
         return chunk
 

@@ -25,7 +25,16 @@ def _convert(args: argparse.Namespace) -> int:
     from jaxdit.lora import parse_lora
 
     loras = [parse_lora(arg) for arg in args.lora or ()]
-    out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras)
+    try:
+        out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras)
+    except OSError as e:  # reading the source (FileExistsError is the caller's: DST exists)
+        if isinstance(e, FileExistsError):
+            raise
+        print(f"jaxdit convert: error: {e.filename or args.src}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"jaxdit convert: interrupted; {args.dst} was not written", file=sys.stderr)
+        return 130
     print(f"wrote {out}")
     return 0
 

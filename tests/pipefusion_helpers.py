@@ -38,6 +38,9 @@ class ReferenceContext:
     def sum_tensor_parallel(self, x):
         return x
 
+    def backend_options(self):
+        return {}  # the default attention kernel for the model's own (cross-)attention calls
+
     def attention(self, q, k, v):
         if self.patch is None:  # warm-up: the whole sequence, fresh; the caller splits it into patches
             self.buffers[self.layer] = (k, v)

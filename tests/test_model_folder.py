@@ -23,8 +23,21 @@ FLUX_COMPONENTS = (
 )
 
 
+# The model classes a pipeline's transformer and VAE must be (other components are not checked).
+_MODEL_CLASSES = {
+    "FluxPipeline": {"transformer": "FluxTransformer2DModel", "vae": "AutoencoderKL"},
+    "WanPipeline": {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan"},
+    "WanImageToVideoPipeline": {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan"},
+}
+
+
 def _diffusers_folder(root, class_name, components, skip=(), extra=None):
-    index = {"_class_name": class_name, **{c: ["x", "y"] for c in components}, **(extra or {})}
+    classes = _MODEL_CLASSES.get(class_name, {})
+    index = {
+        "_class_name": class_name,
+        **{c: ["x", classes.get(c, "y")] for c in components},
+        **(extra or {}),
+    }
     root.mkdir(parents=True, exist_ok=True)
     (root / "model_index.json").write_text(json.dumps(index))
     for c in components:

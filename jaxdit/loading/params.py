@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from converters import orbax_io
 from converters.checkpoints import CheckpointFormat, Source
+from converters.checks import check_compute_dtype
 from converters.errors import CheckpointError
 from converters.keymap import place_params
 from jaxdit.lora import fuse_loras, read_loras
@@ -73,6 +74,7 @@ def load_params(
     ``check(config)`` runs once the config is known and before any tensor is read (e.g. heads against
     the mesh).
     """
+    check_compute_dtype(dtype)
     path = Path(path)
     degrees = ParallelConfig.from_mesh(mesh)
     rules = rules if rules is not None else rules_for(tensor=degrees.tensor, pipefusion=degrees.pipefusion)
@@ -122,6 +124,7 @@ def convert_checkpoint(
 
     ``loras``: (path, scale) pairs fused into the weights before they are written (every file checked
     against the model before the checkpoint's tensors are read)."""
+    orbax_io.check_destination(dst, overwrite=overwrite)  # before the source is read
     if loras:
         source = checkpoints.open(Path(src), config) if not orbax_io.is_orbax_checkpoint(Path(src)) else None
         if source is not None:

@@ -55,6 +55,7 @@ FOLDER_CLASSES = {
         "flux",
         "flux",
         ("transformer", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler"),
+        classes={"transformer": ("FluxTransformer2DModel",), "vae": ("AutoencoderKL",)},
     )
 }
 

@@ -19,7 +19,14 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FolderClass", "ModelFolder", "is_listed", "open_diffusers_folder", "read_json"]
+__all__ = [
+    "FolderClass",
+    "ModelFolder",
+    "check_component_classes",
+    "is_listed",
+    "open_diffusers_folder",
+    "read_json",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +43,9 @@ class FolderClass:
     components: tuple[str, ...]
     optional: tuple[str, ...] = ()
     takes_image: bool = False  # image-to-video: a call needs a first frame
+    #: component -> the model classes jaxdit reads for it (a transformer of another family would load
+    #: into the wrong model, or fail halfway through a long read).
+    classes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     variant: Callable[[Mapping[str, Any]], str] | None = None
 
 
@@ -85,6 +95,28 @@ def is_listed(index: Mapping[str, Any], component: str) -> bool:
     return index.get(component) not in (None, [None, None])
 
 
+def check_component_classes(
+    root: Path, index: Mapping[str, Any], expected: Mapping[str, tuple[str, ...]], pipeline: str = "pipeline"
+) -> None:
+    """Each component's class, as ``model_index.json`` names it (``[library, class]``) and as its
+    ``config.json`` ``_class_name`` says, must be one of ``expected[component]``; raises one ValueError
+    listing every mismatch. Components not in ``expected``, and files that do not say, are not checked."""
+    wrong = []
+    for component, classes in expected.items():
+        entry = index.get(component)
+        listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None  # null: absent
+        if listed and entry[1] not in classes:
+            wrong.append(f"model_index.json names {component} {entry[1]!r}")
+        config = root / component / "config.json"
+        if config.is_file():
+            name = read_json(config).get("_class_name")
+            if name is not None and name not in classes:
+                wrong.append(f"{component}/config.json is a {name!r}")
+    if wrong:
+        wanted = "; ".join(f"{c}: {' or '.join(v)}" for c, v in expected.items())
+        raise ValueError(f"{root} ({pipeline}): {', '.join(wrong)}; a {pipeline} needs {wanted}")
+
+
 def open_diffusers_folder(root: Path, classes: Mapping[str, FolderClass]) -> ModelFolder:
     """A diffusers pipeline folder whose ``model_index.json`` names one of ``classes``."""
     index = read_json(root / "model_index.json")
@@ -104,6 +136,7 @@ def open_diffusers_folder(root: Path, classes: Mapping[str, FolderClass]) -> Mod
     missing += [f"{c}/" for c in present if not (root / c).is_dir()]
     if missing:
         raise ValueError(f"{root} ({name}) is missing: {', '.join(missing)}")
+    check_component_classes(root, index, spec.classes, name)
     scheduler = read_json(root / "scheduler" / "scheduler_config.json")
     components = {c: root / c for c in (*spec.components, *present)}
     kind = spec.kind if spec.variant is None else spec.variant(index)

@@ -109,10 +109,20 @@ def _diffusers_kind(index: Mapping[str, Any]) -> str:
 
 
 _T2V_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
+_CLASSES = {
+    "transformer": ("WanTransformer3DModel",),
+    "transformer_2": ("WanTransformer3DModel",),
+    "vae": ("AutoencoderKLWan",),
+}
 #: The diffusers pipeline classes this module runs from a downloaded folder.
 FOLDER_CLASSES = {
     "WanPipeline": FolderClass(
-        "wan", "wan-t2v", _T2V_COMPONENTS, optional=("transformer_2",), variant=_diffusers_kind
+        "wan",
+        "wan-t2v",
+        _T2V_COMPONENTS,
+        optional=("transformer_2",),
+        variant=_diffusers_kind,
+        classes=_CLASSES,
     ),
     "WanImageToVideoPipeline": FolderClass(
         "wan",
@@ -122,6 +132,7 @@ FOLDER_CLASSES = {
         optional=("image_encoder", "image_processor", "transformer_2"),
         takes_image=True,  # TI2V's image is optional: WanFamily.image_input says so
         variant=_diffusers_kind,
+        classes=_CLASSES,
     ),
 }
 
