@@ -1,10 +1,12 @@
-"""Wan 2.1 checkpoints -> jaxdit parameters: the original and diffusers key tables, layout detection, and
-export of the original layout.
+"""Wan checkpoints (2.1 and 2.2) -> jaxdit parameters: the original and diffusers key tables, layout
+detection, and export of the original layout.
 
-Layouts (Wan-Video/Wan2.1 ``wan/modules/model.py`` and diffusers' ``scripts/convert_wan_to_diffusers.py``
-name every key and shape):
+Layouts (Wan-Video/Wan2.1 and Wan2.2 ``wan/modules/model.py`` and diffusers'
+``scripts/convert_wan_to_diffusers.py`` name every key and shape; Wan 2.2's transformers use Wan 2.1's
+keys, without the CLIP image projection ``img_emb`` in I2V-A14B):
 
-- Original (``Wan-AI/Wan2.1-T2V-1.3B``, ``-T2V-14B``, ``-I2V-14B-480P/720P``): a folder of
+- Original (``Wan-AI/Wan2.1-T2V-1.3B``, ``-T2V-14B``, ``-I2V-14B-480P/720P``, ``Wan2.2-TI2V-5B``, and each
+  expert folder of ``Wan2.2-{T2V,I2V}-A14B``: ``high_noise_model/``, ``low_noise_model/``): a folder of
   ``diffusion_pytorch_model*.safetensors`` (the 14B ones sharded, with their ``*.index.json``) and a
   ``config.json`` of ``WanModel`` arguments, or a single file, also with ComfyUI's
   ``model.diffusion_model.`` prefix. Without a config the architecture is inferred from the keys.
@@ -390,7 +392,7 @@ def _diffusers_shapes_to_config(shapes: Mapping[str, tuple[int, ...]]) -> WanCon
 def detect(
     path: str | os.PathLike[str], config: WanConfig | Mapping[str, Any] | None = None
 ) -> WanCheckpoint:
-    """Open a Wan 2.1 checkpoint of either layout and work out its config.
+    """Open a Wan checkpoint of either layout and work out its config.
 
     ``path``: an original-layout folder (``config.json`` of ``WanModel`` + ``diffusion_pytorch_model*``
     files, sharded with an index or not), a diffusers transformer or pipeline folder, a single
@@ -414,9 +416,12 @@ def detect(
             except (KeyError, ValueError) as e:
                 raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
             image_key = "img_emb.proj.0.weight"
-            if not diffusers and config.is_i2v and image_key in files:
-                # The original config does not record the CLIP width (the code hard-codes 1280).
-                config = dataclasses.replace(config, image_dim=int(files.shape(image_key)[0]))
+            if not diffusers and config.condition_channels:
+                # The original config records neither the CLIP width (the code hard-codes 1280) nor whether
+                # there is a CLIP path at all (Wan 2.1 I2V has one, Wan 2.2 I2V-A14B the same config
+                # without it): the keys say.
+                image_dim = int(files.shape(image_key)[0]) if image_key in files else None
+                config = dataclasses.replace(config, image_dim=image_dim)
         return WanCheckpoint(files, "diffusers" if diffusers else "original", "", config)
 
     files = _weights(path) if path.is_dir() else open_checkpoint(path)
@@ -463,12 +468,14 @@ def write_original(
     shards: int = 1,
     prefix: str = "",
     config_json: bool = True,
+    model_type: str | None = None,
 ) -> Path:
     """Write a diffusers state dict as an original-layout Wan folder, through the inverted original table.
 
     ``shards`` > 1 splits the tensors over ``diffusion_pytorch_model-0000i-of-0000n.safetensors`` files
     with a ``diffusion_pytorch_model.safetensors.index.json`` (as the 14B repositories are); each file and
-    the index are written atomically. ``config_json`` adds the original ``config.json``. Returns the folder.
+    the index are written atomically. ``config_json`` adds the original ``config.json`` (``model_type``:
+    see :func:`original_config_json`). Returns the folder.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -489,15 +496,28 @@ def write_original(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2),
         )
     if config_json:
-        _write_text(folder / "config.json", json.dumps(original_config_json(cfg), indent=2))
+        _write_text(folder / "config.json", json.dumps(original_config_json(cfg, model_type), indent=2))
     return folder
 
 
-def original_config_json(cfg: WanConfig) -> dict[str, Any]:
-    """The original repositories' ``config.json`` for ``cfg``."""
+def original_model_type(cfg: WanConfig) -> str:
+    """``model_type`` of the original ``config.json``: ``i2v`` for the condition-channel models (Wan 2.1
+    I2V and Wan 2.2 I2V-A14B), ``ti2v`` for a 48-channel (Wan 2.2 VAE) model, else ``t2v``."""
+    if cfg.condition_channels or cfg.is_i2v:
+        return "i2v"
+    return "ti2v" if cfg.out_channels == 48 else "t2v"
+
+
+def original_config_json(cfg: WanConfig, model_type: str | None = None) -> dict[str, Any]:
+    """The original repositories' ``config.json`` for ``cfg`` (``model_type`` overrides
+    :func:`original_model_type`). An ``i2v`` model without Wan 2.1's CLIP path (Wan 2.2 I2V-A14B) gets
+    ``"image_dim": null``, which the originals do not write (their keys tell), so that the file alone
+    reads back as ``cfg``."""
+    model_type = model_type or original_model_type(cfg)
+    extra = {"image_dim": None} if model_type == "i2v" and not cfg.is_i2v else {}
     return {
         "_class_name": ORIGINAL_CLASS,
-        "model_type": "i2v" if cfg.is_i2v else "t2v",
+        "model_type": model_type,
         "dim": cfg.dim,
         "ffn_dim": cfg.ffn_dim,
         "num_heads": cfg.num_heads,
@@ -509,6 +529,7 @@ def original_config_json(cfg: WanConfig) -> dict[str, Any]:
         "freq_dim": cfg.freq_dim,
         "eps": cfg.eps,
         "text_len": 512,
+        **extra,
     }
 
 

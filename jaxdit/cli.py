@@ -52,8 +52,8 @@ def _add_generate(sub) -> None:
         gen,
         "model",
         default="tiny-digits",
-        help="tiny-digits (bundled, default), flux-dev, flux-schnell, wan2.1-t2v-1.3b, wan2.1-t2v-14b or "
-        "wan2.1-i2v-14b (all but tiny-digits need --weights)",
+        help="tiny-digits (bundled, default), flux-dev, flux-schnell, wan2.1-t2v-1.3b, wan2.1-t2v-14b, "
+        "wan2.1-i2v-14b, wan2.2-t2v-a14b, wan2.2-i2v-a14b or wan2.2-ti2v-5b (all but tiny-digits need --weights)",
     )
     _flag(
         gen,
@@ -87,7 +87,12 @@ def _add_generate(sub) -> None:
     )
     _flag(gen, "width", type=int, default=None, help="pixels (default: as --height; 832 for Wan)")
     _flag(gen, "num_frames", type=int, default=None, help="Wan: video frames, 4n + 1 (default 81)")
-    _flag(gen, "image", default=None, help="Wan I2V (pipeline folder): the first frame, a picture file")
+    _flag(
+        gen,
+        "image",
+        default=None,
+        help="Wan I2V / TI2V (pipeline folder): the first frame, a picture file (TI2V without it: text only)",
+    )
     _flag(
         gen,
         "max_sequence_length",
@@ -113,6 +118,19 @@ def _add_generate(sub) -> None:
         "alias --guidance",
     )
     gen.add_argument("--guidance", dest="guidance_scale", type=float, help=argparse.SUPPRESS)
+    _flag(
+        gen,
+        "guidance_scale_2",
+        type=float,
+        default=None,
+        help="Wan 2.2 A14B: the low-noise expert's guidance scale (default: --guidance_scale)",
+    )
+    _flag(
+        gen,
+        "offload_idle_expert",
+        action="store_true",
+        help="Wan 2.2 A14B: keep only the running expert on the devices, the idle one in host memory",
+    )
     _flag(
         gen,
         "true_cfg_scale",

@@ -67,6 +67,7 @@ class GenerateRequest:
     width: int | None = None
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None  # Wan 2.2 A14B: the low-noise expert's
     true_cfg_scale: float | None = None
     seed: int = 0
     output: str | None = None
@@ -95,6 +96,7 @@ class GenerateRequest:
     use_fbcache: bool = False  # First-Block-Cache
     use_teacache: bool = False  # TeaCache
     cache_threshold: float | None = None  # default: TINY_CACHE_THRESHOLDS, else the cache's own
+    offload_idle_expert: bool = False  # Wan 2.2 A14B: the idle expert waits in host memory
 
     @classmethod
     def from_args(cls, args: Any) -> GenerateRequest:
@@ -186,6 +188,7 @@ class GenerateRequest:
             num_frames=pick("num_frames", self.num_frames),
             num_inference_steps=pick("num_inference_steps", self.num_inference_steps),
             guidance_scale=pick("guidance_scale", self.guidance_scale),
+            guidance_scale_2=self.guidance_scale_2,
             true_cfg_scale=pick("true_cfg_scale", self.true_cfg_scale),
             flow_shift=self.flow_shift,
             seed=self.seed,
@@ -264,7 +267,7 @@ def check_request(r: GenerateRequest) -> None:
             raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
         # Emulated devices are per process; the mesh spans every process's.
         parallel.validate_devices(r.emulate_devices * ((group.num_processes or 1) if group else 1))
-    for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
+    for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
         value = getattr(r, name)
         if value is not None and not math.isfinite(value):
             raise ValueError(f"--{name} must be a finite number, got {value}")
@@ -315,10 +318,10 @@ def _check_folder(r: GenerateRequest) -> None:
         raise ValueError(f"{r.weights} is a whole pipeline: give --prompt (its text encoders encode it)")
     if r.prompt_embeds is not None:
         raise ValueError("--prompt_embeds and a pipeline folder: the folder's text encoders encode --prompt")
-    takes_image = folder.takes_image
-    if takes_image and r.image is None:
+    takes_image = family.image_input(folder)
+    if takes_image == "required" and r.image is None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
-    if not takes_image and r.image is not None:
+    if takes_image == "none" and r.image is not None:
         raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
     if r.image is not None and not Path(r.image).is_file():
         raise ValueError(f"--image {r.image}: no such file")
@@ -355,17 +358,24 @@ def _check_checkpoint(r: GenerateRequest) -> None:
 def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
-    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",)):
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
         if any(getattr(r, f) is not None for f in flags) and not _takes(pipeline, flags[0]):
             owners = " / ".join(
                 f.display for f in families.FAMILIES.values() if _takes(f.pipeline_class, flags[0])
             )
+            if flags[0] == "guidance_scale_2":
+                raise ValueError(f"--guidance_scale_2 applies to {owners} models with two experts")
             if flags[0] == "true_cfg_scale":
                 raise ValueError(
                     f"--true_cfg_scale is {owners}'s; {family.display}'s classifier-free guidance scale is "
                     f"--{family.cfg_scale_argument}"
                 )
             raise ValueError(f"{' and '.join('--' + f for f in flags)} apply to {owners} models")
+    if (
+        r.offload_idle_expert
+        and "offload_idle_expert" not in inspect.signature(pipeline.from_pretrained).parameters
+    ):
+        raise ValueError(f"--offload_idle_expert applies to two-expert models; {family.display} has none")
     if call.num_inference_steps < 1:
         raise ValueError(f"--num_inference_steps must be >= 1, got {call.num_inference_steps}")
     config = _model_config(r)
@@ -421,7 +431,10 @@ class _CallView:
     request: GenerateRequest
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.request if name == "embeddings" else self.call, name)
+        # The request's embeddings, and what a family's checks need from the request beyond the call.
+        if name in ("embeddings", "folder", "model", "offload_idle_expert"):
+            return getattr(self.request, name)
+        return getattr(self.call, name)
 
 
 def _model_config(r: GenerateRequest) -> Any:
@@ -467,13 +480,15 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
 
     dtype = jnp.dtype(r.dtype) if r.dtype else None
     pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
+    # Two-expert models only (checked): the other families' builders do not take it.
+    options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
     if r.is_tiny:
         pipe = tiny_digits(mesh, kernel=kernel)
     elif r.folder is not None:
-        pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel)
+        pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel, **options)
     else:
         preset = None if r.model == TINY else r.model
-        pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, kernel=kernel)
+        pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, kernel=kernel, **options)
     if r.loras:
         pipe.load_lora(r.loras)
     return pipe
@@ -502,7 +517,7 @@ def write(r: GenerateRequest, result: Any) -> Path:
         return out.save_array(path.with_suffix(".npy"), result.latents)
     pixels = out.to_uint8(result.images)
     if r.family.makes_video:
-        return out.save_video(path, list(pixels[0]), fps=r.family.fps)
+        return out.save_video(path, list(pixels[0]), fps=r.family.video_fps(r.folder))
     columns = 10 if r.is_tiny else 4
     picture = out.grid(pixels, columns=min(columns, len(pixels))) if len(pixels) > 1 else pixels[0]
     return out.save_image(path, picture, scale=8 if r.is_tiny else 1)

@@ -68,11 +68,12 @@ def test_unsupported_pipeline_class_is_named(tmp_path):
         open_model_folder(root)
 
 
-def test_wan22_two_transformer_folder_is_rejected(tmp_path):
-    components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-    root = _diffusers_folder(tmp_path / "wan", "WanPipeline", components, extra={"transformer_2": ["d", "W"]})
-    with pytest.raises(ValueError, match="Wan 2.2"):
-        open_model_folder(root)
+def test_wan22_two_transformer_folder(tmp_path):
+    # Wan 2.2 A14B: transformer_2 and boundary_ratio (tests/test_wan22_folders.py has the other cases).
+    components = ("transformer", "transformer_2", "vae", "text_encoder", "tokenizer", "scheduler")
+    root = _diffusers_folder(tmp_path / "wan", "WanPipeline", components, extra={"boundary_ratio": 0.875})
+    folder = open_model_folder(root)
+    assert folder.kind == "wan2.2-t2v" and folder["transformer_2"] == root / "transformer_2"
 
 
 def test_wan_i2v_diffusers_folder(tmp_path):

@@ -45,6 +45,9 @@ class Preset:
     branches: int = 1
     #: The folder kind (``ModelFolder.kind``) a downloaded copy of this model has.
     kind: str = ""
+    #: Transformers of this config the model switches between (Wan 2.2 A14B's two experts): what ``jaxdit
+    #: plan`` counts in memory when they are all resident.
+    experts: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +121,15 @@ class ModelFamily:
     def check_folder(self, folder: ModelFolder) -> None:
         """What its folder classes cannot say (e.g. a variant the family does not run): raise ValueError."""
 
+    def image_input(self, folder: ModelFolder) -> str:
+        """Whether a folder's pipeline takes a picture (``--image``): "required" (image-to-video),
+        "optional" (text- or image-to-video) or "none"."""
+        return "required" if folder.takes_image else "none"
+
+    def video_fps(self, folder: ModelFolder | None) -> int:
+        """Frames per second of the videos a folder's model makes (default: the family's ``fps``)."""
+        return self.fps
+
     # ------------------------------------------------------------------ forward
     def wrap(self, model: Any, mesh: Mesh, **options: Any) -> Callable[..., Any]:
         """The diffusers-style callable of a loaded model (``jaxdit.load_transformer``'s result)."""
@@ -167,6 +179,10 @@ class ModelFamily:
     def stack_depths(self, config: Any) -> tuple[int, ...]:
         """Blocks per stack, in the model's ``STACKS`` order (PipeFusion makes one pass per stack)."""
         raise NotImplementedError
+
+    def pipefusion_unsupported(self, workload: Any) -> str | None:
+        """Why the family's PipeFusion runner cannot run ``workload`` (None: it can)."""
+        return None
 
     def prediction_dtype(self, dtype: str) -> str:
         """The dtype the model's prediction leaves in, for a model served in ``dtype``."""

@@ -1,9 +1,12 @@
-"""Wan 2.1 (T2V 1.3B / 14B, I2V 14B) as a jaxdit model family (see ``jaxdit.families.base``).
+"""Wan (2.1: T2V 1.3B / 14B, I2V 14B; 2.2: T2V / I2V A14B, TI2V-5B) as a jaxdit model family (see
+``jaxdit.families.base``).
 
 Ties ``models/wan.py`` (the transformer), ``converters/wan.py`` (original and diffusers checkpoints) and
-``pipelines/wan.py`` (the text/image-to-video pipeline, both folder layouts) together, and adds the
-diffusers call surface of the forward (:class:`WanForward`), the presets, and the cost terms
-``jaxdit plan`` prices.
+``pipelines/wan.py`` (the text/image-to-video pipeline, both folder layouts, Wan 2.2's variants)
+together, and adds the diffusers call surface of the forward (:class:`WanForward`), the presets, and the
+cost terms ``jaxdit plan`` prices. Wan 2.2 is a variant of the family, not a family of its own: the same
+blocks, with two experts (A14B: ``Preset.experts``, counted in memory when resident) or per-token
+timesteps and the Wan 2.2 VAE (TI2V-5B: the VAE factors come from the config's latent width).
 """
 
 from __future__ import annotations
@@ -24,37 +27,42 @@ from jaxdit.families.forward import as_float, per_batch
 from jaxdit.models import wan
 from jaxdit.parallel.flops import attention_flops
 from jaxdit.parallel.pipefusion import validate_pipefusion
-from jaxdit.pipelines.model_folder import ModelFolder
+from jaxdit.pipelines.model_folder import ModelFolder, read_json
 from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, default_num_patches, validate_patches
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan import (
     FOLDER_CLASSES,
+    ORIGINAL_VAE_22,
+    PRESET_VARIANTS,
     WanPipeline,
+    WanVariant,
     check_folder,
     check_inputs,
     nearest,
     open_original_folder,
 )
+from jaxdit.vae.wan_vae_config import WanVAEConfig
 
 __all__ = ["WAN", "WanFamily", "WanForward"]
 
 #: CLIP ViT-H/14 image tokens of Wan 2.1 I2V (penultimate layer, 257 x 1280).
 IMAGE_TOKENS = 257
-#: The Wan VAE's spatial and temporal compression.
+#: The Wan 2.1 VAE's spatial and temporal compression (the Wan 2.2 VAE's: ``WanConfig.vae_factors``).
 VAE_SPATIAL, VAE_TEMPORAL = 8, 4
 #: CLIP ViT-H/14 feature width (I2V's image context).
 CLIP_DIM = 1280
 
 
 class WanForward:
-    """A Wan 2.1 transformer on a mesh, called like diffusers' ``WanTransformer3DModel.forward``.
+    """A Wan transformer on a mesh, called like diffusers' ``WanTransformer3DModel.forward``.
 
-    ``hidden_states`` [B, C, F, H, W] latents (C = 16, or 36 for I2V: noise, mask, condition),
-    ``timestep`` [B] (or a scalar) in [0, 1000), ``encoder_hidden_states`` [B, T, 4096] umT5 tokens
-    (the original model zero-pads them to 512), ``encoder_hidden_states_image`` [B, 257, 1280] CLIP
-    features for I2V, None for T2V. numpy or jax arrays; returns [B, 16, F, H, W] as an fp32 jax array
-    (as the original model does). Any F, H, W that the patch divides: the video tokens are padded for the
-    mesh and the padding removed.
+    ``hidden_states`` [B, C, F, H, W] latents (C = 16, 36 for I2V: noise, mask, condition; 48 for TI2V),
+    ``timestep`` [B] (or a scalar) in [0, 1000), or [B, N] per video token (Wan 2.2 TI2V: each token's
+    timestep is its sample's t or 0, the same tokens at 0 in every sample, as diffusers' pipeline makes
+    them), ``encoder_hidden_states`` [B, T, 4096] umT5 tokens (the original model zero-pads them to 512),
+    ``encoder_hidden_states_image`` [B, 257, 1280] CLIP features for Wan 2.1 I2V, else None. numpy or jax
+    arrays; returns [B, C_out, F, H, W] as an fp32 jax array (as the original model does). Any F, H, W
+    that the patch divides: the video tokens are padded for the mesh and the padding removed.
     """
 
     def __init__(self, model: nnx.Module, mesh: Mesh, **options: Any) -> None:
@@ -80,18 +88,41 @@ class WanForward:
             raise ValueError(f"hidden_states has shape {shape}; expected [B, {cfg.in_channels}, F, H, W]")
         grid = wan.latent_grid(shape, cfg.patch_size)
         image = encoder_hidden_states_image
+        timestep, mask = per_token_timestep(timestep, shape[0], math.prod(grid))
         out = self.forward(
             hidden_states=wan.patchify(as_float(hidden_states, self.dtype), cfg.patch_size),
             positions=wan.token_positions(grid),
             timestep=per_batch(timestep, shape[0], "timestep"),
             encoder_hidden_states=as_float(encoder_hidden_states, self.dtype),
             encoder_hidden_states_image=None if image is None else as_float(image, self.dtype),
+            timestep_mask=mask,
         )
         return wan.unpatchify(out, grid, cfg.patch_size, cfg.out_channels)
 
 
-def _preset(steps: int, height: int, width: int, kind: str) -> Preset:
-    return Preset(steps, height, width, frames=81, branches=2, kind=kind)
+def per_token_timestep(timestep: Any, batch: int, tokens: int) -> tuple[Any, np.ndarray | None]:
+    """diffusers' [B, N] per-token timesteps -> ([B] timesteps, [N] 0/1 mask) as the model takes them;
+    anything else passes through (mask None). Every token must see its sample's t (the row's largest
+    value) or 0, the same tokens at 0 in every row; other patterns are not what Wan 2.2 makes."""
+    if np.ndim(timestep) != 2:
+        return timestep, None
+    ts = np.asarray(timestep, np.float32)
+    if ts.shape != (batch, tokens):
+        raise ValueError(
+            f"per-token timestep has shape {ts.shape}; expected ({batch}, {tokens}) video tokens"
+        )
+    t = ts.max(axis=1)
+    mask = ts == t[:, None]
+    if not (mask | (ts == 0)).all() or not (mask == mask[:1]).all():
+        raise ValueError(
+            "per-token timesteps must be each sample's t or 0, with the same tokens at 0 in every sample "
+            "(Wan 2.2 TI2V's first frame)"
+        )
+    return t, mask[0].astype(np.float32)
+
+
+def _preset(steps: int, height: int, width: int, kind: str, frames: int = 81, experts: int = 1) -> Preset:
+    return Preset(steps, height, width, frames=frames, branches=2, kind=kind, experts=experts)
 
 
 class WanFamily(ModelFamily):
@@ -102,6 +133,11 @@ class WanFamily(ModelFamily):
         "wan2.1-t2v-1.3b": _preset(50, 480, 832, "wan-t2v"),
         "wan2.1-t2v-14b": _preset(50, 720, 1280, "wan-t2v"),
         "wan2.1-i2v-14b": _preset(40, 720, 1280, "wan-i2v"),
+        # Wan2.2 repository wan/configs: 40 steps at 720p for A14B (two 14B experts), 50 steps at
+        # 1280 x 704 and 121 frames for TI2V-5B.
+        "wan2.2-t2v-a14b": _preset(40, 720, 1280, "wan2.2-t2v", experts=2),
+        "wan2.2-i2v-a14b": _preset(40, 720, 1280, "wan2.2-i2v", experts=2),
+        "wan2.2-ti2v-5b": _preset(50, 704, 1280, "wan2.2-ti2v", frames=121),
     }
     folder_classes = FOLDER_CLASSES
     pipeline_class = WanPipeline
@@ -117,12 +153,12 @@ class WanFamily(ModelFamily):
         m, rows, (height, width, frames) = w.model, w.requests, w.size
         embeds = np.zeros((rows, w.context[0], m.text_dim), np.float32)
         image = {}
+        temporal, spatial = m.vae_factors
+        latent = ((frames - 1) // temporal + 1, height // spatial, width // spatial)
+        if m.condition_channels:
+            image["condition"] = np.zeros((rows, m.condition_channels, *latent), np.float32)
         if m.is_i2v:
-            latent = ((frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
-            image = dict(
-                image_embeds=np.zeros((rows, w.context[1], m.image_dim), np.float32),
-                condition=np.zeros((rows, m.in_channels - m.out_channels, *latent), np.float32),
-            )
+            image["image_embeds"] = np.zeros((rows, w.context[1], m.image_dim), np.float32)
         return GenerationRequest(
             prompt_embeds=embeds,
             negative_prompt_embeds=embeds if w.branches == 2 else None,
@@ -136,9 +172,28 @@ class WanFamily(ModelFamily):
         )
 
     def size_multiple(self, folder: ModelFolder | None) -> int:
-        return VAE_SPATIAL * 2  # the VAE's 8 x the 2x2 patches
+        return vae_factors(folder)[1] * 2  # the VAE's 8 (Wan 2.2's 16) x the 2x2 patches
+
+    def image_input(self, folder: ModelFolder) -> str:
+        """TI2V takes a first frame or not; the I2V kinds need one; T2V takes none."""
+        if WanVariant.of(folder).expand_timesteps:
+            return "optional"
+        return super().image_input(folder)
+
+    def video_fps(self, folder: ModelFolder | None) -> int:
+        return self.fps if folder is None else WanVariant.of(folder).fps
 
     def check_generate(self, request: Any, config: wan.WanConfig | None, parallel: Any) -> None:
+        folder, preset = getattr(request, "folder", None), getattr(request, "model", None)
+        variant = WanVariant.of(folder) if folder is not None else PRESET_VARIANTS.get(preset, WanVariant())
+        two = variant.boundary_ratio is not None
+        if getattr(request, "guidance_scale_2", None) is not None and not two:
+            raise ValueError(
+                "--guidance_scale_2 is the low-noise expert's guidance scale: only Wan 2.2 A14B (two experts) "
+                "takes it"
+            )
+        if getattr(request, "offload_idle_expert", False) and not two:
+            raise ValueError("--offload_idle_expert applies to Wan 2.2 A14B (two experts)")
         frames = request.num_frames
         if frames < 1 or (frames - 1) % VAE_TEMPORAL:
             raise ValueError(
@@ -160,18 +215,36 @@ class WanFamily(ModelFamily):
                 image_embeds=request.embeddings.get("image_embeds"),
                 condition=request.embeddings.get("condition"),
                 flow_shift=request.flow_shift,
+                vae_scale_factor_spatial=config.vae_factors[1],
+                vae_scale_factor_temporal=config.vae_factors[0],
+                expand_timesteps=variant.expand_timesteps,
+                two_experts=two,
+                guidance_scale_2=getattr(request, "guidance_scale_2", None),
             )
 
     def check_pipefusion(self, request: Any, config: wan.WanConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole latent rows (after patchify) that ring x ulysses splits, blocks to split
         over the stages, 1 <= warmup_steps <= steps."""
+        folder = getattr(request, "folder", None)
+        wan22 = folder is not None and WanVariant.of(folder) != WanVariant()
+        if (
+            wan22
+            or getattr(request, "model", None) in PRESET_VARIANTS
+            or (config.condition_channels and not config.is_i2v)
+        ):
+            raise ValueError(
+                "PipeFusion does not run Wan 2.2 yet (two experts, condition channels without CLIP, per-token "
+                "timesteps, the Wan 2.2 VAE): use --ulysses_degree / --ring_degree / --use_cfg_parallel / "
+                "--tensor_parallel_degree"
+            )
         if config.num_layers < parallel.pipefusion:
             raise ValueError(
                 f"--pipefusion_parallel_degree {parallel.pipefusion} exceeds the model's {config.num_layers} "
                 "blocks: every stage needs at least one block"
             )
-        latent = (1, config.out_channels, (request.num_frames - 1) // VAE_TEMPORAL + 1)
-        latent += (request.height // VAE_SPATIAL, request.width // VAE_SPATIAL)
+        temporal, spatial = config.vae_factors
+        latent = (1, config.out_channels, (request.num_frames - 1) // temporal + 1)
+        latent += (request.height // spatial, request.width // spatial)
         grid = wan.latent_grid(latent, config.patch_size)
         patches = request.num_pipeline_patch or default_num_patches(
             parallel.pipefusion, grid, parallel.sequence_degree
@@ -204,6 +277,11 @@ class WanFamily(ModelFamily):
 
     def stack_depths(self, config: wan.WanConfig) -> tuple[int, ...]:
         return (config.num_layers,)
+
+    def pipefusion_unsupported(self, workload: Any) -> str | None:
+        if workload.name in PRESET_VARIANTS or workload.experts > 1:
+            return "PipeFusion does not run Wan 2.2 yet (experts, per-token timesteps, the Wan 2.2 VAE)"
+        return None
 
     def prediction_dtype(self, dtype: str) -> str:
         return "float32"  # Wan's head returns fp32 whatever the model's dtype
@@ -273,15 +351,33 @@ class WanFamily(ModelFamily):
         )
 
     def workload_shape(self, config, height, width, frames, text_tokens):
-        if frames < 1 or (frames - 1) % VAE_TEMPORAL:
+        temporal, spatial = config.vae_factors
+        if frames < 1 or (frames - 1) % temporal:
             raise ValueError(f"Wan needs 4n + 1 frames (the VAE compresses time 4x), got {frames}")
         pt, ph, pw = config.patch_size
-        latent = ((frames - 1) // VAE_TEMPORAL + 1, height // VAE_SPATIAL, width // VAE_SPATIAL)
+        if height % (spatial * ph) or width % (spatial * pw):
+            raise ValueError(
+                f"height and width must be multiples of {spatial * ph} (the VAE's {spatial} x the patch), "
+                f"got {height}x{width}"
+            )
+        latent = ((frames - 1) // temporal + 1, height // spatial, width // spatial)
         if latent[0] % pt or latent[1] % ph or latent[2] % pw:
             raise ValueError(f"latent {latent} is not a multiple of the patch {config.patch_size}")
         video = math.prod((latent[0] // pt, latent[1] // ph, latent[2] // pw))
         text = wan.TEXT_LEN if text_tokens is None else text_tokens
         return (video,), ((text, IMAGE_TOKENS) if config.is_i2v else (text,))
+
+
+def vae_factors(folder: ModelFolder | None) -> tuple[int, int]:
+    """(temporal, spatial) compression of a folder's VAE (diffusers' ``vae/config.json``, or the original
+    release's VAE file: ``Wan2.2_VAE.pth`` is 4 x 16 x 16); Wan 2.1's without a folder."""
+    if folder is None:
+        return VAE_TEMPORAL, VAE_SPATIAL
+    vae = folder["vae"]
+    if vae.is_dir():
+        config = WanVAEConfig.from_diffusers(read_json(vae / "config.json"))  # a missing file is named
+        return config.temporal_factor, config.spatial_factor
+    return (4, 16) if vae.name == ORIGINAL_VAE_22 else (VAE_TEMPORAL, VAE_SPATIAL)
 
 
 WAN = WanFamily()

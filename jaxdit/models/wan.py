@@ -1,5 +1,6 @@
-"""Wan 2.1 video diffusion transformer (T2V 1.3B/14B, I2V 14B) in Flax NNX, written as the local view of
-one sequence shard.
+"""Wan video diffusion transformer (Wan 2.1 T2V 1.3B/14B, I2V 14B; Wan 2.2 A14B experts, TI2V-5B) in Flax
+NNX, written as the local view of one sequence shard. The architecture is :class:`WanConfig`
+(``models/wan_config.py``).
 
 Follows ``wan/modules/model.py`` (``WanModel``, Wan-Video/Wan2.1) and diffusers'
 ``WanTransformer3DModel`` (``models/transformers/transformer_wan.py``), which compute the same thing under
@@ -28,6 +29,14 @@ Parallel plan (the model never names a mesh axis; it calls the :class:`ShardCont
   block. Time/text/image embeddings and all modulation stay replicated (computed once per step from
   [B, E] vectors or from the short context).
 
+Per-token timesteps (Wan 2.2 TI2V-5B's image conditioning, diffusers' ``expand_timesteps``: the first latent
+frame's tokens see t = 0, the others t). diffusers embeds every token's timestep (the time MLP and the 6E
+projection per token); here the forward takes the step's timestep [B] and a per-token 0/1
+``timestep_mask`` (sequence-sharded like the positions), embeds t and 0 once each ([2, B, ...] instead of
+[B, N, ...]) and each block, and the head, select per token between the two modulations. The same
+numbers for a sliver of the FLOPs: the two embeddings cost 2B time-MLP rows where diffusers runs B N.
+Without a mask the program is Wan 2.1's, unchanged.
+
 Precision: weights and matmuls in ``dtype`` with fp32 accumulation; the residual stream, norms, RoPE,
 the time embedding and modulation, and softmax statistics in fp32 (the time embedding and projection
 weights and all norm/modulation tables are stored in fp32).
@@ -36,11 +45,8 @@ weights and all norm/modulation tables are stored in fp32).
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
-import os
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,200 +68,30 @@ from jaxdit.models.layers import (
 )
 from jaxdit.models.sharded_forward import Arg, ShardedForward
 from jaxdit.models.staged import staged_forward
+from jaxdit.models.wan_config import VAE_FACTORS, WanConfig
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.local_attention import local_attention
 
-#: Wan 2.1's text encoder (umT5-XXL) context length; the original model pads prompts to it.
+__all__ = [
+    "FORWARD_INPUTS",
+    "TEXT_LEN",
+    "VAE_FACTORS",
+    "WanConfig",
+    "WanCond",
+    "WanTransformer",
+    "abstract_model",
+    "forward_unsharded",
+    "latent_grid",
+    "parameter_shapes",
+    "patchify",
+    "sharded",
+    "token_positions",
+    "unpatchify",
+]
+
+#: Wan's text encoder (umT5-XXL) context length; the original model pads prompts to it.
 TEXT_LEN = 512
-
-
-# --------------------------------------------------------------------------------------------------------
-# Configuration
-# --------------------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class WanConfig:
-    """Architecture of one Wan 2.1 transformer (``WanModel`` arguments, diffusers names in comments)."""
-
-    dim: int = 1536  # num_attention_heads * attention_head_dim
-    ffn_dim: int = 8960
-    num_heads: int = 12  # num_attention_heads
-    num_layers: int = 30
-    in_channels: int = 16  # 36 for I2V: [noise 16 | mask 4 | condition latent 16]
-    out_channels: int = 16
-    patch_size: tuple[int, int, int] = (1, 2, 2)
-    text_dim: int = 4096
-    freq_dim: int = 256
-    eps: float = 1e-6
-    #: CLIP feature width (1280) for I2V; None for T2V. Implies image keys/values in every block.
-    image_dim: int | None = None
-    rope_theta: float = 10000.0
-
-    PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
-        "wan2.1-t2v-1.3b": dict(dim=1536, ffn_dim=8960, num_heads=12, num_layers=30, in_channels=16),
-        "wan2.1-t2v-14b": dict(dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_channels=16),
-        "wan2.1-i2v-14b": dict(
-            dim=5120, ffn_dim=13824, num_heads=40, num_layers=40, in_channels=36, image_dim=1280
-        ),
-    }
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "patch_size", tuple(int(p) for p in self.patch_size))
-        if len(self.patch_size) != 3 or min(self.patch_size) < 1:
-            raise ValueError(f"patch_size must be three positive ints (t, h, w), got {self.patch_size}")
-        for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"WanConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dim % self.num_heads:
-            raise ValueError(f"dim={self.dim} is not a multiple of num_heads={self.num_heads}")
-        if self.head_dim % 2 or self.head_dim < 6:
-            raise ValueError(f"head_dim={self.head_dim} must be even and >= 6 for the 3D RoPE split")
-        if self.image_dim is not None and self.image_dim < 1:
-            raise ValueError(f"image_dim must be None or >= 1, got {self.image_dim}")
-
-    # ------------------------------------------------------------------ derived
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
-
-    @property
-    def rope_axes_dim(self) -> tuple[int, int, int]:
-        """Head dims rotated by (frame, row, col): d - 4(d//6), 2(d//6), 2(d//6) (44/42/42 for d=128)."""
-        d = self.head_dim
-        return (d - 4 * (d // 6), 2 * (d // 6), 2 * (d // 6))
-
-    @property
-    def patch_features(self) -> int:
-        return self.in_channels * math.prod(self.patch_size)
-
-    @property
-    def out_features(self) -> int:
-        return self.out_channels * math.prod(self.patch_size)
-
-    @property
-    def is_i2v(self) -> bool:
-        return self.image_dim is not None
-
-    # ------------------------------------------------------------------ builders
-    @classmethod
-    def preset(cls, name: str) -> WanConfig:
-        """One of ``wan2.1-t2v-1.3b``, ``wan2.1-t2v-14b``, ``wan2.1-i2v-14b``."""
-        if name not in cls.PRESETS:
-            raise ValueError(f"unknown Wan preset {name!r}; known: {', '.join(sorted(cls.PRESETS))}")
-        return cls(**cls.PRESETS[name])
-
-    @classmethod
-    def from_diffusers(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> WanConfig:
-        """From a diffusers ``WanTransformer3DModel`` ``config.json`` (a path or the parsed dict)."""
-        if not isinstance(config, Mapping):
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        if config.get("_class_name") not in (None, "WanTransformer3DModel"):
-            raise ValueError(f"config is for {config.get('_class_name')!r}, not WanTransformer3DModel")
-        get = lambda k, d: config.get(k, d) if config.get(k, d) is not None else d
-        heads, head_dim = int(get("num_attention_heads", 40)), int(get("attention_head_dim", 128))
-        dim = heads * head_dim
-        if get("qk_norm", "rms_norm_across_heads") != "rms_norm_across_heads":
-            raise ValueError(
-                f"only qk_norm='rms_norm_across_heads' exists in Wan 2.1, got {config['qk_norm']!r}"
-            )
-        if not get("cross_attn_norm", True):
-            raise ValueError("cross_attn_norm=False is not a Wan 2.1 configuration")
-        if config.get("pos_embed_seq_len") is not None:
-            raise ValueError("pos_embed_seq_len is set: FLF2V (first-last-frame) models are not supported")
-        image_dim, added_kv = config.get("image_dim"), config.get("added_kv_proj_dim")
-        if (image_dim is None) != (added_kv is None):
-            raise ValueError(
-                f"image_dim={image_dim} and added_kv_proj_dim={added_kv}: Wan 2.1 I2V sets both "
-                f"(added_kv_proj_dim = {dim}), T2V neither; other combinations are not Wan 2.1 models"
-            )
-        if added_kv is not None and int(added_kv) != dim:
-            raise ValueError(f"added_kv_proj_dim={added_kv} must equal the hidden size {dim}")
-        in_channels = int(get("in_channels", 16))
-        return cls(
-            dim=dim,
-            ffn_dim=int(get("ffn_dim", 13824)),
-            num_heads=heads,
-            num_layers=int(get("num_layers", 40)),
-            in_channels=in_channels,
-            out_channels=int(get("out_channels", in_channels)),
-            patch_size=tuple(get("patch_size", (1, 2, 2))),
-            text_dim=int(get("text_dim", 4096)),
-            freq_dim=int(get("freq_dim", 256)),
-            eps=float(get("eps", 1e-6)),
-            image_dim=None if image_dim is None else int(image_dim),
-        )
-
-    def to_json(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> WanConfig:
-        return cls(**{k: (tuple(v) if k == "patch_size" else v) for k, v in data.items()})
-
-    @classmethod
-    def from_original(cls, config: Mapping[str, Any]) -> WanConfig:
-        """From the original repositories' ``config.json`` (``WanModel`` arguments: dim, num_heads, ...)."""
-        model_type = config.get("model_type", "t2v")
-        if model_type not in ("t2v", "i2v"):
-            raise ValueError(f"model_type={model_type!r}: only Wan 2.1 t2v and i2v are supported")
-        in_dim = int(config.get("in_dim", 36 if model_type == "i2v" else 16))
-        return cls(
-            dim=int(config["dim"]),
-            ffn_dim=int(config["ffn_dim"]),
-            num_heads=int(config["num_heads"]),
-            num_layers=int(config["num_layers"]),
-            in_channels=in_dim,
-            out_channels=int(config.get("out_dim", 16)),
-            patch_size=tuple(config.get("patch_size", (1, 2, 2))),
-            text_dim=int(config.get("text_dim", 4096)),
-            freq_dim=int(config.get("freq_dim", 256)),
-            eps=float(config.get("eps", 1e-6)),
-            image_dim=1280 if model_type == "i2v" else None,
-        )
-
-    @classmethod
-    def from_original_keys(
-        cls, shapes: Mapping[str, Sequence[int]], num_heads: int | None = None
-    ) -> WanConfig:
-        """Infer the architecture from original-layout tensor names and shapes.
-
-        Shapes fix everything except the head count; every Wan 2.1 release uses head_dim 128, so
-        ``num_heads`` defaults to dim // 128 (pass it, or use a config.json, for other models).
-        """
-
-        def shape(key: str) -> tuple[int, ...]:
-            if key not in shapes:
-                raise KeyError(f"cannot infer the Wan architecture: the checkpoint has no {key!r}")
-            return tuple(int(s) for s in shapes[key])
-
-        dim, in_channels, *patch = shape("patch_embedding.weight")
-        layers = {
-            int(k.split(".")[1]) for k in shapes if k.startswith("blocks.") and k.endswith(".modulation")
-        }
-        if not layers or sorted(layers) != list(range(len(layers))):
-            raise KeyError(
-                f"cannot infer the Wan architecture: block indices {sorted(layers)} are not 0..N-1"
-            )
-        if num_heads is None:
-            if dim % 128:
-                raise ValueError(f"dim={dim} is not a multiple of 128; pass num_heads (or a config.json)")
-            num_heads = dim // 128
-        image_dim = shape("img_emb.proj.0.weight")[0] if "img_emb.proj.0.weight" in shapes else None
-        return cls(
-            dim=dim,
-            ffn_dim=shape("blocks.0.ffn.0.weight")[0],
-            num_heads=num_heads,
-            num_layers=len(layers),
-            in_channels=in_channels,
-            out_channels=shape("head.head.weight")[0] // math.prod(patch),
-            patch_size=tuple(patch),
-            text_dim=shape("text_embedding.0.weight")[1],
-            freq_dim=shape("time_embedding.0.weight")[1],
-            image_dim=image_dim,
-        )
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -350,6 +186,23 @@ def _heads(x: jax.Array, head_dim: int) -> jax.Array:
 
 def _norm_weight(rngs: nnx.Rngs, dim: int, axis: str | None) -> nnx.Param:
     return param(rngs, (dim,), (axis,), jnp.float32, init="ones")
+
+
+def token_modulation(
+    time_vectors: jax.Array, table: jax.Array, token_time: jax.Array | None
+) -> list[jax.Array]:
+    """A block's (or the head's) modulation vectors: its learned ``table`` [k, E] plus the time vectors.
+
+    One timestep per sample: ``time_vectors`` [B, k, E] -> k arrays [B, 1, E]. Per-token timesteps:
+    ``time_vectors`` [2, B, k, E] (those of t and of 0) and ``token_time`` [1, N, 1] bool (True: the token
+    sees t) -> k arrays [B, N, E], each token's row taken from its own timestep's vectors (a select, so
+    exactly the numbers a per-token embedding gives; XLA fuses it into the elementwise consumers).
+    """
+    if token_time is None:
+        mod = time_vectors + table[None]
+        return [mod[:, i, None, :] for i in range(mod.shape[1])]
+    mod = time_vectors + table[None, None]
+    return [jnp.where(token_time, mod[0, :, i, None, :], mod[1, :, i, None, :]) for i in range(mod.shape[2])]
 
 
 class WanSelfAttention(nnx.Module):
@@ -447,11 +300,13 @@ class WanBlock(nnx.Module):
         image: jax.Array | None,
         angles: jax.Array,
         ctx: ShardContext,
+        token_time: jax.Array | None = None,
     ) -> jax.Array:
+        """``time_mod`` [B, 6, E] fp32, or [2, B, 6, E] with ``token_time`` (see :func:`token_modulation`)."""
         eps = self.cfg.eps
         dtype = self.ffn_in.kernel.dtype
-        mod = time_mod + self.modulation[...][None]  # [B, 6, E] fp32
-        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = (mod[:, i, None, :] for i in range(6))
+        mods = token_modulation(time_mod, self.modulation[...], token_time)  # fp32
+        shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = mods
 
         h = (layer_norm(x, eps) * (1 + scale_sa) + shift_sa).astype(dtype)
         x = x + self.self_attn(h, angles, ctx).astype(jnp.float32) * gate_sa
@@ -495,17 +350,22 @@ TEACACHE: dict[str, tuple[tuple[float, ...], float]] = {
 
 
 class WanCond(NamedTuple):
-    """What every Wan block (and the head) reads besides the video stream."""
+    """What every Wan block (and the head) reads besides the video stream.
+
+    With per-token timesteps (``token_time`` set) ``temb`` and ``time_mod`` gain a leading axis of 2: the
+    embeddings of the step's timestep and of timestep 0 (:func:`token_modulation` picks per token).
+    """
 
     temb: jax.Array  # [B, E] fp32 time embedding (the head's modulation)
     time_mod: jax.Array  # [B, 6, E] fp32 time projection (the blocks' modulation)
     text: jax.Array  # [B, T, E] embedded text context (cross-attention keys/values)
     image: jax.Array | None  # [B, I, E] embedded CLIP features (I2V), else None
     angles: jax.Array  # [1, N, D/2] fp32 RoPE angles of this shard's video tokens
+    token_time: jax.Array | None = None  # [1, N, 1] bool: the token sees the timestep (else 0); or None
 
 
 class WanTransformer(nnx.Module):
-    """Wan 2.1 DiT, a staged forward (``jaxdit.models.staged``): embed -> one stack of blocks -> output.
+    """Wan DiT, a staged forward (``jaxdit.models.staged``): embed -> one stack of blocks -> output.
 
     Everything is the local view of one sequence shard (see the module docstring); ``__call__`` is the
     whole forward and :func:`forward_unsharded` runs it on one device from a [B, C, F, H, W] latent.
@@ -567,17 +427,31 @@ class WanTransformer(nnx.Module):
         return (*self.embed_time(timestep), *self.embed_context(text, image))
 
     # ------------------------------------------------------------------ staged forward
+    def embed_token_time(
+        self, timestep: jax.Array, mask: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+        """(temb, time projection, token_time) of :class:`WanCond`: without a mask :meth:`embed_time`;
+        with ``mask`` [N] (1: the token sees ``timestep``, 0: timestep 0) the embeddings of the timestep
+        and of 0, stacked ([2, B, E], [2, B, 6, E]), and the mask as [1, N, 1] bool."""
+        if mask is None:
+            return (*self.embed_time(timestep), None)
+        t = jnp.asarray(timestep, jnp.float32).reshape(-1)
+        temb, time_mod = self.embed_time(jnp.concatenate([t, jnp.zeros_like(t)]))
+        pair = lambda a: a.reshape(2, t.shape[0], *a.shape[1:])
+        return pair(temb), pair(time_mod), (jnp.asarray(mask) > 0)[None, :, None]
+
     def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[jax.Array, WanCond]:
-        """diffusers-named inputs (:data:`FORWARD_INPUTS`: patch tokens, their positions, timestep,
-        text and image context) -> the fp32 video stream and the conditioning every block reads."""
+        """diffusers-named inputs (:data:`FORWARD_INPUTS`: patch tokens, their positions, timestep (and
+        per-token timestep mask), text and image context) -> the fp32 video stream and the conditioning
+        every block reads."""
         cfg = self.config
-        temb, time_mod = self.embed_time(inputs["timestep"])
+        temb, time_mod, token_time = self.embed_token_time(inputs["timestep"], inputs.get("timestep_mask"))
         txt, img = self.embed_context(
             inputs["encoder_hidden_states"], inputs.get("encoder_hidden_states_image")
         )
         angles = rope_angles(inputs["positions"], cfg.rope_axes_dim, cfg.rope_theta)[None]
         x = self.patch_embedding(inputs["hidden_states"]).astype(jnp.float32)
-        return x, WanCond(temb, time_mod, txt, img, angles)
+        return x, WanCond(temb, time_mod, txt, img, angles, token_time)
 
     def enter(self, stack: str, streams: jax.Array, ctx: ShardContext) -> jax.Array:
         return streams
@@ -585,17 +459,26 @@ class WanTransformer(nnx.Module):
     def run_block(
         self, stack: str, block: nnx.Module, streams: jax.Array, cond: WanCond, ctx: ShardContext
     ) -> jax.Array:
-        return block(streams, cond.time_mod, cond.text, cond.image, cond.angles, ctx)
+        return block(
+            streams, cond.time_mod, cond.text, cond.image, cond.angles, ctx, token_time=cond.token_time
+        )
 
-    def head_prediction(self, x: jax.Array, temb: jax.Array) -> jax.Array:
-        """The video stream [B, N, E] -> output patches [B, N, pt*ph*pw*C_out] fp32 (features (p, c))."""
+    def head_prediction(
+        self, x: jax.Array, temb: jax.Array, token_time: jax.Array | None = None
+    ) -> jax.Array:
+        """The video stream [B, N, E] -> output patches [B, N, pt*ph*pw*C_out] fp32 (features (p, c)).
+        ``temb`` [B, E], or [2, B, E] with ``token_time`` (see :func:`token_modulation`)."""
         cfg = self.config
-        shift, scale = (self.head_modulation[...][None] + temb[:, None, :]).transpose(1, 0, 2)[:, :, None]
+        if token_time is None:
+            table, vectors = self.head_modulation[...][None], temb[:, None, :]
+            shift, scale = (table + vectors).transpose(1, 0, 2)[:, :, None]
+        else:
+            shift, scale = token_modulation(temb[:, :, None, :], self.head_modulation[...], token_time)
         h = (layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(self.dtype)
         return self.head(h).astype(jnp.float32)
 
     def output(self, streams: jax.Array, cond: WanCond, ctx: ShardContext) -> jax.Array:
-        return self.head_prediction(streams, cond.temb)
+        return self.head_prediction(streams, cond.temb, cond.token_time)
 
     # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
     def cache_metric_stream(self, streams: jax.Array, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
@@ -631,14 +514,16 @@ class WanTransformer(nnx.Module):
         text: jax.Array,
         image: jax.Array | None = None,
         *,
+        timestep_mask: jax.Array | None = None,
         ctx: ShardContext | None = None,
     ) -> jax.Array:
         """Local view: this shard's tokens -> its output patches.
 
         patches [B, N, K] (this shard's video tokens, :func:`patchify` order, padded per ``ctx.layout``),
         positions [N, 3] int (frame, row, col) of those tokens, timestep [B] in [0, 1000), text
-        [B, T, text_dim], image [B, I, image_dim] (I2V only). Without ``ctx`` the call is the whole,
-        unsharded model. Returns [B, N, pt*ph*pw*C_out] fp32.
+        [B, T, text_dim], image [B, I, image_dim] (I2V only), timestep_mask [N] 0/1 (per-token
+        timesteps: 0 makes the token see timestep 0). Without ``ctx`` the call is the whole, unsharded
+        model. Returns [B, N, pt*ph*pw*C_out] fp32.
         """
         if ctx is None:
             ctx = ShardContext(ParallelConfig(), SequenceLayout((patches.shape[1],), 1))
@@ -648,6 +533,7 @@ class WanTransformer(nnx.Module):
             timestep=timestep,
             encoder_hidden_states=text,
             encoder_hidden_states_image=image,
+            timestep_mask=timestep_mask,
         )
         return staged_forward(self, inputs, ctx)
 
@@ -658,13 +544,22 @@ def forward_unsharded(
     timestep: jax.Array,
     encoder_hidden_states: jax.Array,
     encoder_hidden_states_image: jax.Array | None = None,
+    timestep_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """diffusers' ``WanTransformer3DModel.forward`` on one device: [B, C, F, H, W] -> [B, C_out, F, H, W]."""
+    """diffusers' ``WanTransformer3DModel.forward`` on one device: [B, C, F, H, W] -> [B, C_out, F, H, W]
+    (``timestep_mask``: [N] per-token 0/1, see :meth:`WanTransformer.__call__`)."""
     cfg = model.config
     grid = latent_grid(hidden_states.shape, cfg.patch_size)
     patches = patchify(hidden_states, cfg.patch_size)
     positions = jnp.asarray(token_positions(grid))
-    out = model(patches, positions, timestep, encoder_hidden_states, encoder_hidden_states_image)
+    out = model(
+        patches,
+        positions,
+        timestep,
+        encoder_hidden_states,
+        encoder_hidden_states_image,
+        timestep_mask=timestep_mask,
+    )
     return unpatchify(out, grid, cfg.patch_size, cfg.out_channels)
 
 
@@ -682,15 +577,18 @@ def parameter_shapes(config: WanConfig) -> dict[str, tuple[int, ...]]:
 # On a mesh
 # --------------------------------------------------------------------------------------------------------
 
-#: How the sharded forward's inputs lie on the mesh. The video tokens (patchified latents) and their
-#: positions are token group 0, sequence-sharded; the timestep, text and image context are split over the
-#: batch only, so every sequence shard holds the whole context (cross-attention is local).
+#: How the sharded forward's inputs lie on the mesh. The video tokens (patchified latents), their
+#: positions and the per-token timestep mask (TI2V; optional) are token group 0, sequence-sharded; the
+#: timestep, text and image context are split over the batch only, so every sequence shard holds the
+#: whole context (cross-attention is local). The mask is shared by every sample (diffusers broadcasts one
+#: first-frame mask over the batch), so it has no batch axis and never travels with the CFG branches.
 FORWARD_INPUTS: dict[str, Arg] = {
     "hidden_states": Arg(("batch", "seq", None), 0),
     "positions": Arg(("seq", None), 0),
     "timestep": Arg(("batch",)),
     "encoder_hidden_states": Arg(("batch", None, None), model_dtype=True),
     "encoder_hidden_states_image": Arg(("batch", None, None), model_dtype=True),
+    "timestep_mask": Arg(("seq",), 0),
 }
 FORWARD_OUTPUT = Arg(("batch", "seq", None), 0)
 

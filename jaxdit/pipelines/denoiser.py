@@ -12,8 +12,10 @@ What differs between families is data, not control flow:
 - the forward's inputs (``ShardedForward.inputs``: which arrays, which token group the latent tokens
   belong to, which are cast to the model's dtype);
 - :class:`TokenHooks`: how latent tokens become the model's ``hidden_states`` (Wan I2V concatenates the
-  condition channels) and how its prediction becomes a token update (Wan's head writes each token's
-  features in another order than its patch embedding reads them).
+  condition channels, Wan 2.2 TI2V puts its first frame in place) and how its prediction becomes a token
+  update (Wan's head writes each token's features in another order than its patch embedding reads them);
+- which parameters and guidance scale each step uses (Wan 2.2 A14B's two experts:
+  ``DenoiseInputs.experts`` / ``scales``), arguments of the one compiled step.
 
 A feature cache (``run(..., cache=FirstBlockCache(...))``, :mod:`jaxdit.cache`) swaps the forward for the
 cached one (:meth:`Denoiser.cached_step_fn`): the same step around it, with the cache's state as one more
@@ -115,6 +117,9 @@ class DenoiseInputs:
     interleave_branches`` when ``cfg``). ``extras``: per-token arrays [B, N, *] laid out like ``tokens``
     (Wan I2V's condition). ``scale``: the classifier-free guidance scale. ``grid``: the latent token grid
     the tokens flatten (FLUX (rows, cols), Wan (frames, rows, cols)), for loops that split it (PipeFusion).
+    ``experts``: the parameter set each step runs, an index for the denoiser's ``experts`` (Wan 2.2's
+    high- and low-noise transformers); empty: the forward's own parameters every step. ``scales``: each
+    step's guidance scale (each expert has its own); empty: ``scale`` every step.
     """
 
     tokens: np.ndarray
@@ -125,6 +130,8 @@ class DenoiseInputs:
     scale: float = 1.0
     extras: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict)
     grid: tuple[int, ...] = ()
+    experts: tuple[int, ...] = ()
+    scales: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass
@@ -156,6 +163,9 @@ class Denoiser:
       hooks: the family's :class:`TokenHooks`.
       dtype: the model's dtype (``hidden_states`` and the embedded context are cast to it).
       compiler_options: XLA options for the step (the outermost jit; jax rejects them on nested ones).
+      experts: ``experts(index) -> parameters`` on the mesh, for inputs that choose a parameter set per
+        step (:attr:`DenoiseInputs.experts`); they must share the forward's shapes and shardings (one
+        compiled step serves them all).
     """
 
     def __init__(
@@ -166,8 +176,10 @@ class Denoiser:
         *,
         dtype: Any,
         compiler_options: Mapping[str, Any] | None = None,
+        experts: Callable[[int], Any] | None = None,
     ) -> None:
         self.forward = forward
+        self.experts = experts
         self.sampler = sampler
         self.hooks = hooks or TokenHooks()
         self.dtype = jnp.dtype(dtype)
@@ -308,8 +320,10 @@ class Denoiser:
     ) -> DenoiseResult:
         """All ``inputs.steps`` steps; returns the final latent tokens (unpadded, on the host).
 
-        ``params``: the transformer's parameters (default: the forward's own); a callable
-        ``params(i)`` picks them per step (Wan 2.2's two experts share one compiled step).
+        ``params``: the transformer's parameters (default: the expert ``inputs.experts`` names for each
+        step, through ``experts``, else the forward's own); a callable ``params(i)`` picks them per step
+        (Wan 2.2's two experts share one compiled step). ``inputs.scales`` gives each step its guidance
+        scale, a traced argument like the parameters: the switch recompiles nothing.
         ``callback(i, total)`` runs on the host after step i has finished on the devices (so progress,
         cancellation and timeouts are real, not just dispatched); False stops the loop.
         ``cache``: a ``jaxdit.cache.FirstBlockCache`` / ``TeaCache`` (see :meth:`run_cached`).
@@ -318,14 +332,12 @@ class Denoiser:
             return self.run_cached(inputs, cache, progress=progress, callback=callback, params=params)
         layout, names = self.layout(inputs)
         step = self.step_fn(layout, names, inputs.cfg)
-        x, state, i, *rest = self.place(inputs, layout)
-        pick = (
-            params if callable(params) else (lambda _: params if params is not None else self.forward.state)
-        )
-        self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest)))
+        x, state, i, *rest, scale = self.place(inputs, layout)
+        pick, scale_of = self._per_step(inputs, params, scale)
+        self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest, scale)))
         start = time.perf_counter()
         for n in progress_bar(range(inputs.steps), progress, inputs.steps):
-            x, state, i = step(pick(n), x, state, i, *rest)
+            x, state, i = step(pick(n), x, state, i, *rest, scale_of(n))
             if callback is not None:
                 x.block_until_ready()  # the callback sees finished steps, not just dispatched ones
                 if callback(n + 1, inputs.steps) is False:
@@ -333,6 +345,23 @@ class Denoiser:
         tokens = fetch(x)  # across processes too
         seconds = time.perf_counter() - start
         return DenoiseResult(layout.unpad(tokens, self.group, axis=1), seconds)
+
+    def _per_step(self, inputs: DenoiseInputs, params: Any, scale: jax.Array) -> tuple[Callable, Callable]:
+        """(``pick(n)``: step n's parameters, ``scale_of(n)``: its guidance scale, placed) for :meth:`run`."""
+        for name, per_step in (("experts", inputs.experts), ("scales", inputs.scales)):
+            if per_step and len(per_step) != inputs.steps:
+                raise ValueError(f"{len(per_step)} {name} for {inputs.steps} steps")
+        if params is None and inputs.experts:
+            if self.experts is None:
+                raise ValueError("these inputs choose an expert per step, but this denoiser has no experts")
+            params = lambda n: self.experts(inputs.experts[n])
+        pick = (
+            params if callable(params) else (lambda _: params if params is not None else self.forward.state)
+        )
+        # Each step's guidance scale, placed once per distinct value (a traced argument: no recompilation).
+        placed = {s: jax.device_put(np.float32(s), self.replicated) for s in set(inputs.scales)}
+        scale_of = (lambda n: placed[inputs.scales[n]]) if inputs.scales else (lambda _: scale)
+        return pick, scale_of
 
     def run_cached(
         self,
@@ -348,9 +377,7 @@ class Denoiser:
         same everywhere, inside one compiled program. The result carries the cache's report."""
         layout, names = self.layout(inputs)
         x, state, i, schedule, context, extras, scale = self.place(inputs, layout)
-        pick = (
-            params if callable(params) else (lambda _: params if params is not None else self.forward.state)
-        )
+        pick, scale_of = self._per_step(inputs, params, scale)
         steps = inputs.steps
         model = nnx.merge(self.forward.graphdef, self.forward.state)
         cached = CachedForward(self.forward, resolve(cache, model, inputs.grid))
@@ -372,11 +399,14 @@ class Denoiser:
         plan = cached.plan(steps, switches, schedule_inputs, branch_rows or ())
         cache_state = cached.init_state(shapes, plan)
         step = self.cached_step_fn(layout, names, inputs.cfg, cached, shapes)
-        rest = (schedule, context, extras, scale)
-        self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, cache_state, i, *rest)))
+        rest = (schedule, context, extras)
+        self.last_step = (
+            step,
+            jax.tree.map(abstract_like, (pick(0), x, state, cache_state, i, *rest, scale)),
+        )
         start = time.perf_counter()
         for s in progress_bar(range(steps), progress, steps):
-            x, state, cache_state, i = step(pick(s), x, state, cache_state, i, *rest)
+            x, state, cache_state, i = step(pick(s), x, state, cache_state, i, *rest, scale_of(s))
             if callback is not None:
                 x.block_until_ready()
                 if callback(s + 1, steps) is False:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,8 @@ class FolderClass:
     """A diffusers pipeline class a family runs: which family and variant, and the components it needs.
 
     ``optional``: components the class may have (null or absent is fine), e.g. Wan 2.2's ``transformer_2``.
+    ``variant``: for a class that holds several variants, the kind read from ``model_index.json`` (Wan
+    2.2's ``WanPipeline`` is two-expert T2V with a ``boundary_ratio``, TI2V with ``expand_timesteps``).
     """
 
     family: str
@@ -44,6 +46,7 @@ class FolderClass:
     #: component -> the model classes jaxdit reads for it (a transformer of another family would load
     #: into the wrong model, or fail halfway through a long read).
     classes: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    variant: Callable[[Mapping[str, Any]], str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +104,8 @@ def check_component_classes(
     wrong = []
     for component, classes in expected.items():
         entry = index.get(component)
-        if isinstance(entry, list) and len(entry) == 2 and entry[1] not in classes:
+        listed = isinstance(entry, list) and len(entry) == 2 and entry[1] is not None  # null: absent
+        if listed and entry[1] not in classes:
             wrong.append(f"model_index.json names {component} {entry[1]!r}")
         config = root / component / "config.json"
         if config.is_file():
@@ -135,6 +139,5 @@ def open_diffusers_folder(root: Path, classes: Mapping[str, FolderClass]) -> Mod
     check_component_classes(root, index, spec.classes, name)
     scheduler = read_json(root / "scheduler" / "scheduler_config.json")
     components = {c: root / c for c in (*spec.components, *present)}
-    return ModelFolder(
-        root, spec.family, spec.kind, "diffusers", components, scheduler, index, spec.takes_image
-    )
+    kind = spec.kind if spec.variant is None else spec.variant(index)
+    return ModelFolder(root, spec.family, kind, "diffusers", components, scheduler, index, spec.takes_image)

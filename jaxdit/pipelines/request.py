@@ -57,6 +57,7 @@ class GenerationRequest:
     num_frames: int | None = None  # video families
     num_inference_steps: int | None = None
     guidance_scale: float | None = None
+    guidance_scale_2: float | None = None  # Wan 2.2 A14B: the low-noise expert's (default: guidance_scale)
     true_cfg_scale: float | None = (
         None  # FLUX's classifier-free guidance (guidance_scale is its embedded one)
     )
@@ -84,7 +85,7 @@ class GenerationRequest:
             raise ValueError(
                 f"output_type must be one of {', '.join(OUTPUT_TYPES)}, got {self.output_type!r}"
             )
-        for name in ("guidance_scale", "true_cfg_scale", "flow_shift"):
+        for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(float(value)):
                 raise ValueError(f"{name} must be a finite number, got {value}")

@@ -1,23 +1,38 @@
-"""Text-to-video (and image-to-video) sampling with a Wan 2.1 transformer on a mesh.
+"""Text-to-video and image-to-video sampling with a Wan transformer (Wan 2.1; Wan 2.2 A14B and TI2V-5B) on
+a mesh.
 
-Mirrors diffusers' ``WanPipeline`` call (pipelines/wan/pipeline_wan.py, diffusers 0.42.1): prompt or prompt
-embeddings, a negative prompt for classifier-free guidance ``u + g (c - u)`` (on when ``guidance_scale > 1``),
-height, width, num_frames (4n + 1), num_inference_steps, a seed, output_type; the sampler is UniPC on flow
-sigmas (:mod:`jaxdit.samplers.unipc`, diffusers' ``UniPCMultistepScheduler(prediction_type="flow_prediction",
-use_flow_sigmas=True, flow_shift=...)``), and the devices come from a ``ParallelConfig`` mesh. I2V (as
-``WanImageToVideoPipeline``) adds the CLIP image features and the condition latent (4 mask channels, then the
-VAE latent of the first frame) that the transformer reads beside the noise.
+Mirrors diffusers' ``WanPipeline`` / ``WanImageToVideoPipeline`` call (pipelines/wan/pipeline_wan.py and
+pipeline_wan_i2v.py, diffusers 0.42.1): prompt or prompt embeddings, a negative prompt for
+classifier-free guidance ``u + g (c - u)`` (on when ``guidance_scale > 1``), height, width, num_frames
+(4n + 1), num_inference_steps, a seed, output_type; the sampler is UniPC on flow sigmas
+(:mod:`jaxdit.samplers.unipc`, diffusers' ``UniPCMultistepScheduler(prediction_type="flow_prediction",
+use_flow_sigmas=True, flow_shift=...)``), and the devices come from a ``ParallelConfig`` mesh.
 
-Data layout. The latent [B, 16, F', H/8, W/8] (F' = (F - 1) / 4 + 1) is patchified into video tokens
-[B, N, 64] once, on the host, padded to the mesh's shard-major token layout, and placed with requests over
-``data`` and tokens over (``ring``, ``ulysses``) -- logical axes ("request", "seq", None), as FLUX's latents.
-The tokens and the UniPC state (three more arrays of the same shape) stay in that layout for the whole
-loop: each denoising step is one jitted program (sharded transformer forward, CFG's single exchange of one
-prediction, UniPC update) from padded sharded tokens to padded sharded tokens, with no host round trip.
-Only after the last step are the tokens gathered, unpadded and unpatchified.
+Variants, as diffusers' pipelines carry them (the folder says which: ``jaxdit.pipelines.wan_folder``):
+
+- Wan 2.1 T2V; Wan 2.1 I2V: the CLIP image features and the condition latent (4 mask channels, then the
+  VAE latent of the first frame) that the transformer reads beside the noise (``wan_image.py``).
+- Wan 2.2 A14B (T2V, I2V): two experts of one shape, ``transformer`` (high noise) while the timestep
+  t >= ``boundary_ratio`` x 1000 and ``transformer_2`` (low noise) after, each with its guidance scale
+  (``guidance_scale`` / ``guidance_scale_2``, the second defaulting to the first). One compiled step
+  serves both (``wan_experts.py``: the step takes the parameters as an argument; where the idle expert
+  waits is a choice). I2V-A14B reads the condition channels without CLIP features.
+- Wan 2.2 TI2V-5B (``expand_timesteps``): 48 latent channels from the Wan 2.2 VAE (16x spatial). Given a
+  first frame, its normalised latent replaces the first latent frame of the model's input at every step
+  and of the result (a token hook inside the step: no host round trip), and the first frame's tokens see
+  timestep 0 (the forward's ``timestep_mask``: per-token modulation without per-token embeddings).
+  Without an image it is plain text-to-video (every token sees t, Wan 2.1's program).
+
+Data layout. The latent [B, C, F', H/s, W/s] (F' = (F - 1) / 4 + 1) is patchified into video tokens
+[B, N, C pt ph pw] once, on the host, padded to the mesh's shard-major token layout, and placed with
+requests over ``data`` and tokens over (``ring``, ``ulysses``) -- logical axes ("request", "seq", None),
+as FLUX's latents. The tokens and the UniPC state stay in that layout for the whole loop: each denoising
+step is one jitted program (sharded transformer forward, CFG's single exchange of one prediction, UniPC
+update) from padded sharded tokens to padded sharded tokens, with no host round trip. Only after the last
+step are the tokens gathered, unpadded and unpatchified.
 
 Token features: Wan's patch embedding reads a token's features in (c, t, h, w) order, its head writes them in
-(t, h, w, c) order. The tokens keep the input order and the step reorders each token's 64 predicted features
+(t, h, w, c) order. The tokens keep the input order and the step reorders each token's predicted features
 to match (a transpose inside each token's feature vector: no token moves, no device talks to another).
 
 Padding: the padded tokens are zero patches at position (0, 0, 0); attention masks them as keys, so they
@@ -26,10 +41,10 @@ never touch a real token, and they are dropped at the end.
 The initial noise comes from the seed alone (host, fp32): the same seed gives the same video on every mesh.
 
 Encoders and the VAE plug in as callables, as in ``FluxPipeline``: ``encode(prompts) -> [B, T, 4096]`` (umT5,
-zero-padded to 512 tokens as Wan does), ``decode(latents [B, 16, F', h, w]) -> video [B, F, H, W, 3]`` in
-[-1, 1], and for I2V ``encode_image(images [B, H, W, 3], num_frames, height, width) -> (image_embeds
-[B, 257, 1280], condition [B, 20, F', h, w])``. Without them, calls take ``prompt_embeds`` /
-``negative_prompt_embeds`` (and ``image_embeds`` / ``condition``) and ``output_type="latent"``.
+zero-padded to 512 tokens as Wan does), ``decode(latents [B, C, F', h, w]) -> video [B, F, H, W, 3]`` in
+[-1, 1], and for image-to-video ``encode_image(images [B, H, W, 3], num_frames, height, width) ->
+(image_embeds or None, condition)``. Without them calls take ``prompt_embeds`` / ``negative_prompt_embeds``
+(and ``image_embeds`` / ``condition``) and ``output_type="latent"``.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
@@ -51,35 +67,52 @@ from jaxdit.loading.encoders import load_wan_image_encoder, load_wan_text_encode
 from jaxdit.loading.vae import load_wan_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
-from jaxdit.models.sharded_forward import validate_forward
 from jaxdit.models.wan import swap_features
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
+from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser, TokenHooks
-from jaxdit.pipelines.model_folder import (
-    FolderClass,
-    ModelFolder,
-    is_listed,
-    open_diffusers_folder,
-    read_json,
-)
 from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
 from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, WanPatches
 from jaxdit.pipelines.request import GenerationRequest
-from jaxdit.pipelines.wan_image import ImageCondition
+from jaxdit.pipelines.wan_experts import TwoExperts, expert_of_steps, guidance_of_steps, to_host
+from jaxdit.pipelines.wan_folder import (
+    FOLDER_CLASSES,
+    ORIGINAL_CLIP,
+    ORIGINAL_T5,
+    ORIGINAL_TOKENIZER,
+    ORIGINAL_VAE,
+    ORIGINAL_VAE_22,
+    PRESET_VARIANTS,
+    WanVariant,
+    check_folder,
+    checkpoint_experts,
+    open_folder,
+    open_original_folder,
+)
+from jaxdit.pipelines.wan_image import FirstFrameLatent, ImageCondition
+from jaxdit.pipelines.wan_inputs import WanInputs, check_inputs, default_flow_shift, nearest
 from jaxdit.samplers import unipc
 from jaxdit.samplers.sampler import UniPCSampler
 
 __all__ = [
     "FOLDER_CLASSES",
+    "ORIGINAL_CLIP",
+    "ORIGINAL_T5",
+    "ORIGINAL_TOKENIZER",
+    "ORIGINAL_VAE",
+    "ORIGINAL_VAE_22",
+    "PRESET_VARIANTS",
     "WanInputs",
     "WanPipeline",
+    "WanVariant",
+    "check_folder",
     "check_inputs",
     "default_flow_shift",
     "nearest",
+    "open_folder",
     "open_original_folder",
     "swap_features",
     "token_hooks",
@@ -87,201 +120,42 @@ __all__ = [
 
 Encoder = Callable[[Sequence[str]], np.ndarray]
 Decoder = Callable[[np.ndarray], np.ndarray]
-ImageEncoder = Callable[[np.ndarray, int, int, int], tuple[np.ndarray, np.ndarray]]
-
-Shape = tuple[int, ...]
-
-
-_T2V_COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-_CLASSES = {"transformer": ("WanTransformer3DModel",), "vae": ("AutoencoderKLWan",)}
-#: The diffusers pipeline classes this module runs from a downloaded folder.
-FOLDER_CLASSES = {
-    "WanPipeline": FolderClass("wan", "wan-t2v", _T2V_COMPONENTS, classes=_CLASSES),
-    "WanImageToVideoPipeline": FolderClass(
-        "wan",
-        "wan-i2v",
-        (*_T2V_COMPONENTS, "image_encoder", "image_processor"),
-        takes_image=True,
-        classes=_CLASSES,
-    ),
-}
-
-#: Wan's original release: what the T2V folder holds besides the transformer.
-ORIGINAL_VAE = "Wan2.1_VAE.pth"
-ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
-ORIGINAL_TOKENIZER = "google/umt5-xxl"
-ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
-
-
-def open_original_folder(root: Path) -> ModelFolder | None:
-    """Wan's original release folder (``Wan-AI/Wan2.1-T2V-14B`` and the like): the transformer's
-    ``config.json`` and safetensors, ``Wan2.1_VAE.pth``, ``models_t5_umt5-xxl-enc-bf16.pth`` and the
-    tokenizer in ``google/umt5-xxl/``; None if ``root`` is not one."""
-    if not ((root / ORIGINAL_VAE).exists() or (root / ORIGINAL_T5).exists()):
-        return None
-    components = {
-        "transformer": root,
-        "vae": root / ORIGINAL_VAE,
-        "text_encoder": root / ORIGINAL_T5,
-        "tokenizer": root / ORIGINAL_TOKENIZER,
-    }
-    missing = [
-        str(p.relative_to(root)) for name, p in components.items() if name != "transformer" and not p.exists()
-    ]
-    if missing:
-        raise ValueError(
-            f"{root} looks like Wan's original release folder but is missing: {', '.join(missing)}"
-        )
-    config = read_json(root / "config.json")
-    if config.get("model_type") == "i2v" or (root / ORIGINAL_CLIP).exists():
-        raise ValueError(
-            f"{root} is Wan's original image-to-video release; its CLIP image encoder ({ORIGINAL_CLIP}, "
-            "open-clip layout) is not supported: use the diffusers folder (Wan-AI/Wan2.1-I2V-14B-*-Diffusers)"
-        )
-    return ModelFolder(root, "wan", "wan-t2v", "wan-original", components)
-
-
-def check_folder(folder: ModelFolder) -> None:
-    """What the folder recognition cannot see from the class name: a second transformer (Wan 2.2)."""
-    if is_listed(folder.index, "transformer_2"):
-        raise ValueError(f"{folder.root} is a two-transformer (Wan 2.2) pipeline; jaxdit runs Wan 2.1")
-
-
-def open_folder(path: str | os.PathLike[str]) -> ModelFolder:
-    """A Wan 2.1 folder in the diffusers or the original layout (see :data:`FOLDER_CLASSES`)."""
-    root = Path(path)
-    folder = open_original_folder(root) if not (root / "model_index.json").is_file() else None
-    if folder is None:
-        folder = open_diffusers_folder(root, FOLDER_CLASSES)
-    check_folder(folder)
-    return folder
-
-
-def default_flow_shift(height: int, width: int) -> float:
-    """The flow shift diffusers' Wan 2.1 docs recommend: 5.0 at 720p and above, 3.0 at 480p (and below)."""
-    return 5.0 if min(height, width) >= 720 else 3.0
+ImageEncoder = Callable[[np.ndarray, int, int, int], tuple[np.ndarray | None, np.ndarray]]
 
 
 # --------------------------------------------------------------------------------------------------------
-# Checks: shapes only, no devices (``jaxdit generate`` runs them before jax starts)
+# Token features and hooks
 # --------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class WanInputs:
-    """What a valid request comes to: the latent shape [B, C, F', h, w] and whether CFG runs."""
-
-    latent_shape: Shape
-    cfg: bool
-    flow_shift: float
-
-    @property
-    def batch(self) -> int:
-        return self.latent_shape[0]
+def _model_input(x: jax.Array, extras: dict[str, jax.Array]) -> jax.Array:
+    """The forward's ``hidden_states`` from the latent tokens: I2V's condition channels beside each token;
+    TI2V's first frame in place of the first latent frame's tokens (an exact select, as diffusers'
+    ``(1 - mask) * condition + mask * latents``)."""
+    if "condition" in extras:
+        return jnp.concatenate([x, extras["condition"]], axis=-1)
+    if "first_frame" in extras:
+        return jnp.where(extras["in_first_frame"] > 0, extras["first_frame"], x)
+    return x
 
 
-def nearest(n: int, step: int, offset: int = 0) -> str:
-    below = (n - offset) // step * step + offset
-    return f"{below} or {below + step}" if below >= max(offset, 1) else f"{below + step}"
+def token_hooks(config: wan.WanConfig) -> TokenHooks:
+    """Wan's tokens in the shared loop: I2V reads the condition channels beside each noise token, TI2V's
+    first frame replaces the first latent frame, and the head's (patch, channel) features become the
+    patch embedding's (channel, patch) order."""
+    patch, channels = math.prod(config.patch_size), config.out_channels
+    return TokenHooks(
+        model_input=_model_input,
+        prediction=lambda v: swap_features(v, patch, channels),
+        extra_features=config.condition_channels * patch,
+    )
 
 
-def check_inputs(
-    config: wan.WanConfig,
-    parallel: ParallelConfig,
-    *,
-    height: int,
-    width: int,
-    num_frames: int,
-    num_inference_steps: int,
-    guidance_scale: float,
-    prompt_embeds: Shape,
-    negative_prompt_embeds: Shape | None = None,
-    image_embeds: Shape | None = None,
-    condition: Shape | None = None,
-    latents: Shape | None = None,
-    flow_shift: float | None = None,
-    vae_scale_factor_spatial: int = 8,
-    vae_scale_factor_temporal: int = 4,
-) -> WanInputs:
-    """Raise ``ValueError`` naming the numbers for anything a Wan generation cannot run with.
-
-    Needs only shapes, no devices or weights. diffusers rounds bad sizes and frame counts with a warning;
-    here they are errors, so that what runs is what was asked for.
-    """
-    validate_forward(parallel, config.num_heads)  # heads vs ulysses x tensor, no pipefusion
-    if num_inference_steps < 1:
-        raise ValueError(f"num_inference_steps must be >= 1, got {num_inference_steps}")
-    if flow_shift is not None and not flow_shift > 0:
-        raise ValueError(f"flow_shift must be > 0, got {flow_shift}")
-    pt, ph, pw = config.patch_size
-    s, t = vae_scale_factor_spatial, vae_scale_factor_temporal
-    for name, size, multiple in (("height", height, s * ph), ("width", width, s * pw)):
-        if size < multiple or size % multiple:
-            raise ValueError(
-                f"{name} {size} must be a positive multiple of {multiple} (VAE factor {s} x patch "
-                f"{multiple // s}); nearest: {nearest(size, multiple)}"
-            )
-    if num_frames < 1 or (num_frames - 1) % t:
-        raise ValueError(
-            f"num_frames {num_frames} must be {t}n + 1 (the VAE keeps the first frame and folds every {t} "
-            f"after it into one latent frame); nearest: {nearest(num_frames, t, 1)}"
-        )
-    frames = (num_frames - 1) // t + 1
-    if frames % pt:
-        raise ValueError(f"{frames} latent frames are not a multiple of the temporal patch {pt}")
-
-    if len(prompt_embeds) != 3 or min(prompt_embeds) < 1 or prompt_embeds[2] != config.text_dim:
-        raise ValueError(
-            f"prompt_embeds has shape {tuple(prompt_embeds)}; expected [B, T, {config.text_dim}]"
-        )
-    batch = prompt_embeds[0]
-    if batch % parallel.data:
-        raise ValueError(f"{batch} videos cannot be split over data={parallel.data}")
-    cfg = guidance_scale > 1.0
-    if cfg and negative_prompt_embeds is None:
-        raise ValueError(
-            f"guidance_scale {guidance_scale} > 1 runs classifier-free guidance, which needs negative "
-            "conditioning: pass negative_prompt_embeds (Wan's default negative is the encoded empty prompt), "
-            "or guidance_scale=1 for no guidance"
-        )
-    if cfg and tuple(negative_prompt_embeds) != tuple(prompt_embeds):
-        raise ValueError(
-            f"negative_prompt_embeds {tuple(negative_prompt_embeds)} differ from prompt_embeds "
-            f"{tuple(prompt_embeds)}; both branches run in one batch (Wan pads both to 512 tokens)"
-        )
-    if parallel.cfg == 2 and not cfg:
-        raise ValueError(
-            f"cfg=2 (--use_cfg_parallel) puts the conditional and unconditional branches on two devices, but "
-            f"guidance_scale {guidance_scale} <= 1 runs no guidance; use guidance_scale > 1 with negative "
-            "conditioning, or put the devices on ulysses/ring instead"
-        )
-
-    latent = (batch, config.out_channels, frames, height // s, width // s)
-    if latents is not None and tuple(latents) != latent:
-        raise ValueError(f"latents have shape {tuple(latents)}; this request needs {latent}")
-    extra = config.in_channels - config.out_channels
-    if config.is_i2v:
-        if image_embeds is None or condition is None:
-            raise ValueError(
-                "an I2V model needs image_embeds (CLIP features [B, 257, 1280]) and condition (mask + VAE "
-                f"latent of the first frame, [B, {extra}, F', H/8, W/8])"
-            )
-        if len(image_embeds) != 3 or image_embeds[0] != batch or image_embeds[2] != config.image_dim:
-            raise ValueError(
-                f"image_embeds has shape {tuple(image_embeds)}; expected [{batch}, I, {config.image_dim}]"
-            )
-        want = (batch, extra, *latent[2:])
-        if tuple(condition) != want:
-            raise ValueError(f"condition has shape {tuple(condition)}; this request needs {want}")
-    else:
-        if image_embeds is not None or condition is not None:
-            raise ValueError("image_embeds / condition are for I2V models; this is a text-to-video model")
-        if extra:
-            raise ValueError(
-                f"in_channels {config.in_channels} != out_channels {config.out_channels} without image input"
-            )
-    shift = flow_shift if flow_shift is not None else default_flow_shift(height, width)
-    return WanInputs(latent_shape=latent, cfg=cfg, flow_shift=shift)
+def first_frame_tokens(grid: tuple[int, int, int], patch_t: int) -> np.ndarray:
+    """[N] bool: the tokens of the first latent frame (patchify order), for a temporal patch of 1."""
+    if patch_t != 1:
+        raise ValueError(f"first-frame conditioning needs a temporal patch of 1, got {patch_t}")
+    return wan.token_positions(grid)[:, 0] == 0
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -289,32 +163,27 @@ def check_inputs(
 # --------------------------------------------------------------------------------------------------------
 
 
-def token_hooks(config: wan.WanConfig) -> TokenHooks:
-    """Wan's tokens in the shared loop: I2V reads the condition channels beside each noise token, and the
-    head's (patch, channel) features become the patch embedding's (channel, patch) order."""
-    patch, channels = math.prod(config.patch_size), config.out_channels
-    extra = (config.in_channels - config.out_channels) * patch
-    if config.is_i2v:
-        model_input = lambda x, extras: jnp.concatenate([x, extras["condition"]], axis=-1)
-    else:
-        model_input = lambda x, extras: x
-    return TokenHooks(
-        model_input=model_input,
-        prediction=lambda v: swap_features(v, patch, channels),
-        extra_features=extra,
-    )
-
-
 class WanPipeline(DiffusionPipeline):
-    """A Wan 2.1 transformer on a mesh plus UniPC, optional text/image encoders and VAE decoder.
+    """A Wan transformer (or Wan 2.2's two experts) on a mesh plus UniPC, optional encoders and VAE decoder.
 
     Args:
-      model: a ``WanTransformer`` whose parameters are placed for ``mesh`` (``jaxdit.loading.load_params``).
+      model: a ``WanTransformer`` whose parameters are placed for ``mesh`` (``jaxdit.loading.load_params``);
+        with ``transformer_2``, the high-noise expert (diffusers' ``transformer``).
       mesh: from ``ParallelConfig.make_mesh``.
+      transformer_2: Wan 2.2 A14B's low-noise expert, a ``WanTransformer`` of the same config (or its
+        ``nnx.State``), placed for ``mesh`` or in host memory; needs ``boundary_ratio``.
+      boundary_ratio: the high-noise expert runs while t >= boundary_ratio x num_train_timesteps.
+      expand_timesteps: Wan 2.2 TI2V (per-token timesteps; an image replaces the first latent frame).
+      offload_idle_expert: keep only the running expert on the mesh, the other in host memory
+        (``jaxdit.pipelines.wan_experts``); default: both resident.
       scheduler: UniPC settings; its ``flow_shift`` is used when a call gives none (default: by resolution,
         :func:`default_flow_shift`).
-      vae_scale_factor_spatial / vae_scale_factor_temporal: Wan's VAE: 8 and 4.
+      vae_scale_factor_spatial / vae_scale_factor_temporal: the VAE's (default: ``WanConfig.vae_factors``,
+        8 and 4 for Wan 2.1's 16 latent channels, 16 and 4 for the Wan 2.2 VAE's 48).
       kernel: attention kernel options; compiler_options: XLA options for the compiled step.
+
+    On a mesh with ``pipefusion > 1`` ``model`` is the PipeFusion stage layout (``PipeFusionWan``) and the
+    denoiser is the PipeFusion runner; it runs Wan 2.1 only (see :meth:`check_pipefusion`).
     """
 
     cfg_hint = "use guidance_scale > 1 with negative conditioning"
@@ -326,25 +195,53 @@ class WanPipeline(DiffusionPipeline):
         model: wan.WanTransformer,
         mesh: Mesh,
         *,
+        transformer_2: wan.WanTransformer | nnx.State | None = None,
+        boundary_ratio: float | None = None,
+        expand_timesteps: bool = False,
+        offload_idle_expert: bool = False,
         scheduler: unipc.UniPCConfig | None = None,
         encode: Encoder | None = None,
         decode: Decoder | None = None,
         encode_image: ImageEncoder | None = None,
-        vae_scale_factor_spatial: int = 8,
-        vae_scale_factor_temporal: int = 4,
-        kernel: dict[str, int] | None = None,
+        vae_scale_factor_spatial: int | None = None,
+        vae_scale_factor_temporal: int | None = None,
+        kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(mesh, encode=encode, decode=decode)
-        self.model = model
+        if (transformer_2 is None) != (boundary_ratio is None):
+            raise ValueError(
+                "Wan 2.2's two experts need both transformer_2 and boundary_ratio (got "
+                f"transformer_2={'set' if transformer_2 is not None else None}, boundary_ratio={boundary_ratio})"
+            )
+        if offload_idle_expert and transformer_2 is None:
+            raise ValueError(
+                "offload_idle_expert applies to two-expert pipelines (Wan 2.2 A14B): no transformer_2"
+            )
+        if expand_timesteps and transformer_2 is not None:
+            raise ValueError("expand_timesteps (TI2V) with two experts is no Wan 2.2 release")
+        wan22 = transformer_2 is not None or expand_timesteps
+        self._refuse_pipefusion(wan22 or (model.config.condition_channels > 0 and not model.config.is_i2v))
+        self.model = model  # with offload_idle_expert the parameters' truth is ``forward.state``
         self.config: wan.WanConfig = model.config
+        self.dtype = model.dtype
         self.compiler_options = compiler_options
         # XLA options belong to the outermost jit (the step below); jax rejects them on a nested one.
         self.forward = wan.sharded(model, mesh, kernel=kernel) if self.parallel.pipefusion == 1 else None
+        self.boundary_ratio = boundary_ratio
+        self.expand_timesteps = expand_timesteps
+        self.experts = None
+        if transformer_2 is not None:
+            if isinstance(transformer_2, nnx.Module):
+                if transformer_2.config != self.config:
+                    raise ValueError(_config_difference(self.config, transformer_2.config))
+                transformer_2 = nnx.state(transformer_2)
+            self.experts = TwoExperts(self.forward, transformer_2, offload_idle_expert=offload_idle_expert)
         self.scheduler = scheduler
         self.encode_image = encode_image
-        self.vae_scale_factor_spatial = vae_scale_factor_spatial
-        self.vae_scale_factor_temporal = vae_scale_factor_temporal
+        temporal, spatial = self.config.vae_factors  # the VAE the latent width names, unless told
+        self.vae_scale_factor_spatial = vae_scale_factor_spatial or spatial
+        self.vae_scale_factor_temporal = vae_scale_factor_temporal or temporal
         sampler = UniPCSampler(scheduler or unipc.UniPCConfig())
         if self.parallel.pipefusion > 1:  # ``model`` is the stage layout (PipeFusionWan)
             runner = PipeFusionRunner(
@@ -356,11 +253,86 @@ class WanPipeline(DiffusionPipeline):
                 self.forward,
                 sampler,
                 token_hooks(self.config),
-                dtype=model.dtype,
+                dtype=self.dtype,
                 compiler_options=compiler_options,
+                experts=None if self.experts is None else self.experts.params,
             )
 
+    def _refuse_pipefusion(self, wan22: bool) -> None:
+        """PipeFusion's runner does not run Wan 2.2 yet: it switches no experts, takes no per-token
+        timestep mask or first-frame hook, and reads condition channels only beside CLIP features."""
+        if self.parallel.pipefusion > 1 and wan22:
+            raise ValueError(
+                "PipeFusion (pipefusion > 1) does not run Wan 2.2 yet (two experts, per-token timesteps, "
+                "condition channels without CLIP): put the devices on ulysses/ring/tensor/cfg instead"
+            )
+
+    def load_lora(self, loras: Any, scale: float = 1.0) -> Any:
+        """As :meth:`DiffusionPipeline.load_lora`; Wan 2.2 A14B's LoRAs come per expert (a high- and a
+        low-noise file), which this does not take yet."""
+        if self.experts is not None:
+            raise ValueError(
+                "LoRAs for Wan 2.2's two experts (one file per expert) are not supported yet; this pipeline "
+                "has a high- and a low-noise transformer"
+            )
+        return super().load_lora(loras, scale)
+
     # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        parallel: ParallelConfig | Mesh | None = None,
+        dtype: Any = None,
+        *,
+        preset: str | None = None,
+        offload_idle_expert: bool = False,
+        kernel: dict[str, Any] | None = None,
+        compiler_options: dict[str, Any] | None = None,
+        attention_backend: str | None = None,
+        **options: Any,
+    ) -> WanPipeline:
+        """Load a Wan checkpoint (diffusers, original or ``jaxdit convert`` folder) onto a mesh; calls take
+        prompt embeddings. Wan 2.2 A14B: a folder holding both experts (``high_noise_model/`` +
+        ``low_noise_model/``, or a diffusers pipeline's ``transformer/`` + ``transformer_2/``). ``preset``
+        (e.g. ``"wan2.1-t2v-14b"``, ``"wan2.2-ti2v-5b"``): the checkpoint must be that architecture,
+        checked, like the heads against the mesh, before any weight is read; a Wan 2.2 preset also gives
+        the pipeline settings a bare checkpoint does not carry (boundary_ratio, expand_timesteps)."""
+        paths, variant = checkpoint_experts(Path(path), preset)
+        if len(paths) == 1 and variant == WanVariant() and not offload_idle_expert:
+            return super().from_checkpoint(
+                path,
+                parallel,
+                dtype,
+                preset=preset,
+                kernel=kernel,
+                compiler_options=compiler_options,
+                attention_backend=attention_backend,
+                **options,
+            )
+        kernel = with_backend(kernel, attention_backend)
+        check_kernel_options(kernel)
+        mesh = mesh_for(parallel)
+        check = preset_check(path, CHECKPOINTS, preset)
+        second = None
+        if len(paths) == 2:
+            _check_experts(paths, mesh)
+            second = _load_second(paths[1], mesh, dtype, check, offload_idle_expert)
+        elif offload_idle_expert:
+            raise ValueError(f"offload_idle_expert applies to two-expert checkpoints; {path} holds one")
+        model = load_model(paths[0], mesh, dtype, CHECKPOINTS, check, staged=PipeFusionWan)
+        return cls(
+            model,
+            mesh,
+            transformer_2=second,
+            boundary_ratio=variant.boundary_ratio,
+            expand_timesteps=variant.expand_timesteps,
+            offload_idle_expert=offload_idle_expert,
+            kernel=kernel,
+            compiler_options=compiler_options,
+            **options,
+        )
+
     @classmethod
     def from_pretrained(
         cls,
@@ -370,35 +342,52 @@ class WanPipeline(DiffusionPipeline):
         *,
         encoder_device: jax.Device | None = None,
         vae_dtype: Any = jnp.float32,
+        offload_idle_expert: bool = False,
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
     ) -> WanPipeline:
-        """A downloaded Wan 2.1 folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or
-        Wan's original T2V release -- with its umT5 text encoder, VAE (and CLIP image encoder for I2V).
+        """A downloaded Wan folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or Wan's
+        original release (Wan 2.1 T2V; Wan 2.2 A14B and TI2V-5B) -- with its umT5 text encoder, VAE (and
+        CLIP image encoder for Wan 2.1 I2V), and Wan 2.2's second expert and pipeline settings.
 
-        The transformer is sharded over the mesh; the encoders run on ``encoder_device`` (default: the first
-        local device); the VAE decodes patch-parallel over the mesh, in ``vae_dtype`` (fp32 by default, as
-        Wan keeps it). The transformer's heads and key table are checked before anything is read.
-        ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
+        The transformer(s) are sharded over the mesh (``offload_idle_expert``: the idle expert waits in
+        host memory); the encoders run on ``encoder_device`` (default: the first local device); the VAE
+        decodes (and encodes an I2V first frame) patch-parallel over the mesh, in ``vae_dtype`` (fp32 by
+        default, as Wan keeps it). The transformers' heads and key tables are checked before anything is
+        read. ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_folder(path)
+        variant = WanVariant.of(folder)
         mesh = mesh_for(parallel)
-        check_transformer(folder["transformer"], mesh, CHECKPOINTS)
+        experts = tuple(folder[c] for c in ("transformer", "transformer_2") if c in folder)
+        config = _check_experts(experts, mesh)
+        if offload_idle_expert and len(experts) == 1:
+            raise ValueError(
+                f"offload_idle_expert applies to two-expert folders (Wan 2.2 A14B); {path} has one"
+            )
         dtype = as_dtype(dtype)
         text = load_wan_text_encoder(
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
         vae = load_wan_vae(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
+        factors = dict(temporal=vae.config.temporal_factor, spatial=vae.config.spatial_factor)
         encode_image = None
         if "image_encoder" in folder:
             image_encoder = load_wan_image_encoder(
                 folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
             )
-            encode_image = ImageCondition(image_encoder, vae, mesh=mesh)
-        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
+            encode_image = ImageCondition(image_encoder, vae, mesh=mesh, **factors)
+        elif config.condition_channels:
+            encode_image = ImageCondition(None, vae, mesh=mesh, **factors)  # Wan 2.2 I2V-A14B: no CLIP
+        elif variant.expand_timesteps:
+            encode_image = FirstFrameLatent(vae, mesh=mesh)
+        second = None
+        if len(experts) == 2:
+            second = _load_second(experts[1], mesh, dtype, None, offload_idle_expert)
+        model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
 
         def decode(z: np.ndarray) -> np.ndarray:
             video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
@@ -410,10 +399,16 @@ class WanPipeline(DiffusionPipeline):
         return cls(
             model,
             mesh,
+            transformer_2=second,
+            boundary_ratio=variant.boundary_ratio,
+            expand_timesteps=variant.expand_timesteps,
+            offload_idle_expert=offload_idle_expert,
             scheduler=scheduler,
             encode=text,
             decode=decode,
             encode_image=encode_image,
+            vae_scale_factor_spatial=factors["spatial"],
+            vae_scale_factor_temporal=factors["temporal"],
             kernel=kernel,
             compiler_options=compiler_options,
         )
@@ -434,6 +429,7 @@ class WanPipeline(DiffusionPipeline):
         num_frames: int = 81,
         num_inference_steps: int = 50,
         guidance_scale: float = 5.0,
+        guidance_scale_2: float | None = None,
         flow_shift: float | None = None,
         seed: int = 0,
         latents: np.ndarray | None = None,
@@ -447,17 +443,19 @@ class WanPipeline(DiffusionPipeline):
         patch_by: str | None = None,
         cache: Any = None,
     ) -> GenerationOutput:
-        """Generate videos; returns latents [B, 16, F', H/8, W/8] and, decoded, ``images`` = video frames
+        """Generate videos; returns latents [B, C, F', H/s, W/s] and, decoded, ``images`` = video frames
         [B, F, H, W, 3] in [-1, 1].
 
         ``guidance_scale`` > 1 runs classifier-free guidance against the negative conditioning (with a text
-        encoder, ``negative_prompt`` defaults to "" as in diffusers). ``flow_shift``: UniPC's sigma shift
-        (default: the scheduler's, else 5.0 at 720p / 3.0 at 480p). ``latents``: initial noise instead of
-        the seed's. I2V: ``image`` (with an image encoder) or ``image_embeds`` and ``condition``.
-        ``max_sequence_length``: the text encoder's token count (default: the encoder's, 512 for umT5).
-        ``output_type``: np, pil (a list of frame lists) or latent. PipeFusion (a mesh with pipefusion > 1):
-        ``num_pipeline_patch`` (default: the smallest M >= P that splits the latent rows), ``warmup_steps``
-        (default 1), ``patch_by`` ("rows", default, or "frames"), as xDiT's flags.
+        encoder, ``negative_prompt`` defaults to "" as in diffusers); Wan 2.2 A14B: ``guidance_scale`` is
+        the high-noise expert's, ``guidance_scale_2`` the low-noise one's (default: ``guidance_scale``).
+        ``flow_shift``: UniPC's sigma shift (default: the scheduler's, else 5.0 at 720p / 3.0 at 480p).
+        ``latents``: initial noise instead of the seed's. Image-to-video: ``image`` (with an image
+        encoder), or ``image_embeds`` (Wan 2.1 only) and ``condition``. ``max_sequence_length``: the text
+        encoder's token count (default: the encoder's, 512 for umT5). ``output_type``: np, pil (a list of
+        frame lists) or latent. PipeFusion (a mesh with pipefusion > 1; Wan 2.1): ``num_pipeline_patch``
+        (default: the smallest M >= P that splits the latent rows), ``warmup_steps`` (default 1),
+        ``patch_by`` ("rows", default, or "frames"), as xDiT's flags.
         ``cache``: a feature cache,
         ``jaxdit.cache.FirstBlockCache(threshold=...)`` or ``TeaCache()`` (the output's ``cache`` reports it).
         """
@@ -473,7 +471,7 @@ class WanPipeline(DiffusionPipeline):
 
     # ------------------------------------------------------------------ family hook
     def prepare(self, r: GenerationRequest) -> Prepared:
-        """Everything before the loop: conditioning, checks, noise, tokens."""
+        """Everything before the loop: conditioning, checks, noise, tokens, each step's expert."""
         num_frames = r.num_frames
         txt = self._embed(r.prompt, r.prompt_embeds, "prompt", r)
         neg = None
@@ -513,6 +511,9 @@ class WanPipeline(DiffusionPipeline):
             flow_shift=flow_shift,
             vae_scale_factor_spatial=self.vae_scale_factor_spatial,
             vae_scale_factor_temporal=self.vae_scale_factor_temporal,
+            expand_timesteps=self.expand_timesteps,
+            two_experts=self.experts is not None,
+            guidance_scale_2=r.guidance_scale_2,
         )
         mc = self.config
         noise = latent_ops.initial_noise(r.seed, plan.latent_shape) if r.latents is None else r.latents
@@ -526,19 +527,38 @@ class WanPipeline(DiffusionPipeline):
             # Both branches see the same image; only the text differs (as in diffusers).
             img = np.asarray(image_embeds, np.float32)
             context["encoder_hidden_states_image"] = self.branches(img, img) if plan.cfg else img
+        if mc.condition_channels:
             extras["condition"] = wan.patchify(np.asarray(condition, np.float32), mc.patch_size)
+        to_latents = lambda t: self.untokenize(t, grid)
+        if plan.first_frame:
+            first = np.asarray(condition, np.float32)
+            in_first = first_frame_tokens(grid, mc.patch_size[0])
+            frames = np.zeros(plan.latent_shape, np.float32)
+            frames[:, :, :1] = first
+            extras["first_frame"] = wan.patchify(frames, mc.patch_size)
+            extras["in_first_frame"] = np.broadcast_to(in_first[None, :, None], (*tokens.shape[:2], 1))
+            context["timestep_mask"] = (~in_first).astype(np.float32)  # first-frame tokens see t = 0
+            to_latents = lambda t: _with_first_frame(self.untokenize(t, grid), first)
         scheduler = dataclasses.replace(self.scheduler or unipc.UniPCConfig(), flow_shift=plan.flow_shift)
+        schedule = unipc.set_timesteps(scheduler, r.num_inference_steps)
+        experts, scales = (), ()
+        if self.experts is not None:
+            experts = expert_of_steps(schedule.timesteps, self.boundary_ratio, scheduler.num_train_timesteps)
+            second = r.guidance_scale if r.guidance_scale_2 is None else r.guidance_scale_2
+            scales = guidance_of_steps(experts, r.guidance_scale, second)
         inputs = DenoiseInputs(
             tokens=tokens,
             context=context,
-            schedule=unipc.set_timesteps(scheduler, r.num_inference_steps),
+            schedule=schedule,
             steps=r.num_inference_steps,
             cfg=plan.cfg,
             scale=r.guidance_scale,
             extras=extras,
             grid=grid,
+            experts=experts,
+            scales=scales,
         )
-        return Prepared(inputs, lambda t: self.untokenize(t, grid))
+        return Prepared(inputs, to_latents)
 
     def untokenize(self, tokens: np.ndarray, grid: tuple[int, int, int]) -> np.ndarray:
         """Final tokens (patch embedding's feature order) -> latents [B, C, F', h, w]."""
@@ -562,3 +582,40 @@ class WanPipeline(DiffusionPipeline):
                 return None  # check_inputs says what is missing
             raise ValueError(f"pass a {name} or {name}_embeds [B, T, {self.config.text_dim}]")
         return np.asarray(embeds, np.float32)
+
+
+# --------------------------------------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------------------------------------
+
+
+def _with_first_frame(latents: np.ndarray, first: np.ndarray) -> np.ndarray:
+    """TI2V's result: the given first frame in place of the first latent frame (diffusers does the same)."""
+    out = np.array(latents)
+    out[:, :, :1] = first
+    return out
+
+
+def _config_difference(config: wan.WanConfig, other: wan.WanConfig) -> str:
+    diff = [
+        f"{f.name}={getattr(other, f.name)} (transformer: {getattr(config, f.name)})"
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != getattr(other, f.name)
+    ]
+    return f"the two Wan experts must share one architecture; transformer_2 has {', '.join(diff)}"
+
+
+def _check_experts(paths: Sequence[Path], mesh: Mesh) -> wan.WanConfig:
+    """Every expert's config against the mesh and its key table against its files (headers only), and
+    the experts' configs against each other: all before any weight is read."""
+    configs = [check_transformer(p, mesh, CHECKPOINTS) for p in paths]
+    if len(configs) == 2 and configs[0] != configs[1]:
+        raise ValueError(f"{paths[1]}: " + _config_difference(configs[0], configs[1]))
+    return configs[0]
+
+
+def _load_second(path: Path, mesh: Mesh, dtype: Any, check: Any, offload: bool) -> nnx.State:
+    """The low-noise expert's parameters; with ``offload`` moved to host memory at once, before the
+    high-noise expert is read, so the devices never hold both."""
+    state = nnx.state(load_model(path, mesh, as_dtype(dtype), CHECKPOINTS, check))
+    return to_host(state) if offload else state

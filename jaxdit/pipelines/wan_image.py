@@ -1,13 +1,18 @@
-"""Wan 2.1 image-to-video conditioning: CLIP image features and the first-frame condition latent.
+"""Wan image-to-video conditioning: CLIP image features and the first-frame condition latent.
 
-What diffusers' ``WanImageToVideoPipeline`` feeds the transformer beside the noise (``encode_image`` and
-``prepare_latents`` in diffusers 0.42.1), computed here with jaxdit's CLIP vision encoder and Wan VAE:
+What diffusers' ``WanImageToVideoPipeline`` feeds the transformer (``encode_image`` and ``prepare_latents``
+in diffusers 0.42.1), computed here with jaxdit's CLIP vision encoder and Wan VAE:
 
-- ``image_embeds``: the CLIP vision model's penultimate hidden states of the input picture [B, 257, 1280].
-- ``condition`` [B, 4 + 16, F', h, w]: 4 mask channels (1 where the frame is given: the first video frame,
-  repeated over the VAE's 4-frame temporal stride, so the first latent frame's 4 mask channels are 1 and
-  the rest 0), then the VAE latent (posterior mean, normalised by the VAE's latents_mean / latents_std)
-  of a video whose first frame is the picture and whose other frames are zero.
+- ``image_embeds`` (Wan 2.1 I2V only; Wan 2.2 I2V-A14B has no CLIP image path): the CLIP vision model's
+  penultimate hidden states of the input picture [B, 257, 1280].
+- ``condition`` [B, 4 + 16, F', h, w] (Wan 2.1 I2V, Wan 2.2 I2V-A14B; :class:`ImageCondition`): 4 mask
+  channels (1 where the frame is given: the first video frame, repeated over the VAE's 4-frame temporal
+  stride, so the first latent frame's 4 mask channels are 1 and the rest 0), then the VAE latent
+  (posterior mean, normalised by the VAE's latents_mean / latents_std) of a video whose first frame is
+  the picture and whose other frames are zero.
+- Wan 2.2 TI2V (``expand_timesteps``; :class:`FirstFrameLatent`): ``condition`` [B, C, 1, h, w] is the
+  normalised latent of the picture alone (one frame through the Wan 2.2 VAE), which the pipeline puts in
+  place of the first latent frame at every step.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ImageCondition", "as_uint8_pictures", "first_frame_mask", "to_vae_pixels"]
+__all__ = ["FirstFrameLatent", "ImageCondition", "as_uint8_pictures", "first_frame_mask", "to_vae_pixels"]
 
 
 def as_uint8_pictures(image: Any) -> np.ndarray:
@@ -59,15 +64,33 @@ def first_frame_mask(batch: int, num_frames: int, height: int, width: int, tempo
     return frames.reshape(batch, latent_frames, temporal, height, width).transpose(0, 2, 1, 3, 4)
 
 
+def _normalized_mean(vae: Any, video: np.ndarray, mesh: Any) -> np.ndarray:
+    """The VAE's posterior mean of ``video``, normalised by its latents_mean / latents_std (fp32)."""
+    mean, _ = vae.encode(video, mesh=mesh)
+    config = vae.config
+    shape = (1, -1, 1, 1, 1)
+    latents_mean = np.asarray(config.latents_mean, np.float32).reshape(shape)
+    latents_std = np.asarray(config.latents_std, np.float32).reshape(shape)
+    return (np.asarray(mean, np.float32) - latents_mean) / latents_std
+
+
 class ImageCondition:
     """``encode_image(images, num_frames, height, width) -> (image_embeds, condition)`` for WanPipeline.
 
-    ``mesh``: the VAE encode of the whole video (the memory peak of image-to-video) is row-parallel over
-    all its devices (``WanVAE.encode(x, mesh)``); None: one device.
+    ``image_encoder``: Wan 2.1's CLIP vision encoder, or None (Wan 2.2 I2V-A14B: ``image_embeds`` is None).
+    ``temporal`` / ``spatial``: the VAE's compression (the Wan 2.1 VAE's 4 and 8, which A14B uses too).
+    ``mesh``: the VAE encode of the
+    whole video (the memory peak of image-to-video) is row-parallel over all its devices
+    (``WanVAE.encode(x, mesh)``); None: one device.
     """
 
     def __init__(
-        self, image_encoder: Any, vae: Any, temporal: int = 4, spatial: int = 8, mesh: Any = None
+        self,
+        image_encoder: Any,
+        vae: Any,
+        temporal: int = 4,
+        spatial: int = 8,
+        mesh: Any = None,
     ) -> None:
         self.image_encoder, self.vae = image_encoder, vae
         self.temporal, self.spatial = temporal, spatial
@@ -75,19 +98,28 @@ class ImageCondition:
 
     def __call__(
         self, images: Any, num_frames: int, height: int, width: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray | None, np.ndarray]:
         batched = as_uint8_pictures(images)
-        embeds = np.asarray(self.image_encoder(list(batched)), np.float32)
+        embeds = None
+        if self.image_encoder is not None:
+            embeds = np.asarray(self.image_encoder(list(batched)), np.float32)
         pixels = to_vae_pixels(batched, height, width)
         b = pixels.shape[0]
         video = np.zeros((b, 3, num_frames, height, width), np.float32)
         video[:, :, 0] = pixels
-        mean, _ = self.vae.encode(video, mesh=self.mesh)
-        config = self.vae.config
-        shape = (1, -1, 1, 1, 1)
-        latents_mean = np.asarray(config.latents_mean, np.float32).reshape(shape)
-        latents_std = np.asarray(config.latents_std, np.float32).reshape(shape)
-        latent = (np.asarray(mean, np.float32) - latents_mean) / latents_std
+        latent = _normalized_mean(self.vae, video, self.mesh)
         h, w = height // self.spatial, width // self.spatial
         mask = first_frame_mask(b, num_frames, h, w, self.temporal)
         return embeds, np.concatenate([mask, latent], axis=1)
+
+
+class FirstFrameLatent:
+    """TI2V's ``encode_image(images, num_frames, height, width) -> (None, condition)``: the picture alone
+    through the VAE (one frame, row-parallel over ``mesh``), normalised: [B, C, 1, h, w]."""
+
+    def __init__(self, vae: Any, mesh: Any = None) -> None:
+        self.vae, self.mesh = vae, mesh
+
+    def __call__(self, images: Any, num_frames: int, height: int, width: int) -> tuple[None, np.ndarray]:
+        pixels = to_vae_pixels(as_uint8_pictures(images), height, width)
+        return None, _normalized_mean(self.vae, pixels[:, :, None], self.mesh)

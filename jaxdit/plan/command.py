@@ -43,7 +43,8 @@ def parse_config(text: str):
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="flux-dev", help="flux-dev (default), flux-schnell, wan2.1-t2v-1.3b, "
-                   "wan2.1-t2v-14b (wan-14b), wan2.1-i2v-14b")  # fmt: skip
+                   "wan2.1-t2v-14b (wan-14b), wan2.1-i2v-14b, wan2.2-t2v-a14b, wan2.2-i2v-a14b, "
+                   "wan2.2-ti2v-5b")  # fmt: skip
     p.add_argument("--height", type=int, default=None, help="pixels (default: the model's)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None, help="video frames, 4n+1 (Wan; default 81)")
@@ -87,6 +88,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     cfg.add_argument("--no-cfg", dest="branches", action="store_const", const=1, help="no CFG (one branch)")
     p.add_argument("--text-tokens", type=int, default=None, help="prompt tokens (default 512)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument(
+        "--offload-idle-expert",
+        dest="offload_idle_expert",
+        action="store_true",
+        help="two-expert models (Wan 2.2 A14B): only the running expert on the devices, the other in host memory",
+    )
     p.add_argument("--json", action="store_true", help="print the plan (and verification) as JSON")
     p.add_argument(
         "--verify",
@@ -122,6 +129,7 @@ def run(args: argparse.Namespace) -> int:
         requests=args.requests,
         text_tokens=args.text_tokens,
         dtype=args.dtype,
+        offload_idle_expert=args.offload_idle_expert,
     )
     hw = Hardware(
         link=args.link,

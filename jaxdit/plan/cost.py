@@ -131,9 +131,10 @@ class StepCost:
     summed_flops: float  # over all devices
     single_device_flops: float  # the same step on one device
     attention_flops: float  # the self-attention part of ``flops``
-    param_bytes: int
+    param_bytes: int  # the parameters one step reads (one expert's)
     activation_bytes: int
     kv_cache_bytes: int  # PipeFusion's stale K/V (0 otherwise)
+    idle_expert_bytes: int = 0  # the other resident experts' parameters (Wan 2.2 A14B, not offloaded)
     passes: int = 1  # PipeFusion: passes a patch makes over the stages per step
     patches: int = 1  # PipeFusion: patches per step (ticks of the asynchronous pipeline)
 
@@ -156,8 +157,13 @@ class StepCost:
         return self.summed_flops / self.single_device_flops - 1.0
 
     @property
+    def resident_param_bytes(self) -> int:
+        """Parameters on each device: the step's plus the idle resident experts'."""
+        return self.param_bytes + self.idle_expert_bytes
+
+    @property
     def memory_bytes(self) -> int:
-        return self.param_bytes + self.activation_bytes + self.kv_cache_bytes
+        return self.resident_param_bytes + self.activation_bytes + self.kv_cache_bytes
 
 
 def _local(n: int, shards: int) -> int:
@@ -384,6 +390,9 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
         param_bytes=params,
         activation_bytes=_activation_bytes(w, c, block_weights, terms.context_bytes),
         kv_cache_bytes=_kv_cache_bytes(w, c),
+        # Every expert has the same config and shardings: the idle resident ones hold what the running
+        # one does.
+        idle_expert_bytes=(w.resident_experts - 1) * params,
         passes=pipeline_shape(w, c)[0] if p > 1 else 1,
         patches=pipeline_shape(w, c)[1] if p > 1 else 1,
     )

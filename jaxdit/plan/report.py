@@ -103,7 +103,7 @@ def format_plan(report: PlanReport) -> str:
                 _seconds(t.comm_total) if t.comm_total else "0",
                 _seconds(t.comm_exposed) if t.comm_exposed else "0",
                 _overlap(p),
-                f"{c.param_bytes / GB:.1f} GB",
+                f"{c.resident_param_bytes / GB:.1f} GB",
                 f"{(c.activation_bytes + c.kv_cache_bytes) / GB:.2f} GB",
                 f"{c.flops / 1e12:.2f}",
                 t.kernel.backend,

@@ -115,7 +115,8 @@ class Plan:
             comm_by_strategy={
                 s: {"total": v[0], "exposed": v[1], "overlapped": v[2]} for s, v in t.by_strategy.items()
             },
-            param_bytes_per_device=c.param_bytes,
+            param_bytes_per_device=c.resident_param_bytes,
+            step_param_bytes_per_device=c.param_bytes,
             activation_bytes_per_device=c.activation_bytes,
             kv_cache_bytes_per_device=c.kv_cache_bytes,
             memory_bytes_per_device=c.memory_bytes,
@@ -142,9 +143,17 @@ def evaluate(w: Workload, c: ParallelConfig, hw: Hardware) -> Plan:
         if getattr(w.family, "staged_model", None) is None:
             runnable = False
             notes.append(f"modelled only: no PipeFusion stage layout for {w.family.display} yet")
+        elif (why := w.family.pipefusion_unsupported(w)) is not None:
+            runnable = False
+            notes.append(f"modelled only: {why}")
     fits = cost.memory_bytes <= hw.memory_gb * 1e9
     if not fits:
         notes.append(f"needs {cost.memory_bytes / 1e9:.1f} GB > {hw.memory_gb:g} GB per device")
+        offloaded = cost.memory_bytes - cost.idle_expert_bytes
+        if cost.idle_expert_bytes and offloaded <= hw.memory_gb * 1e9:
+            notes.append(f"fits with --offload-idle-expert ({offloaded / 1e9:.1f} GB)")
+    if w.offload_idle_expert:
+        notes.append(f"each expert switch copies {cost.param_bytes / 1e9:.1f} GB per device from host memory")
     return Plan(c, (), cost, t, tuple(notes), runnable, exact, fits)
 
 

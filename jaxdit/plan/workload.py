@@ -14,6 +14,10 @@ For the two families today:
 ``branches`` is the number of forward passes per denoising step: 2 with classifier-free guidance (Wan
 2.1's default, guide_scale 5.0), 1 for FLUX.1-dev, whose guidance is an embedded input (distilled), so
 cfg parallelism has nothing to split there (xDiT refuses it for FLUX too).
+
+``experts``: transformers of the same config the generation switches between (Wan 2.2 A14B: 2). Each
+step runs one, so a step costs what one model's does; memory holds all of them unless
+``offload_idle_expert`` keeps the idle ones in host memory.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from jaxdit.families.base import ModelFamily
 __all__ = ["ALIASES", "Workload"]
 
 #: Short names accepted on the command line.
-ALIASES = {"wan-1.3b": "wan2.1-t2v-1.3b", "wan-14b": "wan2.1-t2v-14b", "wan-i2v-14b": "wan2.1-i2v-14b"}
+ALIASES = {
+    "wan-1.3b": "wan2.1-t2v-1.3b",
+    "wan-14b": "wan2.1-t2v-14b",
+    "wan-i2v-14b": "wan2.1-i2v-14b",
+    "wan2.2-5b": "wan2.2-ti2v-5b",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +59,14 @@ class Workload:
     steps: int = 28
     dtype: str = "bfloat16"
     size: tuple[int, int, int] = (0, 0, 1)  # (height, width, frames), for display
+    experts: int = 1
+    offload_idle_expert: bool = False
 
     def __post_init__(self) -> None:
+        if self.experts < 1:
+            raise ValueError(f"experts must be >= 1, got {self.experts}")
+        if self.offload_idle_expert and self.experts == 1:
+            raise ValueError(f"{self.name} has one transformer: there is no idle expert to offload")
         if self.branches not in (1, 2):
             raise ValueError(f"branches must be 1 (no CFG) or 2 (CFG), got {self.branches}")
         if self.requests < 1 or self.steps < 1 or not self.tokens or min(self.tokens) < 1:
@@ -107,6 +122,11 @@ class Workload:
         return self.family.output_features(self.model)
 
     @property
+    def resident_experts(self) -> int:
+        """Experts whose parameters stay on the devices: all, or the running one when offloading."""
+        return 1 if self.offload_idle_expert else self.experts
+
+    @property
     def itemsize(self) -> int:
         return 4 if self.dtype == "float32" else 2
 
@@ -114,6 +134,9 @@ class Workload:
         h, w, f = self.size
         frames = f" x {f} frames" if self.family.makes_video else ""
         cfg = "CFG: 2 branches" if self.branches == 2 else "no CFG"
+        if self.experts > 1:
+            where = "the idle one offloaded to host" if self.offload_idle_expert else "all resident"
+            cfg += f", {self.experts} experts ({where})"
         return (
             f"{self.name} {w}x{h}{frames}: {' + '.join(map(str, self.tokens))} tokens"
             + (f" (+{'+'.join(map(str, self.context))} context)" if self.context else "")
@@ -134,9 +157,10 @@ class Workload:
         requests: int = 1,
         text_tokens: int | None = None,
         dtype: str = "bfloat16",
+        offload_idle_expert: bool = False,
     ) -> Workload:
         """A preset of any registered family (``flux-dev``, ``wan2.1-t2v-14b``, ...) at an output size;
-        unset arguments take the preset's defaults."""
+        unset arguments take the preset's defaults (its experts too)."""
         name = ALIASES.get(model, model)
         family, preset = families.preset(name)
         return cls.for_config(
@@ -150,6 +174,8 @@ class Workload:
             requests=requests,
             text_tokens=text_tokens,
             dtype=dtype,
+            experts=preset.experts,
+            offload_idle_expert=offload_idle_expert,
         )
 
     @classmethod
@@ -166,6 +192,8 @@ class Workload:
         requests: int = 1,
         text_tokens: int | None = None,
         dtype: str = "bfloat16",
+        experts: int = 1,
+        offload_idle_expert: bool = False,
     ) -> Workload:
         """Any architecture of a registered family at an output size (pixels; frames for video)."""
         family = families.for_config(config)
@@ -184,4 +212,6 @@ class Workload:
             steps=steps,
             dtype=dtype,
             size=(height, width, frames),
+            experts=experts,
+            offload_idle_expert=offload_idle_expert,
         )
