@@ -35,6 +35,7 @@ from jaxdit.families.base import ModelFamily
 from jaxdit.lora import parse_lora
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.kernels import check_backend
+from jaxdit.pipelines import preflight
 from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
 from jaxdit.pipelines.model_folder import ModelFolder
@@ -47,7 +48,12 @@ TINY = tiny.NAME
 MAX_SEQUENCE_LENGTH = 512
 IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".npy"), (".mp4", ".gif", ".npy")
 #: The tiny model's training record fixes its sampling (pixel space, 16 x 16, CFG with the empty prompt).
-TINY_DEFAULTS = dict(height=16, width=16, num_inference_steps=20, true_cfg_scale=3.0)
+TINY_SIZE = 16
+TINY_DEFAULTS = dict(height=TINY_SIZE, width=TINY_SIZE, num_inference_steps=20, true_cfg_scale=3.0)
+#: Bounds on what the bundled model is asked for: it was trained on 16x16 single digits; larger sizes
+#: and prompts are allowed for experiments, not without limit (a 4000x4000 request wants ~20 GB).
+TINY_MAX_SIZE = 128
+TINY_MAX_DIGITS = 64
 #: tiny-digits' cache thresholds, measured (scripts/cache_digits.py, README "Feature caching"): with 20
 #: steps and 4 blocks First-Block-Cache skips nothing at FLUX.1-dev's 0.08; 0.2 is the smallest tried
 #: value that skips over 30% of block evaluations (the judge keeps 100%). TeaCache keeps FLUX's 0.4.
@@ -213,26 +219,13 @@ def _takes(pipeline_class: type, argument: str) -> bool:
 
 
 def _embedding_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the arrays in a .npz / .safetensors file (numpy only: no jax)."""
-    if not Path(path).is_file():
-        raise ValueError(f"--prompt_embeds {path}: no such file")
-    if path.endswith(".npz"):
-        with np.load(path) as f:
-            return {k: f[k].shape for k in f.files}
-    from converters.safetensors_io import open_checkpoint
-
-    ckpt = open_checkpoint(path)
-    return {k: tuple(ckpt.shape(k)) for k in ckpt}
+    """Names and shapes of the arrays in a .npz / .safetensors file (numpy only: no jax), once the file
+    is proven to hold finite floating-point arrays (``preflight.read_embeddings``)."""
+    return {k: tuple(v.shape) for k, v in preflight.read_embeddings(path).items()}
 
 
 def _load_embeddings(path: str) -> dict[str, np.ndarray]:
-    if path.endswith(".npz"):
-        with np.load(path) as f:
-            return {k: f[k] for k in f.files}
-    from converters.safetensors_io import open_checkpoint
-
-    ckpt = open_checkpoint(path)
-    return {k: ckpt.read(k) for k in ckpt}
+    return preflight.read_embeddings(path)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -299,9 +292,25 @@ def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
 
 
 def _check_tiny(r: GenerateRequest) -> None:
-    tiny.parse_prompt(r.prompt or "0123456789")
+    if r.prompt is not None and not r.prompt.strip():
+        raise ValueError(
+            "tiny-digits: --prompt is empty; give the digits to draw (e.g. --prompt 0123456789), or leave "
+            "--prompt out to draw 0-9 (the empty prompt is the model's unconditional branch, its negative prompt)"
+        )
+    digits = tiny.parse_prompt(r.prompt or "0123456789")
+    if len(digits) > TINY_MAX_DIGITS:
+        raise ValueError(
+            f"tiny-digits draws at most {TINY_MAX_DIGITS} digits per run; the prompt has {len(digits)}"
+        )
     if r.prompt_embeds is not None:
         raise ValueError("tiny-digits takes digit prompts, not --prompt_embeds")
+    for name in ("height", "width"):
+        value = getattr(r, name)
+        if value is not None and value > TINY_MAX_SIZE:
+            raise ValueError(
+                f"tiny-digits was trained on {TINY_SIZE}x{TINY_SIZE} pictures; --{name} {value} is "
+                f"beyond the {TINY_MAX_SIZE} pixels it is allowed to try"
+            )
 
 
 def _check_folder(r: GenerateRequest) -> None:
@@ -323,8 +332,9 @@ def _check_folder(r: GenerateRequest) -> None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
     if takes_image == "none" and r.image is not None:
         raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
-    if r.image is not None and not Path(r.image).is_file():
-        raise ValueError(f"--image {r.image}: no such file")
+    if r.image is not None:
+        preflight.check_image_file(r.image)
+    preflight.check_prompts([p for p in (r.prompt, r.negative_prompt) if p is not None])
     if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= MAX_SEQUENCE_LENGTH:
         raise ValueError(
             f"--max_sequence_length must be in 1..{MAX_SEQUENCE_LENGTH} (the T5 encoders' length), "
@@ -388,9 +398,7 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
             f"{family.display}: height and width must be positive multiples of {multiple}; "
             f"got {call.height}x{call.width}"
         )
-    cfg = getattr(call, family.cfg_scale_argument) > 1.0
-    if family.cfg_scale_argument == "true_cfg_scale":
-        cfg = cfg and (call.negative_prompt is not None or "negative_prompt_embeds" in (r.embeddings or {}))
+    cfg = _uses_cfg(r, call)
     if parallel.cfg == 2 and not cfg:
         value = getattr(call, family.cfg_scale_argument)
         raise ValueError(
@@ -405,6 +413,40 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
         family.check_pipefusion(call_view(r, call), config, parallel, multiple)
     _check_loras(r, config)
     _check_output(r)
+
+
+def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:
+    family = r.family
+    cfg = getattr(call, family.cfg_scale_argument) > 1.0
+    if family.cfg_scale_argument == "true_cfg_scale":
+        cfg = cfg and (call.negative_prompt is not None or "negative_prompt_embeds" in (r.embeddings or {}))
+    return cfg
+
+
+def _check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) -> None:
+    """Refuse, before any weight is read, a request the planner's memory model says cannot fit
+    (``jaxdit.plan.fit``). tiny-digits is bounded by its own size limits instead."""
+    if r.is_tiny:
+        return
+    from jaxdit.plan.fit import check_fits
+    from jaxdit.plan.workload import Workload
+
+    config = _model_config(r)
+    if config is None:
+        config = r.family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
+    call = r.call()
+    shapes = r.embeddings or {}
+    workload = Workload.for_config(
+        config,
+        height=call.height,
+        width=call.width,
+        frames=call.num_frames or 1,
+        steps=call.num_inference_steps,
+        branches=2 if _uses_cfg(r, call) else 1,
+        requests=shapes["prompt_embeds"][0] if "prompt_embeds" in shapes else 1,
+        dtype=r.dtype or "bfloat16",
+    )
+    check_fits(workload, parallel, devices)
 
 
 def _check_loras(r: GenerateRequest, config: Any) -> None:
@@ -450,6 +492,7 @@ def _model_config(r: GenerateRequest) -> Any:
 def _check_output(r: GenerateRequest) -> None:
     output = r.output or r.default_output
     suffix = Path(output).suffix.lower()
+    preflight.check_writable(output)
     if r.folder is None and not r.is_tiny:
         if suffix != ".npy":
             raise ValueError(
@@ -545,6 +588,7 @@ def run(r: GenerateRequest) -> int:
         raise ValueError(
             f"{parallel.describe()} needs {parallel.num_devices} devices; {len(devices)} are available"
         )
+    _check_memory(r, parallel, devices[: parallel.num_devices])
     mesh = parallel.make_mesh(devices[: parallel.num_devices])
     label = r.weights if r.folder is not None else r.model
     say(f"{label}: {parallel.describe()} on {parallel.num_devices} {devices[0].platform} device(s)")
@@ -598,6 +642,8 @@ def _judge(r: GenerateRequest, result: Any) -> None:
     from jaxdit.pipelines.digits import DigitJudge
 
     labels = np.asarray(tiny.parse_prompt(r.prompt or "0123456789"))
-    if (labels != tiny.NULL_LABEL).all():
+    if result.images.shape[1:3] != (TINY_SIZE, TINY_SIZE):
+        print(f"the held-out digit judge reads {TINY_SIZE}x{TINY_SIZE} pictures: not run at this size")
+    elif (labels != tiny.NULL_LABEL).all():
         judged = DigitJudge().predict(result.images)
         print(f"held-out digit judge recognises {int((judged == labels).sum())} of {len(labels)} as asked")

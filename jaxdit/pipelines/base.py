@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -34,8 +35,10 @@ from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, unfuse_loras
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
+from jaxdit.pipelines import finite
 from jaxdit.pipelines.assemble import load_model, preset_check
 from jaxdit.pipelines.denoiser import DenoiseInputs
+from jaxdit.pipelines.preflight import check_prompts
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
 
 __all__ = ["CACHE_WITH_PIPEFUSION", "DiffusionPipeline", "GenerationOutput", "Prepared", "to_pil"]
@@ -47,6 +50,16 @@ CACHE_WITH_PIPEFUSION = (
     "as its blocks are done, so the decision would wait for every patch to clear stage 0 (a full pipeline "
     "bubble every step), and a skipped step leaves every stage's stale K/V one more step behind; run the "
     "cache on ulysses/ring/cfg/tensor/data instead"
+)
+
+#: Arrays a call may pass instead of what the encoders make: checked finite before any work.
+GIVEN_ARRAYS = (
+    "prompt_embeds",
+    "pooled_prompt_embeds",
+    "negative_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+    "image_embeds",
+    "condition",
 )
 
 
@@ -212,6 +225,7 @@ class DiffusionPipeline:
         """Run one request: checks, conditioning, the denoising loop, decoding."""
         request = self.with_defaults(request)
         request.check()
+        finite.check_arrays("request", {name: getattr(request, name) for name in GIVEN_ARRAYS}, given=True)
         if request.output_type != "latent" and self.decode is None:
             raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
         if request.cache is not None and self.parallel.pipefusion > 1:
@@ -224,9 +238,11 @@ class DiffusionPipeline:
             prepared.inputs, progress=request.progress, callback=request.callback, **options
         )
         latents = prepared.to_latents(result.tokens)
+        finite.check_arrays("denoising step", {"final latents": latents})
         images = None
         if request.output_type != "latent":
             images = self.decode(latents)
+            finite.check_arrays("VAE decode", {"decoded pixels": images})
             if request.output_type == "pil":
                 images = to_pil(images)
         return GenerationOutput(images=images, latents=latents, seconds=result.seconds, cache=result.cache)
@@ -282,7 +298,11 @@ class DiffusionPipeline:
         options = {}
         if request.max_sequence_length is not None:
             options["max_sequence_length"] = request.max_sequence_length
-        return self.encode(prompts, **options)
+        check_prompts(prompts, what)
+        encoded = self.encode(prompts, **options)
+        outputs = jax.tree.leaves(encoded)
+        finite.check_arrays("text encoder", {f"{what} embeddings [{k}]": v for k, v in enumerate(outputs)})
+        return encoded
 
     @staticmethod
     def repeat_per_prompt(x: np.ndarray | None, request: GenerationRequest) -> np.ndarray | None:

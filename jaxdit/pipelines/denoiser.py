@@ -46,6 +46,7 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.cfg import combine_branches, replicate_branches
 from jaxdit.parallel.layout import SequenceLayout
+from jaxdit.pipelines import finite
 from jaxdit.samplers.sampler import Sampler
 from sharding_rules import logical_to_spec
 
@@ -208,7 +209,7 @@ class Denoiser:
     # ------------------------------------------------------------------ step
     def _step_parts(self, names: tuple[str, ...], cfg: bool) -> tuple[Callable, Callable]:
         """The two halves of a step around the forward: its inputs from the latent tokens, and the update
-        of the tokens from its prediction (CFG combine, then the sampler)."""
+        of the tokens from its prediction (CFG combine, then the sampler) with the step's finiteness flags."""
         mesh, sampler, hooks, dtype = self.mesh, self.sampler, self.hooks, self.dtype
 
         def forward_inputs(x, i, schedule, context, extras):
@@ -222,16 +223,23 @@ class Denoiser:
             )
             return tuple(inputs[n] for n in names)
 
+        prediction_spec = self.forward.spec(self.forward.output)
+
         def update(v, x, state, i, schedule, scale):
+            prediction = v
             if cfg:
                 v = combine_branches(v, scale, mesh, seq_sharded=True)
-            return sampler.step(schedule, i, state, x, hooks.prediction(v))
+            x, state = sampler.step(schedule, i, state, x, hooks.prediction(v))
+            # Per device: are its shards of the prediction and of the update finite (no collective).
+            seen = finite.shard_flags(mesh, [(prediction, prediction_spec), (x, self.latent_sharding.spec)])
+            return x, state, seen
 
         return forward_inputs, update
 
     def step_fn(self, layout: SequenceLayout, names: tuple[str, ...], cfg: bool) -> Callable:
-        """``step(params, x, state, i, schedule, context, extras, scale) -> (x, state, i + 1)``, jitted;
-        ``x`` and the sampler state are donated (updated in place)."""
+        """``step(params, x, state, i, schedule, context, extras, scale) -> (x, state, i + 1, finite)``,
+        jitted; ``x`` and the sampler state are donated (updated in place). ``finite``: per device, whether
+        its shards of the prediction and of the update are finite (``finite.shard_flags``)."""
         key = (layout, names, cfg)
         if key in self._steps:
             return self._steps[key]
@@ -240,12 +248,17 @@ class Denoiser:
 
         def step(params, x, state, i, schedule, context, extras, scale):
             v = forward(params, *forward_inputs(x, i, schedule, context, extras))
-            x, state = update(v, x, state, i, schedule, scale)
-            return x, state, i + 1
+            x, state, seen = update(v, x, state, i, schedule, scale)
+            return x, state, i + 1, seen
 
         self._steps[key] = jax.jit(
             step,
-            out_shardings=(self.latent_sharding, self.latent_sharding, self.replicated),
+            out_shardings=(
+                self.latent_sharding,
+                self.latent_sharding,
+                self.replicated,
+                finite.flags_sharding(self.mesh),
+            ),
             donate_argnums=(1, 2),
             compiler_options=self.compiler_options,
         )
@@ -260,7 +273,7 @@ class Denoiser:
         shapes: Mapping[str, Any],
     ) -> Callable:
         """:meth:`step_fn` with a feature cache: ``step(params, x, state, cache, i, schedule, context,
-        extras, scale) -> (x, state, cache, i + 1)``, jitted; the cache state is donated too and stays
+        extras, scale) -> (x, state, cache, i + 1, finite)``, jitted; the cache state is donated too and stays
         on the devices from step to step."""
         key = (layout, names, cfg, cached.policy)
         if key in self._steps:
@@ -270,8 +283,8 @@ class Denoiser:
 
         def step(params, x, state, cache, i, schedule, context, extras, scale):
             v, cache = forward(params, cache, *forward_inputs(x, i, schedule, context, extras))
-            x, state = update(v, x, state, i, schedule, scale)
-            return x, state, cache, i + 1
+            x, state, seen = update(v, x, state, i, schedule, scale)
+            return x, state, cache, i + 1, seen
 
         self._steps[key] = jax.jit(
             step,
@@ -280,6 +293,7 @@ class Denoiser:
                 self.latent_sharding,
                 cached.shardings(shapes),
                 self.replicated,
+                finite.flags_sharding(self.mesh),
             ),
             donate_argnums=(1, 2, 3),
             compiler_options=self.compiler_options,
@@ -336,12 +350,15 @@ class Denoiser:
         pick, scale_of = self._per_step(inputs, params, scale)
         self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest, scale)))
         start = time.perf_counter()
+        watch = finite.StepWatch(self.mesh, inputs.steps)
         for n in progress_bar(range(inputs.steps), progress, inputs.steps):
-            x, state, i = step(pick(n), x, state, i, *rest, scale_of(n))
+            x, state, i, seen = step(pick(n), x, state, i, *rest, scale_of(n))
+            watch.add(n, seen)
             if callback is not None:
                 x.block_until_ready()  # the callback sees finished steps, not just dispatched ones
                 if callback(n + 1, inputs.steps) is False:
                     raise GenerationCancelled(f"stopped after step {n + 1} of {inputs.steps}")
+        watch.finish()
         tokens = fetch(x)  # across processes too
         seconds = time.perf_counter() - start
         return DenoiseResult(layout.unpad(tokens, self.group, axis=1), seconds)
@@ -405,12 +422,15 @@ class Denoiser:
             jax.tree.map(abstract_like, (pick(0), x, state, cache_state, i, *rest, scale)),
         )
         start = time.perf_counter()
+        watch = finite.StepWatch(self.mesh, steps)
         for s in progress_bar(range(steps), progress, steps):
-            x, state, cache_state, i = step(pick(s), x, state, cache_state, i, *rest, scale_of(s))
+            x, state, cache_state, i, seen = step(pick(s), x, state, cache_state, i, *rest, scale_of(s))
+            watch.add(s, seen)
             if callback is not None:
                 x.block_until_ready()
                 if callback(s + 1, steps) is False:
                     raise GenerationCancelled(f"stopped after step {s + 1} of {steps}")
+        watch.finish()
         tokens = fetch(x)
         seconds = time.perf_counter() - start
         report = cached.report(cache_state, shapes)

@@ -527,8 +527,10 @@ class FluxVAE:
         """Scaled latents (as the transformer sees them), NCHW -> images NHWC in [-1, 1] (fp32)."""
         cfg = self.config
         z = jnp.asarray(z_scaled, jnp.float32) / cfg.scaling_factor + cfg.shift_factor
-        x = self.decode(z, mesh)
-        return jnp.clip(jnp.transpose(x.astype(jnp.float32), (0, 2, 3, 1)), -1.0, 1.0)
+        x = jnp.transpose(self.decode(z, mesh).astype(jnp.float32), (0, 2, 3, 1))
+        # Clipping would turn an overflow (inf) into a plausible white pixel: non-finite values stay NaN so
+        # that the pipeline's check of the decoded pixels sees them.
+        return jnp.where(jnp.isfinite(x), jnp.clip(x, -1.0, 1.0), jnp.nan)
 
 
 def num_parameters(config: VAEConfig) -> int:

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxdit.parallel.pipefusion import validate_pipefusion
+from jaxdit.pipelines import finite
 from jaxdit.pipelines.denoiser import abstract_like
 from jaxdit.pipelines.denoiser import progress_bar as _progress
 from jaxdit.pipelines.pipefusion.family import PatchFamily
@@ -143,8 +144,13 @@ class PipeFusionRunner:
         warm = programs.warmup()
         args = (params, lat, state, kv, placed, sched, jnp.int32(0), scale)
         self.last_programs = {"warmup": (warm, jax.tree.map(abstract_like, args)), "pipelined": None}
+        # Non-finite values: the K/V buffers (the transformer's) and the latents after each warm-up step.
+        stages = (finite.KV_STAGE,) * len(jax.tree.leaves(kv)) + ("denoising step",)
+        watch = finite.StepWatch(self.model.mesh, num_inference_steps, stages)
         for i in _progress(range(warmup_steps), progress, warmup_steps):
             lat, state, kv = warm(params, lat, state, kv, placed, sched, jnp.int32(i), scale)
+            watch.add(i, finite.array_flags(self.model.mesh, [*jax.tree.leaves(kv), lat]))
+        watch.finish()
         remaining = num_inference_steps - warmup_steps
         if remaining:
             run = programs.asynchronous(remaining, warmup_steps)
@@ -153,6 +159,9 @@ class PipeFusionRunner:
             lat = run(*args)
         # The copy of the stage where a patch's step ends holds the result (the others: what they computed).
         out = np.asarray(jax.device_get(lat[programs.schedule(1).last_stage]))
+        if remaining:
+            phase = f"the latents after the pipelined steps {warmup_steps + 1}-{num_inference_steps}"
+            finite.check_arrays("denoising step", {phase: out})
         return g.from_patches(out, 1)
 
 

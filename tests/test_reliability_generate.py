@@ -1,0 +1,233 @@
+"""No silent wrong pictures and no work thrown away: non-finite values stop a generation where they first
+appear (nothing is decoded or written), and what can be checked before loading is checked first.
+
+Every case asserts the exception (or the CLI's exit code 2), that the message names the problem, and that
+nothing was written. The CLI cases run ``jaxdit.cli.main`` as a user would.
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tiny_pipelines
+from flax import nnx
+from reliability_support import listing, variant
+
+from jaxdit import cli
+from jaxdit.cache import FirstBlockCache
+from jaxdit.generate import GenerateRequest, check_request
+from jaxdit.mesh import ParallelConfig
+from jaxdit.pipelines import finite
+from jaxdit.pipelines.finite import NonFiniteError
+from jaxdit.pipelines.flux import tiny_digits
+
+FAST = {"xla_backend_optimization_level": 0}
+CALL = dict(
+    negative_prompt="", true_cfg_scale=3.0, height=16, width=16, num_inference_steps=3, seed=1, progress=False
+)
+
+
+@functools.cache
+def _tiny(**degrees):
+    config = ParallelConfig(**degrees)
+    return tiny_digits(config.make_mesh(jax.devices()[: config.num_devices]), compiler_options=FAST)
+
+
+def _set_param(pipe, name: str, fill) -> np.ndarray:
+    """Overwrite the parameter whose path ends in ``name`` with ``fill`` (same sharding); returns the old."""
+    state, _, _ = pipe.lora_targets()
+    for path, var in nnx.to_flat_state(state):
+        if ".".join(map(str, path)).endswith(name):
+            old = var.get_value()
+            var.set_value(jax.device_put(jnp.full(old.shape, fill, old.dtype), old.sharding))
+            return old
+    raise KeyError(name)
+
+
+@pytest.fixture
+def nan_input_layer():
+    """tiny-digits pipelines (one device; cfg2 x ring2 x ulysses2; pipefusion2) whose input projection is
+    NaN for the test, restored after it."""
+    broken = []
+
+    def corrupt(**degrees):
+        pipe = _tiny(**degrees)
+        broken.append((pipe, _set_param(pipe, "img_in.kernel", np.nan)))
+        return pipe
+
+    yield corrupt
+    for pipe, old in broken:
+        state, _, _ = pipe.lora_targets()
+        for path, var in nnx.to_flat_state(state):
+            if ".".join(map(str, path)).endswith("img_in.kernel"):
+                var.set_value(old)
+
+
+@pytest.mark.parametrize("degrees", [{}, dict(cfg=2, ring=2, ulysses=2)])
+def test_nan_weights_stop_at_the_transformer_output_of_the_first_step(nan_input_layer, degrees):
+    pipe = nan_input_layer(**degrees)
+    with pytest.raises(NonFiniteError, match="transformer output at denoising step 1 of 3") as e:
+        pipe("0123", **CALL)
+    assert e.value.stage == "transformer output" and e.value.step == 1
+    assert len(e.value.devices) == max(1, ParallelConfig(**degrees).num_devices)  # every shard is NaN
+    assert "nothing was decoded or written" in str(e.value)
+
+
+def test_the_cached_loop_checks_too(nan_input_layer):
+    pipe = nan_input_layer()
+    with pytest.raises(NonFiniteError, match="transformer output at denoising step 1"):
+        pipe("0123", cache=FirstBlockCache(threshold=0.2), **CALL)
+
+
+def test_pipefusion_names_the_attention_kv_of_its_warmup(nan_input_layer):
+    pipe = nan_input_layer(pipefusion=2)
+    with pytest.raises(NonFiniteError, match="K/V at denoising step 1"):
+        pipe("0123", num_pipeline_patch=2, **CALL)
+
+
+def test_decoded_pixels_are_checked():
+    pipe = _tiny()
+    decode = pipe.decode
+    pipe.decode = lambda z: np.full_like(decode(z), np.inf)  # a VAE whose output overflowed
+    try:
+        with pytest.raises(NonFiniteError, match="VAE decode"):
+            pipe("7", **CALL)
+    finally:
+        pipe.decode = decode
+
+
+def test_a_healthy_run_passes_the_checks_unchanged():
+    """The flags add no collective and change no value: same picture as the step without them would give
+    (the cached reference is the first call; a second call reuses the compiled step)."""
+    pipe = _tiny(cfg=2, ring=2, ulysses=2)
+    first = pipe("0123", **CALL).images
+    second = pipe("0123", **CALL).images
+    assert np.isfinite(first).all() and np.array_equal(first, second)
+
+
+def test_flags_are_per_device_rows_without_a_collective():
+    mesh = ParallelConfig(ring=2, ulysses=2).make_mesh(jax.devices()[:4])
+    spec = jax.sharding.PartitionSpec(None, ("ring", "ulysses"))
+    x = jax.device_put(np.ones((2, 8), np.float32), jax.sharding.NamedSharding(mesh, spec))
+    x = x.at[0, 5].set(np.nan)  # in the third shard (columns 4-5)
+    hlo = jax.jit(lambda a: finite.shard_flags(mesh, [(a, spec)])).lower(x).compile().as_text()
+    assert not any(op in hlo for op in ("all-reduce", "all-gather", "all-to-all", "collective-permute"))
+    with pytest.raises(NonFiniteError, match="1 of 4 devices") as e:
+        finite.check_flags(finite.array_flags(mesh, [x]), mesh, ["sampler update"], step=2, steps=4)
+    assert e.value.devices == (mesh.devices.flat[2].id,)
+
+
+# ------------------------------------------------------------------------------------------ the CLI
+
+
+@pytest.fixture(scope="module")
+def flux_folder():
+    return tiny_pipelines.flux_folder()
+
+
+def _overflowing(folder, dst, component: str, key: str):
+    """A copy of a pipeline folder whose ``component`` tensors named like ``key`` are all a finite value
+    so large (the dtype's max / 2) that the first matmul through them overflows."""
+    shutil.copytree(folder, dst, ignore=lambda d, names: [component] if d == str(folder) else [])
+
+    def edit(tensors):
+        for name, value in tensors.items():
+            if key in name:
+                tensors[name] = np.full_like(value, np.finfo(value.dtype).max / 2)
+
+    variant(folder / component, dst / component, edit)
+    return dst
+
+
+FLUX_ARGS = ["--prompt", "a cube", "--height", "16", "--width", "16", "--steps", "2"]
+FLUX_ARGS += ["--max_sequence_length", "8", "--ulysses_degree", "2"]
+
+
+@pytest.mark.parametrize(
+    "component, key, stage",
+    [("transformer", "proj_out.weight", "transformer output"), ("vae", "conv_out.weight", "VAE decode")],
+)
+def test_cli_overflowing_weights_exit_2_naming_the_stage_and_write_nothing(
+    flux_folder, tmp_path, capsys, component, key, stage
+):
+    folder = _overflowing(flux_folder, tmp_path / "flux", component, key)
+    out = tmp_path / "out" / "cube.png"
+    before = listing(tmp_path)
+    assert cli.main(["generate", "--weights", str(folder), *FLUX_ARGS, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"first appeared in the {stage}" in err and "nothing was decoded or written" in err
+    assert err.count("\n") == 1  # one line, no traceback
+    assert listing(tmp_path) == before  # not even the output's folder
+
+
+# ------------------------------------------------------------------------ checked before any loading
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(prompt=""), "--prompt is empty"),
+        (dict(prompt="7" * 65), "at most 64 digits"),
+        (dict(height=4000, width=4000), "trained on 16x16"),
+        (dict(output="/proc/no/such.png"), "cannot write in /proc"),
+        (dict(prompt="12\udcff"), "prompt is digits 0-9"),
+    ],
+)
+def test_tiny_requests_refused_before_any_work(kwargs, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        check_request(GenerateRequest(**kwargs))
+
+
+def test_output_that_is_a_folder_or_under_a_file(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a folder"):
+        check_request(GenerateRequest(output=str(tmp_path)))
+    with pytest.raises(ValueError, match="is a file, so no folder can be made there"):
+        check_request(GenerateRequest(output=str(tmp_path / "file" / "x.png")))
+
+
+def test_tiny_at_another_size_draws_and_skips_the_judge(tmp_path, capsys):
+    out = tmp_path / "digits.png"
+    assert cli.main(["generate", "--prompt", "37", "--height", "20", "--width", "20", "--steps", "2",
+                     "--output", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "reads 16x16 pictures: not run at this size" in printed and out.is_file()
+
+
+def test_undecodable_prompt_for_a_folder(flux_folder):
+    with pytest.raises(ValueError, match=r"not valid UTF-8 text: character 2 is '\\udcff' \(the byte 0xff\)"):
+        check_request(GenerateRequest(weights=str(flux_folder), prompt="ab\udcff"))
+
+
+def test_unreadable_first_frame(tmp_path):
+    wan_i2v, _ = tiny_pipelines.wan_i2v()
+    bad = tmp_path / "frame.png"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    with pytest.raises(ValueError, match="is not a picture Pillow can read"):
+        check_request(GenerateRequest(weights=str(wan_i2v), prompt="a", image=str(bad)))
+
+
+@pytest.mark.parametrize(
+    "arrays, message",
+    [
+        (dict(prompt_embeds=np.full((1, 4, 8), np.nan, np.float32)), "holds 32 NaN/inf"),
+        (dict(prompt_embeds=np.ones((1, 4, 8), np.int32)), "is int32; embeddings are floating-point"),
+    ],
+)
+def test_bad_embeddings_named_before_the_checkpoint_loads(tmp_path, arrays, message):
+    path = tmp_path / "e.npz"
+    np.savez(path, **arrays)
+    with pytest.raises(ValueError, match=message):
+        check_request(GenerateRequest(model="flux-dev", weights=str(tmp_path), prompt_embeds=str(path)))
+
+
+def test_a_request_beyond_the_devices_memory_is_refused_before_loading(flux_folder, capsys):
+    argv = ["generate", "--weights", str(flux_folder), "--prompt", "a", "--height", "100000"]
+    assert cli.main([*argv, "--width", "100000", "--output", "/tmp/never-written.png"]) == 2
+    err = capsys.readouterr().err
+    assert "GiB per device" in err and "each device has" in err
