@@ -176,6 +176,11 @@ class GenerateRequest:
         """Names and shapes of the arrays in the ``--prompt_embeds`` file (read without jax)."""
         return None if self.prompt_embeds is None else _embedding_shapes(self.prompt_embeds)
 
+    @property
+    def tiny_prompt(self) -> str:
+        """tiny-digits' prompt: all ten digits when none is given; an empty one is the unconditional branch."""
+        return "0123456789" if self.prompt is None else self.prompt
+
     def call(self) -> GenerationRequest:
         """The pipeline call: every unset flag takes the family pipeline's call default (tiny-digits: its
         training record's), so ``jaxdit generate`` and ``pipe(...)`` agree."""
@@ -187,7 +192,7 @@ class GenerateRequest:
         if self.is_tiny and negative is None:
             negative = ""  # the tiny model's empty prompt is its unconditional branch: CFG by default
         return GenerationRequest(
-            prompt=(self.prompt or "0123456789") if self.is_tiny else self.prompt,
+            prompt=self.tiny_prompt if self.is_tiny else self.prompt,
             negative_prompt=negative,
             height=pick("height", self.height),
             width=pick("width", self.width),
@@ -292,12 +297,7 @@ def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
 
 
 def _check_tiny(r: GenerateRequest) -> None:
-    if r.prompt is not None and not r.prompt.strip():
-        raise ValueError(
-            "tiny-digits: --prompt is empty; give the digits to draw (e.g. --prompt 0123456789), or leave "
-            "--prompt out to draw 0-9 (the empty prompt is the model's unconditional branch, its negative prompt)"
-        )
-    digits = tiny.parse_prompt(r.prompt or "0123456789")
+    digits = tiny.parse_prompt(r.tiny_prompt)
     if len(digits) > TINY_MAX_DIGITS:
         raise ValueError(
             f"tiny-digits draws at most {TINY_MAX_DIGITS} digits per run; the prompt has {len(digits)}"
@@ -436,10 +436,14 @@ def _check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) -
         config = r.family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
     call = r.call()
     shapes = r.embeddings or {}
+    # The workload counts tokens with the family's usual VAE factor; a folder whose VAE has another one
+    # is priced at the nearest size that factor divides (the check only refuses what cannot fit).
+    multiple = r.family.size_multiple(None)
+    up = lambda n: -(-n // multiple) * multiple
     workload = Workload.for_config(
         config,
-        height=call.height,
-        width=call.width,
+        height=up(call.height),
+        width=up(call.width),
         frames=call.num_frames or 1,
         steps=call.num_inference_steps,
         branches=2 if _uses_cfg(r, call) else 1,
@@ -591,6 +595,10 @@ def run(r: GenerateRequest) -> int:
     _check_memory(r, parallel, devices[: parallel.num_devices])
     mesh = parallel.make_mesh(devices[: parallel.num_devices])
     label = r.weights if r.folder is not None else r.model
+    if r.is_tiny and not r.tiny_prompt.strip():
+        say(
+            "tiny-digits: the empty prompt asks for no digit: one unconditional sample (the judge does not apply)"
+        )
     say(f"{label}: {parallel.describe()} on {parallel.num_devices} {devices[0].platform} device(s)")
     start = time.perf_counter()
     pipe = build(r, mesh)
@@ -641,7 +649,7 @@ def _judge(r: GenerateRequest, result: Any) -> None:
     """tiny-digits: how many pictures a held-out classifier reads as the digit asked for."""
     from jaxdit.pipelines.digits import DigitJudge
 
-    labels = np.asarray(tiny.parse_prompt(r.prompt or "0123456789"))
+    labels = np.asarray(tiny.parse_prompt(r.tiny_prompt))
     if result.images.shape[1:3] != (TINY_SIZE, TINY_SIZE):
         print(f"the held-out digit judge reads {TINY_SIZE}x{TINY_SIZE} pictures: not run at this size")
     elif (labels != tiny.NULL_LABEL).all():

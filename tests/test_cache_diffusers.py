@@ -134,7 +134,11 @@ def test_wan_first_block_cache_matches_diffusers(diffusers_decisions):
     # The random model's block-0 residual changes by 0.77-1.5 a step: 1.2 gives 1 0 1 0 1 0 (each ratio
     # >= 0.2 from the threshold; steps 2 and 4 compare with the residual of the step before the skip).
     threshold = 1.2
-    model = copy.deepcopy(wan_tiny.model(False))
+    # A fresh model from the saved folder, as a user loads it (a copy of the shared test model would carry
+    # the hook registry a diffusers pipeline call may have left on it).
+    from diffusers import WanTransformer3DModel
+
+    model = WanTransformer3DModel.from_pretrained(wan_tiny.diffusers_folder(False))
     apply_first_block_cache(model, FirstBlockCacheConfig(threshold=threshold))
     scheduler = _diffusers_scheduler()
     latents = torch.from_numpy(latent_ops.initial_noise(0, WAN_LATENT))

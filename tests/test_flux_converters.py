@@ -63,7 +63,7 @@ def bfl_file(tmp_path_factory, bfl_dict):
     ("preset", "bfl_keys", "diffusers_keys"), [("flux-dev", 780, 1160), ("flux-schnell", 776, 1156)]
 )
 def test_tables_cover_full_size_flux(preset, bfl_keys, diffusers_keys):
-    # Tensor counts of the real checkpoints (reference/flux-wan-facts.md section 1).
+    # Tensor counts of the real checkpoints (black-forest-labs/FLUX.1-dev and -schnell, flux1-*.safetensors).
     cfg = FluxConfig.preset(preset)
     params = set(parameter_shapes(cfg))
     for table, n in ((bfl_table(cfg), bfl_keys), (diffusers_table(cfg), diffusers_keys)):

@@ -2,7 +2,7 @@
 emulated CPU devices from ``jax.ShapeDtypeStruct`` parameters and inputs in bf16, with ulysses8 and with
 ring2 x ulysses4. Prints compile time and the per-device memory the compiled program reports.
 
-Memory caveat (reference/jax-facts.md): the CPU backend computes bf16 dots in f32 and keeps f32 copies of
+Memory caveat: the CPU backend computes bf16 dots in f32 and keeps f32 copies of
 the bf16 weights in ``temp``, so a bf16 program's temp on CPU is about twice the weights; the activations
 are what an fp32 compile reports as temp (printed too). CPU collectives also carry bf16 as f32.
 """

@@ -26,7 +26,11 @@ FLUX_COMPONENTS = (
 # The model classes a pipeline's transformer and VAE must be (other components are not checked).
 _MODEL_CLASSES = {
     "FluxPipeline": {"transformer": "FluxTransformer2DModel", "vae": "AutoencoderKL"},
-    "WanPipeline": {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan"},
+    "WanPipeline": {
+        "transformer": "WanTransformer3DModel",
+        "transformer_2": "WanTransformer3DModel",
+        "vae": "AutoencoderKLWan",
+    },
     "WanImageToVideoPipeline": {"transformer": "WanTransformer3DModel", "vae": "AutoencoderKLWan"},
 }
 

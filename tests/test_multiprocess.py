@@ -66,7 +66,9 @@ def _free_port() -> int:
 def _worker_env() -> dict[str, str]:
     env = dict(os.environ)
     # This process runs with 8 devices (conftest); the worker sets its own count before importing jax.
-    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+    ).strip()  # XLA reads a value that does not start with "--" as a file name
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)

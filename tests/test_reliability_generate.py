@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tiny_pipelines
 from flax import nnx
+from PIL import Image
 from reliability_support import listing, variant
 
 from jaxdit import cli
@@ -171,7 +172,6 @@ def test_cli_overflowing_weights_exit_2_naming_the_stage_and_write_nothing(
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(prompt=""), "--prompt is empty"),
         (dict(prompt="7" * 65), "at most 64 digits"),
         (dict(height=4000, width=4000), "trained on 16x16"),
         (dict(output="/proc/no/such.png"), "cannot write in /proc"),
@@ -181,6 +181,16 @@ def test_cli_overflowing_weights_exit_2_naming_the_stage_and_write_nothing(
 def test_tiny_requests_refused_before_any_work(kwargs, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         check_request(GenerateRequest(**kwargs))
+
+
+def test_tiny_empty_prompt_says_it_draws_one_unconditional_sample(tmp_path, capsys):
+    out = tmp_path / "blank.png"
+    assert cli.main(["generate", "--prompt", "", "--steps", "1", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert (
+        "one unconditional sample (the judge does not apply)" in printed and "judge recognises" not in printed
+    )
+    assert np.asarray(Image.open(out)).shape[:2] == (8 * 16, 8 * 16)  # one picture, drawn 8x
 
 
 def test_output_that_is_a_folder_or_under_a_file(tmp_path):

@@ -298,7 +298,9 @@ def test_check_inputs_for_wan22_variants():
 
 def _index_folder(root, class_name, components, **settings):
     root.mkdir(parents=True)
-    index = {"_class_name": class_name, **{c: ["x", "y"] for c in components}, **settings}
+    models = {"transformer": "WanTransformer3DModel", "transformer_2": "WanTransformer3DModel"}
+    models["vae"] = "AutoencoderKLWan"  # the Wan 2.2 VAE too: diffusers' class is the same
+    index = {"_class_name": class_name, **{c: ["x", models.get(c, "y")] for c in components}, **settings}
     (root / "model_index.json").write_text(json.dumps(index))
     for c in components:
         (root / c).mkdir()

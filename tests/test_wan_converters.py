@@ -32,7 +32,7 @@ def test_original_table_round_trip_and_norm_swap(i2v):
     cfg, sd = wan_tiny.config(i2v), wan_tiny.state_dict(i2v)
     params = cw.diffusers_to_params(cfg, sd)
     original = invert(cw.original_table(cfg), params)
-    # The original names and shapes (reference/flux-wan-facts.md section 4), at the tiny size.
+    # The original names and shapes (Wan-AI's wan/modules/model.py), at the tiny size.
     assert original["patch_embedding.weight"].shape == (96, wan_tiny.in_channels(i2v), 1, 2, 2)
     assert original["blocks.1.modulation"].shape == (1, 6, 96)
     assert original["head.modulation"].shape == (1, 2, 96)
@@ -75,7 +75,7 @@ def test_patch_embedding_is_the_conv():
 
 
 def test_presets_have_the_published_parameter_counts():
-    # Measured on the original WanModel (reference/flux-wan-facts.md section 3): 1.419 B, 14.288 B, 16.395 B.
+    # Measured on the original WanModel (Wan-AI's wan/modules/model.py at the three sizes): 1.419 B, 14.288 B, 16.395 B.
     for name, billions in (
         ("wan2.1-t2v-1.3b", 1.419),
         ("wan2.1-t2v-14b", 14.288),

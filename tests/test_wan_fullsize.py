@@ -5,8 +5,8 @@ The latent is 16 x 21 x 90 x 160, i.e. 21 x 45 x 80 = 75,600 video tokens after 
 nothing is allocated; the test prints compile time, the collectives per step and per-device memory.
 
 CPU memory figures: the CPU backend computes bf16 dots in fp32 and keeps fp32 copies of the bf16 weights
-in ``temp`` (reference/jax-facts.md), so ``temp`` is about twice the bf16 arguments there; a GPU holds the
-arguments plus the activations. The test also reports ``temp - 2 x arguments`` as the activation estimate.
+in ``temp``, so ``temp`` is about twice the bf16 arguments there; a GPU holds the arguments plus the
+activations. The test also reports ``temp - 2 x arguments`` as the activation estimate.
 """
 
 import functools

@@ -193,7 +193,8 @@ def test_encode_memory_falls_with_devices(vae, encoded):
 def test_config_and_preset():
     preset = WanVAEConfig.preset("wan2.1-vae")
     total = sum(int(np.prod(s)) for s in parameter_shapes(preset).values())
-    assert round(total / 1e6, 1) == 126.9  # reference/flux-wan-facts.md section 6
+    # The parameter count of Wan-AI's Wan2.1_VAE.pth.
+    assert round(total / 1e6, 1) == 126.9
     assert (preset.temporal_factor, preset.spatial_factor) == (4, 8)
     # Wan 2.2's residual VAE (tests/test_wan22_vae.py) and encoder attention (tests/test_wan_vae_configs.py)
     # are supported; a configuration diffusers refuses is refused, with the numbers.

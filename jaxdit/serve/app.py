@@ -38,6 +38,9 @@ __all__ = ["create_app"]
 
 #: The largest request body read (a prompt of a few thousand characters is a few KiB).
 MAX_BODY_BYTES = 1 << 20
+#: A body over the limit but under this is read and discarded before the 413, so that the client, still
+#: sending, reads the answer instead of a connection reset; a larger one is answered at once.
+DRAIN_BYTES = 64 << 20
 
 
 def _error(e: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -47,6 +50,9 @@ def _error(e: RequestError, headers: dict[str, str] | None = None) -> JSONRespon
 async def _read_json(request: Request) -> dict[str, Any]:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        if int(size) <= DRAIN_BYTES:
+            async for _ in request.stream():
+                pass
         raise RequestError(f"the body is {size} bytes; the limit is {MAX_BODY_BYTES}", "body", status=413)
     raw = b""
     async for chunk in request.stream():
