@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import wan_tiny
 from diffusers import UniPCMultistepScheduler
+from PIL import Image
 
 from converters.wan import write_original
 from jaxdit.families import load_transformer, open_folder
@@ -396,7 +397,9 @@ def test_generate_checks_wan22_flags(tmp_path):
         with pytest.raises(ValueError, match=message):
             check_request(request(**kwargs))
     check_request(request(weights=str(ti2v), height=704, width=1280, num_frames=121, model="wan2.2-ti2v-5b"))
-    check_request(request(weights=str(i2v), image=__file__, guidance_scale_2=3.0, offload_idle_expert=True))
+    frame = tmp_path / "frame.png"
+    Image.new("RGB", (16, 16)).save(frame)
+    check_request(request(weights=str(i2v), image=str(frame), guidance_scale_2=3.0, offload_idle_expert=True))
 
 
 # --------------------------------------------------------------------------------------------------------

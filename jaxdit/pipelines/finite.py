@@ -32,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdit.distributed import fetch
+
 __all__ = [
     "KV_STAGE",
     "STEP_STAGES",
@@ -170,7 +172,7 @@ def check_flags(
 ) -> None:
     """Raise :class:`NonFiniteError` naming the first of ``stages`` (the flags' columns) some device flagged
     and the devices that did. ``step``: 1-based, for the message."""
-    flags = np.asarray(jax.device_get(flags), bool)
+    flags = np.asarray(fetch(flags), bool)  # across processes too
     if flags.all():
         return
     ids = [d.id for d in mesh.devices.flat]
@@ -185,7 +187,8 @@ class StepWatch:
 
     ``add(step, flags)`` after each step is dispatched: the flags of every step already finished are read
     then (a finished array is read without waiting), so a failing run stops early; ``finish()`` reads the
-    rest. The first step (in order) with a flag down raises :class:`NonFiniteError`.
+    rest. The first step (in order) with a flag down raises :class:`NonFiniteError`. Across processes
+    the flags are read in :meth:`finish` only (each read is an all-gather every process must join).
     """
 
     def __init__(self, mesh: Mesh, steps: int, stages: Sequence[str] = STEP_STAGES) -> None:
@@ -194,6 +197,8 @@ class StepWatch:
 
     def add(self, step: int, flags: jax.Array) -> None:
         self.pending.append((step, flags))
+        if not flags.is_fully_addressable:
+            return  # across processes reading is a collective: every process reads at the same points
         while self.pending and self.pending[0][1].is_ready():
             self._check(*self.pending.pop(0))
 
