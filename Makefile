@@ -27,7 +27,8 @@ demo-attention: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m pytest -q
+	# Two workers (CI has 2 cores); a test file stays on one worker (its module-level fixtures are shared).
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check .
