@@ -83,3 +83,17 @@ def largest_data_file(checkpoint: Path) -> Path:
     """The biggest file of an orbax checkpoint's tensor data (where the weights' bytes are)."""
     files = [p for p in (checkpoint / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
     return max(files, key=lambda p: p.stat().st_size)
+
+
+def overflowing_copy(pipeline: Path, dst: Path, component: str, key: str) -> Path:
+    """A copy of a pipeline folder whose ``component`` tensors named like ``key`` hold one finite value so
+    large (the dtype's max / 2) that the first matmul through them overflows: finite weights, inf output."""
+    shutil.copytree(pipeline, dst, ignore=lambda d, names: [component] if d == str(pipeline) else [])
+
+    def edit(tensors):
+        for name, value in tensors.items():
+            if key in name:
+                tensors[name] = np.full_like(value, np.finfo(value.dtype).max / 2)
+
+    variant(pipeline / component, dst / component, edit)
+    return dst

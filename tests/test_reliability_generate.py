@@ -8,7 +8,6 @@ nothing was written. The CLI cases run ``jaxdit.cli.main`` as a user would.
 from __future__ import annotations
 
 import functools
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,7 @@ import pytest
 import tiny_pipelines
 from flax import nnx
 from PIL import Image
-from reliability_support import listing, variant
+from reliability_support import listing, overflowing_copy
 
 from jaxdit import cli
 from jaxdit.cache import FirstBlockCache
@@ -131,20 +130,6 @@ def flux_folder():
     return tiny_pipelines.flux_folder()
 
 
-def _overflowing(folder, dst, component: str, key: str):
-    """A copy of a pipeline folder whose ``component`` tensors named like ``key`` are all a finite value
-    so large (the dtype's max / 2) that the first matmul through them overflows."""
-    shutil.copytree(folder, dst, ignore=lambda d, names: [component] if d == str(folder) else [])
-
-    def edit(tensors):
-        for name, value in tensors.items():
-            if key in name:
-                tensors[name] = np.full_like(value, np.finfo(value.dtype).max / 2)
-
-    variant(folder / component, dst / component, edit)
-    return dst
-
-
 FLUX_ARGS = ["--prompt", "a cube", "--height", "16", "--width", "16", "--steps", "2"]
 FLUX_ARGS += ["--max_sequence_length", "8", "--ulysses_degree", "2"]
 
@@ -156,7 +141,7 @@ FLUX_ARGS += ["--max_sequence_length", "8", "--ulysses_degree", "2"]
 def test_cli_overflowing_weights_exit_2_naming_the_stage_and_write_nothing(
     flux_folder, tmp_path, capsys, component, key, stage
 ):
-    folder = _overflowing(flux_folder, tmp_path / "flux", component, key)
+    folder = overflowing_copy(flux_folder, tmp_path / "flux", component, key)
     out = tmp_path / "out" / "cube.png"
     before = listing(tmp_path)
     assert cli.main(["generate", "--weights", str(folder), *FLUX_ARGS, "--output", str(out)]) == 2
@@ -241,3 +226,45 @@ def test_a_request_beyond_the_devices_memory_is_refused_before_loading(flux_fold
     assert cli.main([*argv, "--width", "100000", "--output", "/tmp/never-written.png"]) == 2
     err = capsys.readouterr().err
     assert "GiB per device" in err and "each device has" in err
+
+
+# ------------------------------------------------------------------ the forward callables' arguments
+
+
+@pytest.fixture(scope="module")
+def flux_forward():
+    import flux_tiny
+
+    from jaxdit.families import load_transformer
+
+    return load_transformer(flux_tiny.diffusers_folder(False), compiler_options=FAST), flux_tiny
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        ("encoder_hidden_states", lambda a: a[..., :-1], r"encoder_hidden_states has shape \(1, 7, 31\); this model takes \[B=1, T, 32\]"),
+        ("hidden_states", lambda a: a[0], r"hidden_states has shape \(15, 16\); this model takes \[B, N, 16\]"),
+        ("pooled_projections", lambda a: np.concatenate([a, a]), r"pooled_projections has shape \(2, 32\); this model takes \[B=1, 32\]"),
+    ],
+)  # fmt: skip
+def test_flux_forward_names_the_argument_and_the_shape_it_takes(flux_forward, name, change, message):
+    forward, flux_tiny = flux_forward
+    inputs = flux_tiny.inputs(False, batch=1)
+    inputs[name] = change(inputs[name])
+    with pytest.raises(ValueError, match=message):
+        forward(**inputs)
+
+
+def test_wan_forward_checks_its_text_width_and_image_features():
+    import wan_tiny
+
+    from jaxdit.families import load_transformer
+
+    forward = load_transformer(wan_tiny.diffusers_folder(False), compiler_options=FAST)
+    inputs = wan_tiny.inputs(False, batch=1)
+    text = inputs["encoder_hidden_states"]
+    with pytest.raises(ValueError, match=r"encoder_hidden_states has shape \(1, \d+, 15\)"):
+        forward(**dict(inputs, encoder_hidden_states=text[..., :-1]))
+    with pytest.raises(ValueError, match="this model takes none"):
+        forward(**dict(inputs, encoder_hidden_states_image=np.zeros((1, 5, 24), np.float32)))

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from converters import flux as flux_converters
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
-from jaxdit.families.forward import as_float, per_batch
+from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.models import flux
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.flux import FOLDER_CLASSES, FluxPipeline
@@ -67,7 +67,11 @@ class FluxForward:
         txt_ids: Any,
         guidance: Any = None,
     ) -> jax.Array:
-        batch = np.shape(hidden_states)[0]
+        c, sizes = self.config, {}
+        expect_shape("hidden_states", hidden_states, ("B", "N", c.in_channels), sizes)
+        expect_shape("encoder_hidden_states", encoder_hidden_states, ("B", "T", c.context_in_dim), sizes)
+        expect_shape("pooled_projections", pooled_projections, ("B", c.vec_in_dim), sizes)
+        batch = sizes["B"]
         if self.config.guidance_embed and guidance is None:
             raise ValueError("this FLUX model embeds the guidance scale (dev): pass guidance=")
         if not self.config.guidance_embed and guidance is not None:

@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from converters import wan as wan_converters
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
-from jaxdit.families.forward import as_float, per_batch
+from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.models import wan
 from jaxdit.parallel.flops import attention_flops
 from jaxdit.parallel.pipefusion import validate_pipefusion
@@ -86,8 +86,17 @@ class WanForward:
         shape = np.shape(hidden_states)
         if len(shape) != 5 or shape[1] != cfg.in_channels:
             raise ValueError(f"hidden_states has shape {shape}; expected [B, {cfg.in_channels}, F, H, W]")
-        grid = wan.latent_grid(shape, cfg.patch_size)
+        sizes = {"B": shape[0]}
+        expect_shape("encoder_hidden_states", encoder_hidden_states, ("B", "T", cfg.text_dim), sizes)
         image = encoder_hidden_states_image
+        if (image is None) != (cfg.image_dim is None):
+            raise ValueError(
+                "encoder_hidden_states_image (CLIP features) is for Wan 2.1 I2V models; "
+                + ("this model needs it" if image is None else "this model takes none")
+            )
+        if image is not None:
+            expect_shape("encoder_hidden_states_image", image, ("B", "I", cfg.image_dim), sizes)
+        grid = wan.latent_grid(shape, cfg.patch_size)
         timestep, mask = per_token_timestep(timestep, shape[0], math.prod(grid))
         out = self.forward(
             hidden_states=wan.patchify(as_float(hidden_states, self.dtype), cfg.patch_size),
