@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from einops import rearrange
 from flax import nnx
 
 from jaxdit.vae.spatial import Rows
@@ -36,18 +37,14 @@ def patchify(x: jax.Array, p: int) -> jax.Array:
     """[B, T, H, W, C] -> [B, T, H/p, W/p, C*p*p] (channel ``c*p*p + pw*p + ph``)."""
     if p == 1:
         return x
-    b, t, h, w, c = x.shape
-    x = x.reshape(b, t, h // p, p, w // p, p, c)
-    return jnp.transpose(x, (0, 1, 2, 4, 6, 5, 3)).reshape(b, t, h // p, w // p, c * p * p)
+    return rearrange(x, "b t (h ph) (w pw) c -> b t h w (c pw ph)", ph=p, pw=p)
 
 
 def unpatchify(x: jax.Array, p: int) -> jax.Array:
     """The inverse of :func:`patchify`: [B, T, h, w, C*p*p] -> [B, T, h*p, w*p, C]."""
     if p == 1:
         return x
-    b, t, h, w, cp = x.shape
-    x = x.reshape(b, t, h, w, cp // (p * p), p, p)  # [.., c, pw, ph]
-    return jnp.transpose(x, (0, 1, 2, 6, 3, 5, 4)).reshape(b, t, h * p, w * p, cp // (p * p))
+    return rearrange(x, "b t h w (c pw ph) -> b t (h ph) (w pw) c", ph=p, pw=p)
 
 
 def avg_down(x: jax.Array, c_out: int, ft: int, fs: int) -> jax.Array:
