@@ -256,7 +256,7 @@ def test_flux_forward_names_the_argument_and_the_shape_it_takes(flux_forward, na
         forward(**inputs)
 
 
-def test_wan_forward_checks_its_text_width_and_image_features():
+def test_wan_forward_checks_its_text_width_and_image_input():
     import wan_tiny
 
     from jaxdit.families import load_transformer
@@ -266,5 +266,5 @@ def test_wan_forward_checks_its_text_width_and_image_features():
     text = inputs["encoder_hidden_states"]
     with pytest.raises(ValueError, match=r"encoder_hidden_states has shape \(1, \d+, 15\)"):
         forward(**dict(inputs, encoder_hidden_states=text[..., :-1]))
-    with pytest.raises(ValueError, match="this model takes none"):
+    with pytest.raises(ValueError, match="has no image input"):
         forward(**dict(inputs, encoder_hidden_states_image=np.zeros((1, 5, 24), np.float32)))

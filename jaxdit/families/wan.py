@@ -89,12 +89,7 @@ class WanForward:
         sizes = {"B": shape[0]}
         expect_shape("encoder_hidden_states", encoder_hidden_states, ("B", "T", cfg.text_dim), sizes)
         image = encoder_hidden_states_image
-        if (image is None) != (cfg.image_dim is None):
-            raise ValueError(
-                "encoder_hidden_states_image (CLIP features) is for Wan 2.1 I2V models; "
-                + ("this model needs it" if image is None else "this model takes none")
-            )
-        if image is not None:
+        if image is not None and cfg.image_dim is not None:  # its presence is checked by the forward
             expect_shape("encoder_hidden_states_image", image, ("B", "I", cfg.image_dim), sizes)
         grid = wan.latent_grid(shape, cfg.patch_size)
         timestep, mask = per_token_timestep(timestep, shape[0], math.prod(grid))
