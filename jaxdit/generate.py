@@ -261,8 +261,7 @@ def check_request(r: GenerateRequest) -> None:
         raise ValueError(f"--initialization_timeout must be > 0 seconds, got {r.initialization_timeout}")
     _check_cache(r, parallel)
     if r.emulate_devices is not None:
-        if r.emulate_devices < 1:
-            raise ValueError(f"--emulate_devices must be >= 1, got {r.emulate_devices}")
+        runtime.check_emulated_devices(r.emulate_devices)
         # Emulated devices are per process; the mesh spans every process's.
         parallel.validate_devices(r.emulate_devices * ((group.num_processes or 1) if group else 1))
     for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):

@@ -291,6 +291,19 @@ def configure(
     return RuntimeSetup(gpu, added, kept, path, source, counter)
 
 
+#: More emulated devices than this is a mistake, not a test: each is a thread pool and a share of memory.
+MAX_EMULATED_DEVICES = 256
+
+
+def check_emulated_devices(count: int) -> None:
+    """Raise ValueError unless ``count`` is a sane number of emulated CPU devices (1..256)."""
+    if not 1 <= count <= MAX_EMULATED_DEVICES:
+        raise ValueError(
+            f"--emulate_devices must be in 1..{MAX_EMULATED_DEVICES} (CPU devices emulated in one process), "
+            f"got {count}"
+        )
+
+
 def emulate_cpu_devices(count: int) -> None:
     """Run on ``count`` emulated CPU devices (``--emulate_devices``).
 
@@ -301,6 +314,7 @@ def emulate_cpu_devices(count: int) -> None:
     """
     import jax
 
+    check_emulated_devices(count)
     if not _backend_started():
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", count)

@@ -268,3 +268,9 @@ def test_wan_forward_checks_its_text_width_and_image_input():
         forward(**dict(inputs, encoder_hidden_states=text[..., :-1]))
     with pytest.raises(ValueError, match="has no image input"):
         forward(**dict(inputs, encoder_hidden_states_image=np.zeros((1, 5, 24), np.float32)))
+
+
+@pytest.mark.parametrize("count", [0, 257, 100000])
+def test_emulated_device_counts_are_bounded(count):
+    with pytest.raises(ValueError, match=r"--emulate_devices must be in 1\.\.256"):
+        check_request(GenerateRequest(emulate_devices=count, ring_degree=max(count, 1)))

@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from jaxdit import distributed
+from jaxdit import distributed, runtime
 
 __all__ = ["Service", "add_arguments", "run"]
 
@@ -114,8 +114,7 @@ def check(args: argparse.Namespace) -> _Plan:
     )
     group = distributed.resolve(args.coordinator, args.num_processes, args.process_id)
     if args.emulate_devices is not None:
-        if args.emulate_devices < 1:
-            raise ValueError(f"--emulate_devices must be >= 1, got {args.emulate_devices}")
+        runtime.check_emulated_devices(args.emulate_devices)
         config.validate_devices(args.emulate_devices * ((group.num_processes or 1) if group else 1))
     sizes = None
     if args.sizes is not None:
@@ -151,8 +150,6 @@ def check(args: argparse.Namespace) -> _Plan:
 def start_devices(args: argparse.Namespace, plan: _Plan) -> None:
     """XLA flags and the compilation cache (``jaxdit.runtime``), emulated devices, the process group:
     before anything touches a device."""
-    from jaxdit import runtime
-
     runtime.configure(
         cache_dir=args.compilation_cache_dir,
         no_cache=args.no_compilation_cache,
