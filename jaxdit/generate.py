@@ -223,14 +223,22 @@ def _takes(pipeline_class: type, argument: str) -> bool:
     return argument in inspect.signature(pipeline_class.__call__).parameters
 
 
-def _embedding_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the arrays in a .npz / .safetensors file (numpy only: no jax), once the file
-    is proven to hold finite floating-point arrays (``preflight.read_embeddings``)."""
-    return {k: tuple(v.shape) for k, v in preflight.read_embeddings(path).items()}
-
-
 def _load_embeddings(path: str) -> dict[str, np.ndarray]:
+    """The arrays of a .npz / .safetensors embeddings file, proven finite floating-point arrays
+    (``preflight.read_embeddings``); read once per run, though the checks and the run ask several times
+    (a file changed since is read again)."""
+    stat = Path(path).stat() if Path(path).is_file() else None
+    return _read_embeddings(path, None if stat is None else (stat.st_mtime_ns, stat.st_size))
+
+
+@functools.lru_cache(maxsize=2)
+def _read_embeddings(path: str, version: tuple[int, int] | None) -> dict[str, np.ndarray]:
     return preflight.read_embeddings(path)
+
+
+def _embedding_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the arrays in an embeddings file (numpy only: no jax)."""
+    return {k: tuple(v.shape) for k, v in _load_embeddings(path).items()}
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -52,16 +52,14 @@ STEP_STAGES = ("transformer output", "sampler update")
 KV_STAGE = "transformer's attention K/V"
 
 #: What usually makes each stage non-finite, for the error message.
+_OVERFLOWING_TRANSFORMER = (
+    "transformer weights that overflow the compute dtype (try dtype float32), a damaged or badly "
+    "fine-tuned checkpoint, or non-finite conditioning"
+)
 CAUSES = {
     "text encoder": "non-finite or overflowing text-encoder weights (a damaged text_encoder/ checkpoint)",
-    "transformer output": (
-        "transformer weights that overflow the compute dtype (try dtype float32), a damaged or badly "
-        "fine-tuned checkpoint, or non-finite conditioning"
-    ),
-    KV_STAGE: (
-        "transformer weights that overflow the compute dtype (try dtype float32), a damaged or badly "
-        "fine-tuned checkpoint, or non-finite conditioning"
-    ),
+    "transformer output": _OVERFLOWING_TRANSFORMER,
+    KV_STAGE: _OVERFLOWING_TRANSFORMER,
     "sampler update": "an extreme guidance scale or sampler schedule (e.g. flow_shift) for a finite prediction",
     "denoising step": (
         "transformer weights that overflow the compute dtype (try dtype float32), a damaged checkpoint, or an "
