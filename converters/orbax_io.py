@@ -126,9 +126,27 @@ def _dropping_closed_loop_noise(hook: Any) -> Any:
     return filtered
 
 
-def _collect_quietly() -> None:
-    """After a failed save or restore, collect orbax's abandoned coroutines now, quietly: collected later,
-    each would print "Exception ignored in ..." with a TensorStore spec of dozens of lines."""
+class _FailedWritesNoise(logging.Filter):
+    """Drops asyncio's "... exception was never retrieved" reports about files under ``folder``: when
+    several of orbax's reads or writes fail, orbax raises the first and asyncio reports every other one,
+    with a traceback, whenever its task or future happens to be collected (now, or at interpreter exit)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = str(folder)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        return not ("exception was never retrieved" in text and self.folder in text)
+
+
+def _collect_quietly(folder: Path) -> None:
+    """After a failed save or restore of ``folder``, collect orbax's abandoned coroutines now, quietly:
+    collected later, each would print "Exception ignored in ..." with a TensorStore spec of dozens of
+    lines. From here on, asyncio's reports of the same failures and Python's warnings about orbax's
+    coroutines that were never awaited are dropped too: the caller reports the failure once."""
+    logging.getLogger("asyncio").addFilter(_FailedWritesNoise(folder))
+    warnings.filterwarnings("ignore", message=r"coroutine 'async_(de)?serializ\w*", category=RuntimeWarning)
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
@@ -185,7 +203,7 @@ def save(
         except (OSError, ValueError, RuntimeError) as e:
             error = destination.write_error(dst, e, nbytes)
         if error is not None:  # outside the except block, so the failed writers can be collected
-            _collect_quietly()
+            _collect_quietly(tmp)
             raise error
     return dst
 
@@ -282,7 +300,7 @@ def restore(src: str | os.PathLike[str], target: Mapping[str, Any], *, verify: b
     except Exception as e:  # tensorstore and orbax raise bare Exceptions for damaged files
         error = _read_error(src, e)
     if error is not None:
-        _collect_quietly()
+        _collect_quietly(src)
         raise error
     if verify:
         finite, sums = checks.scan(flat, stored)
