@@ -168,7 +168,17 @@ def _add_generate(sub) -> None:
         default=None,
         metavar="FILE[:SCALE]",
         help="a LoRA file (.safetensors: kohya, BFL/ComfyUI, diffusers/PEFT, XLabs, musubi layouts), fused "
-        "into the weights on the mesh; repeatable, each with its own scale (default 1)",
+        "into the weights on the mesh; repeatable, each with its own scale (default 1). Wan 2.2 A14B: into "
+        "the high-noise expert (diffusers' transformer)",
+    )
+    _flag(
+        gen,
+        "lora_2",
+        action="append",
+        default=None,
+        metavar="FILE[:SCALE]",
+        help="Wan 2.2 A14B: a LoRA file fused into the low-noise expert (diffusers' transformer_2, as "
+        "load_lora_weights(..., load_into_transformer_2=True)); repeatable",
     )
     _flag(gen, "verbose", action="store_true", help="print the XLA flags and compilation cache jaxdit set up")
     gen.add_argument("-v", dest="verbose", action="store_true", help=argparse.SUPPRESS)

@@ -93,6 +93,7 @@ class GenerateRequest:
     image: str | None = None  # image-to-video (pipeline folders): the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
     lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
+    lora_2: tuple[str, ...] = ()  # Wan 2.2 A14B: LoRA files for the low-noise expert (transformer_2)
     attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
     coordinator: str | None = None
@@ -108,12 +109,18 @@ class GenerateRequest:
     def from_args(cls, args: Any) -> GenerateRequest:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values["lora"] = tuple(values.get("lora") or ())
+        values["lora_2"] = tuple(values.get("lora_2") or ())
         return cls(**values)
 
     @functools.cached_property
     def loras(self) -> list[tuple[str, float]]:
         """``--lora FILE[:SCALE]`` as (path, scale) pairs (the scale defaults to 1)."""
         return [parse_lora(arg) for arg in self.lora]
+
+    @functools.cached_property
+    def loras_2(self) -> list[tuple[str, float]]:
+        """``--lora_2 FILE[:SCALE]`` (the low-noise expert's) as (path, scale) pairs."""
+        return [parse_lora(arg) for arg in self.lora_2]
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -393,6 +400,10 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
         and "offload_idle_expert" not in inspect.signature(pipeline.from_pretrained).parameters
     ):
         raise ValueError(f"--offload_idle_expert applies to two-expert models; {family.display} has none")
+    if r.lora_2 and "load_into_transformer_2" not in inspect.signature(pipeline.load_lora).parameters:
+        raise ValueError(
+            f"--lora_2 goes into a second (low-noise) expert; {family.display} has one transformer: use --lora"
+        )
     if call.num_inference_steps < 1:
         raise ValueError(f"--num_inference_steps must be >= 1, got {call.num_inference_steps}")
     config = _model_config(r)
@@ -414,7 +425,7 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
         )
     if config is not None:
         parallel.validate_heads(config.num_heads)
-    if config is None and (parallel.pipefusion > 1 or r.lora) and r.folder is not None:
+    if config is None and (parallel.pipefusion > 1 or r.lora or r.lora_2) and r.folder is not None:
         config = family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
     if parallel.pipefusion > 1:
         family.check_pipefusion(call_view(r, call), config, parallel, multiple)
@@ -461,16 +472,17 @@ def _check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) -
 
 
 def _check_loras(r: GenerateRequest, config: Any) -> None:
-    """Every ``--lora`` file read and checked against the model (layout, family, sizes, values) before any
-    weight loads; they are small. Without a known config (a checkpoint without --model) the files are
-    checked when the pipeline loads them, still before the first step."""
+    """Every ``--lora`` / ``--lora_2`` file read and checked against the model (layout, family, sizes,
+    values) before any weight loads; they are small. Without a known config (a checkpoint without
+    --model) the files are checked when the pipeline loads them, still before the first step."""
     from converters.lora import read_lora
 
-    for path, _ in r.loras:
-        if not Path(path).exists():
-            raise ValueError(f"--lora {path}: no such file")
-        if config is not None:
-            read_lora(path, config)
+    for flag, loras in (("--lora", r.loras), ("--lora_2", r.loras_2)):
+        for path, _ in loras:
+            if not Path(path).exists():
+                raise ValueError(f"{flag} {path}: no such file")
+            if config is not None:
+                read_lora(path, config)
 
 
 def call_view(r: GenerateRequest, call: GenerationRequest) -> Any:
@@ -485,7 +497,7 @@ class _CallView:
 
     def __getattr__(self, name: str) -> Any:
         # The request's embeddings, and what a family's checks need from the request beyond the call.
-        if name in ("embeddings", "folder", "model", "offload_idle_expert"):
+        if name in ("embeddings", "folder", "model", "offload_idle_expert", "lora_2"):
             return getattr(self.request, name)
         return getattr(self.call, name)
 
@@ -545,6 +557,8 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
         pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, kernel=kernel, **options)
     if r.loras:
         pipe.load_lora(r.loras)
+    if r.loras_2:  # checked: only two-expert pipelines take it
+        pipe.load_lora(r.loras_2, load_into_transformer_2=True)
     return pipe
 
 
@@ -635,6 +649,8 @@ def run(r: GenerateRequest) -> int:
         _judge(r, result)
     if r.loras:
         say(f"LoRAs fused: {', '.join(f'{p} x {s:g}' for p, s in r.loras)}")
+    if r.loras_2:
+        say(f"LoRAs fused into the low-noise expert: {', '.join(f'{p} x {s:g}' for p, s in r.loras_2)}")
     say(f"wrote {write(r, result)}")
     return 0
 

@@ -198,6 +198,11 @@ class WanFamily(ModelFamily):
             )
         if getattr(request, "offload_idle_expert", False) and not two:
             raise ValueError("--offload_idle_expert applies to Wan 2.2 A14B (two experts)")
+        if getattr(request, "lora_2", ()) and not two:
+            raise ValueError(
+                "--lora_2 goes into Wan 2.2 A14B's low-noise expert (transformer_2); this model has one "
+                "transformer: use --lora"
+            )
         frames = request.num_frames
         if frames < 1 or (frames - 1) % VAE_TEMPORAL:
             raise ValueError(

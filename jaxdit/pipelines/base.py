@@ -41,7 +41,14 @@ from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.preflight import check_prompts
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
 
-__all__ = ["CACHE_WITH_PIPEFUSION", "DiffusionPipeline", "GenerationOutput", "Prepared", "to_pil"]
+__all__ = [
+    "CACHE_WITH_PIPEFUSION",
+    "DiffusionPipeline",
+    "GenerationOutput",
+    "Prepared",
+    "fuse_on_top",
+    "to_pil",
+]
 
 #: Why a feature cache and PipeFusion do not combine (checked before anything runs).
 CACHE_WITH_PIPEFUSION = (
@@ -182,14 +189,8 @@ class DiffusionPipeline:
         Every file is read and checked against the model first (layout, family, sizes, finite values):
         a bad file changes nothing. Shapes and shardings stay, so the compiled step is reused.
         """
-        items = loras if isinstance(loras, list) else [loras]
-        new = [item if isinstance(item, tuple) else (item, scale) for item in items]
-        state, config, orders = self.lora_targets()
-        fused = fuse_loras(state, config, new, stack_orders=orders)
-        if self.loras is not None:
-            fused = dataclasses.replace(fused, loras=self.loras.loras + fused.loras)
-        self.loras = fused
-        return fused
+        self.loras = fuse_on_top(self.lora_targets(), self.loras, loras, scale)
+        return self.loras
 
     def unload_lora(self) -> None:
         """Take every loaded LoRA out of the weights (each weight back within one rounding)."""
@@ -313,3 +314,19 @@ class DiffusionPipeline:
     def branches(self, negative: np.ndarray, positive: np.ndarray) -> np.ndarray:
         """[B, ...] x 2 -> [2B, ...] in the (data shard, branch, request) order the cfg axis splits."""
         return np.asarray(interleave_branches(negative, positive, self.parallel.data))
+
+
+def fuse_on_top(
+    targets: tuple[Any, Any, Any],
+    fused: FusedLoras | None,
+    loras: LoraArg | list[LoraArg],
+    scale: float = 1.0,
+) -> FusedLoras:
+    """Fuse ``loras`` (see :meth:`DiffusionPipeline.load_lora`) into ``targets`` (a pipeline's
+    ``lora_targets()``: state, config, stack orders) on top of ``fused`` (None: nothing yet); returns the
+    handle of everything now fused there."""
+    items = loras if isinstance(loras, list) else [loras]
+    new = [item if isinstance(item, tuple) else (item, scale) for item in items]
+    state, config, orders = targets
+    added = fuse_loras(state, config, new, stack_orders=orders)
+    return added if fused is None else dataclasses.replace(added, loras=fused.loras + added.loras)

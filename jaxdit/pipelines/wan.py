@@ -65,19 +65,27 @@ from jax.sharding import Mesh
 from converters.wan import CHECKPOINTS
 from jaxdit.loading.encoders import load_wan_image_encoder, load_wan_text_encoder
 from jaxdit.loading.vae import load_wan_vae
+from jaxdit.lora import FusedLoras, unfuse_loras
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import wan
 from jaxdit.models.wan import swap_features
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
-from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
+from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared, fuse_on_top
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser, TokenHooks
 from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
 from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, WanPatches
 from jaxdit.pipelines.request import GenerationRequest
-from jaxdit.pipelines.wan_experts import TwoExperts, expert_of_steps, guidance_of_steps, to_host
+from jaxdit.pipelines.wan_experts import (
+    HIGH_NOISE,
+    LOW_NOISE,
+    TwoExperts,
+    expert_of_steps,
+    guidance_of_steps,
+    to_host,
+)
 from jaxdit.pipelines.wan_folder import (
     FOLDER_CLASSES,
     ORIGINAL_CLIP,
@@ -231,6 +239,8 @@ class WanPipeline(DiffusionPipeline):
         self.boundary_ratio = boundary_ratio
         self.expand_timesteps = expand_timesteps
         self.experts = None
+        #: The LoRAs fused into the low-noise expert (``load_lora(..., load_into_transformer_2=True)``).
+        self.loras_2: FusedLoras | None = None
         if transformer_2 is not None:
             if isinstance(transformer_2, nnx.Module):
                 if transformer_2.config != self.config:
@@ -267,15 +277,37 @@ class WanPipeline(DiffusionPipeline):
                 "condition channels without CLIP): put the devices on ulysses/ring/tensor/cfg instead"
             )
 
-    def load_lora(self, loras: Any, scale: float = 1.0) -> Any:
-        """As :meth:`DiffusionPipeline.load_lora`; Wan 2.2 A14B's LoRAs come per expert (a high- and a
-        low-noise file), which this does not take yet."""
-        if self.experts is not None:
+    # ------------------------------------------------------------------ LoRA, per expert
+    def lora_targets(self, expert: int = HIGH_NOISE) -> tuple[Any, Any, Any]:
+        """What ``load_lora`` fuses into: with two experts, ``expert``'s parameters, brought onto the mesh
+        first when it waits in host memory (``offload_idle_expert``: the other one goes out)."""
+        if self.experts is None:
+            return super().lora_targets()
+        orders = self.model.orders if self.parallel.pipefusion > 1 else None
+        return self.experts.params(expert), self.config, orders
+
+    def load_lora(
+        self, loras: Any, scale: float = 1.0, *, load_into_transformer_2: bool = False
+    ) -> FusedLoras:
+        """As :meth:`DiffusionPipeline.load_lora`. Wan 2.2 A14B's LoRAs come per expert, as in diffusers:
+        the file goes into ``transformer`` (the high-noise expert) unless ``load_into_transformer_2``, which
+        puts it into the low-noise expert instead (``loras_2``); a LoRA meant for both is loaded twice."""
+        if not load_into_transformer_2:
+            return super().load_lora(loras, scale)
+        if self.experts is None:
             raise ValueError(
-                "LoRAs for Wan 2.2's two experts (one file per expert) are not supported yet; this pipeline "
-                "has a high- and a low-noise transformer"
+                "load_into_transformer_2: this pipeline has one transformer; only Wan 2.2 A14B has a "
+                "second (low-noise) expert"
             )
-        return super().load_lora(loras, scale)
+        self.loras_2 = fuse_on_top(self.lora_targets(LOW_NOISE), self.loras_2, loras, scale)
+        return self.loras_2
+
+    def unload_lora(self) -> None:
+        """Take every loaded LoRA out of both experts' weights (each weight back within one rounding)."""
+        super().unload_lora()
+        if self.loras_2 is not None:
+            unfuse_loras(self.lora_targets(LOW_NOISE)[0], self.loras_2)
+            self.loras_2 = None
 
     # ------------------------------------------------------------------ builders
     @classmethod
