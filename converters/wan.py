@@ -317,6 +317,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def _two_experts(path: Path) -> tuple[str, str] | None:
+    """The two expert folders' names if ``path`` is a whole Wan 2.2 A14B folder (diffusers' or Wan-AI's)."""
+    for high, low in (("transformer", "transformer_2"), ("high_noise_model", "low_noise_model")):
+        if (path / high).is_dir() and (path / low).is_dir():
+            return high, low
+    return None
+
+
 def _config_folder(path: Path) -> tuple[Path, dict[str, Any]] | None:
     """(folder, config) of a Wan transformer folder: ``path`` itself or a pipeline's ``transformer/``."""
     for folder in (path, path / "transformer"):
@@ -347,7 +355,7 @@ def is_wan_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` looks like a Wan transformer checkpoint (cheap: config or header keys only)."""
     path = Path(path)
     if path.is_dir():
-        if _config_folder(path) is not None:
+        if _config_folder(path) is not None or _two_experts(path) is not None:
             return True
         if (path / "config.json").is_file() and not list(path.glob("diffusion_pytorch_model*.safetensors")):
             return False
@@ -405,6 +413,14 @@ def detect(
         raise CheckpointError(f"{path}: no such file or folder")
     if isinstance(config, Mapping):
         config = WanConfig.from_diffusers(config)
+    experts = _two_experts(path)
+    if experts is not None:
+        high, low = experts
+        raise CheckpointError(
+            f"{path} holds Wan 2.2's two experts ({high}/ and {low}/), and a checkpoint is one model: name "
+            f"{high}/ (high noise) or {low}/ (low noise), or load the whole pipeline (jaxdit generate "
+            "--weights, WanPipeline.from_pretrained)"
+        )
     found = _config_folder(path) if path.is_dir() else None
     if found is not None:
         folder, data = found

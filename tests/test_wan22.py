@@ -213,6 +213,18 @@ def pipe_request(**kwargs):
     return GenerationRequest(**_embeddings(), **kwargs)
 
 
+def test_a_two_expert_folder_is_not_converted_as_one_checkpoint(a14b_folder, tmp_path, capsys):
+    from jaxdit import cli
+
+    # Before, jaxdit convert of a diffusers A14B pipeline wrote its transformer/ alone, and Wan-AI's
+    # folder failed with "no *.safetensors files".
+    assert cli.main(["convert", str(a14b_folder), str(tmp_path / "dst")]) == 2
+    err = capsys.readouterr().err
+    assert "holds Wan 2.2's two experts (high_noise_model/ and low_noise_model/)" in err, err
+    assert not (tmp_path / "dst").exists()
+    assert cli.main(["convert", str(a14b_folder / "low_noise_model"), str(tmp_path / "dst")]) == 0
+
+
 def test_expert_errors(a14b_folder, tmp_path):
     parallel = ParallelConfig()
     with pytest.raises(ValueError, match="offload_idle_expert applies to two-expert checkpoints"):
