@@ -460,8 +460,9 @@ class WanPipeline(DiffusionPipeline):
         encoder), or ``image_embeds`` (Wan 2.1 only) and ``condition``. ``max_sequence_length``: the text
         encoder's token count (default: the encoder's, 512 for umT5). ``output_type``: np, pil (a list of
         frame lists) or latent. PipeFusion (a mesh with pipefusion > 1): ``num_pipeline_patch``
-        (default: the smallest M >= P that splits the latent rows), ``warmup_steps`` (default 1),
-        ``patch_by`` ("rows", default, or "frames"), as xDiT's flags.
+        (default: the smallest M >= P that splits the latent rows), ``warmup_steps`` (default 1; Wan 2.2
+        A14B: at the start of each expert's steps), ``patch_by`` ("rows", default, or "frames"), as
+        xDiT's flags.
         ``cache``: a feature cache,
         ``jaxdit.cache.FirstBlockCache(threshold=...)`` or ``TeaCache()`` (the output's ``cache`` reports it).
         """

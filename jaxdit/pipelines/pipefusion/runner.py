@@ -11,8 +11,10 @@ A pipeline hands the runner what its plain denoising loop would take, and gets t
         context,          # the family's forward context by diffusers' names, CFG rows interleaved
                           # (``jaxdit.parallel.cfg.interleave_branches``), unpadded: FLUX
                           # encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance (dev);
-                          # Wan encoder_hidden_states, positions, and for I2V encoder_hidden_states_image
-                          # and condition (the mask + first-frame tokens [B, N, K'] beside the noise)
+                          # Wan encoder_hidden_states, positions, for I2V condition (the mask +
+                          # first-frame tokens [B, N, K'] beside the noise; Wan 2.1 also
+                          # encoder_hidden_states_image), for TI2V with an image timestep_mask [N],
+                          # first_frame [B, N, K] and in_first_frame [B, N, 1]
         sampler=sampler,  # a jaxdit.samplers.sampler.Sampler (EulerSampler, UniPCSampler, ...)
         schedule=sched,   # sampler.schedule(num_inference_steps, ...), on the host
         grid=grid,        # the token grid of the latents: FLUX (rows, cols), Wan (F', H', W')

@@ -1,4 +1,5 @@
-"""Wan 2.1 with PipeFusion (arXiv 2405.14430): how Wan's tokens and blocks meet the runner.
+"""Wan (2.1; 2.2 A14B and TI2V-5B) with PipeFusion (arXiv 2405.14430): how Wan's tokens and blocks meet
+the runner.
 
 Stages. Wan has one stack of identical blocks: its stacked layer axis is split over ``pipefusion`` by
 the ``PIPEFUSION`` rule, ceil(L/P) slots per device (padded slots hold zeros; a zero Wan block adds
@@ -35,6 +36,13 @@ last stage holds the authoritative latents and state and updates patch m's slice
 the pipeline; stage 0 keeps a copy of the latents that it refreshes from the permuted patch. With
 warmup_steps equal to the number of steps every step is the serial step on all patches at once, so the
 result equals ``WanPipeline``'s.
+
+Wan 2.2. A14B's two experts share this layout (the low-noise expert's state is a second staged state with
+the same shardings, ``wan_experts.TwoExperts``); the runner runs each expert's steps as a PipeFusion run
+of its own (``segments.py``). I2V-A14B reads the condition channels without CLIP features. TI2V-5B with an
+image: each patch's first-frame tokens take the given frame in the model input and see timestep 0 (the
+embeddings of t and 0 per step, a per-token select in every block and the head), as the plain loop's
+``token_hooks`` and ``timestep_mask`` do on the whole sequence.
 """
 
 from __future__ import annotations
@@ -131,7 +139,7 @@ def validate_patches(
 
 
 def check_model(config: wan.WanConfig, parallel: ParallelConfig) -> None:
-    """Heads against ulysses x tensor; Wan PipeFusion runs T2V and I2V models alike."""
+    """Heads against ulysses x tensor; Wan PipeFusion runs T2V, I2V and TI2V models alike."""
     parallel.validate_heads(config.num_heads)
 
 
