@@ -233,19 +233,8 @@ class WanFamily(ModelFamily):
 
     def check_pipefusion(self, request: Any, config: wan.WanConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole latent rows (after patchify) that ring x ulysses splits, blocks to split
-        over the stages, 1 <= warmup_steps <= steps."""
-        folder = getattr(request, "folder", None)
-        wan22 = folder is not None and WanVariant.of(folder) != WanVariant()
-        if (
-            wan22
-            or getattr(request, "model", None) in PRESET_VARIANTS
-            or (config.condition_channels and not config.is_i2v)
-        ):
-            raise ValueError(
-                "PipeFusion does not run Wan 2.2 yet (two experts, condition channels without CLIP, per-token "
-                "timesteps, the Wan 2.2 VAE): use --ulysses_degree / --ring_degree / --use_cfg_parallel / "
-                "--tensor_parallel_degree"
-            )
+        over the stages, 1 <= warmup_steps <= steps. Every variant runs (Wan 2.2 A14B: one PipeFusion run
+        per expert segment, an expert's segment shorter than the warm-up running synchronously)."""
         if config.num_layers < parallel.pipefusion:
             raise ValueError(
                 f"--pipefusion_parallel_degree {parallel.pipefusion} exceeds the model's {config.num_layers} "
@@ -286,11 +275,6 @@ class WanFamily(ModelFamily):
 
     def stack_depths(self, config: wan.WanConfig) -> tuple[int, ...]:
         return (config.num_layers,)
-
-    def pipefusion_unsupported(self, workload: Any) -> str | None:
-        if workload.name in PRESET_VARIANTS or workload.experts > 1:
-            return "PipeFusion does not run Wan 2.2 yet (experts, per-token timesteps, the Wan 2.2 VAE)"
-        return None
 
     def prediction_dtype(self, dtype: str) -> str:
         return "float32"  # Wan's head returns fp32 whatever the model's dtype

@@ -179,7 +179,8 @@ class WanPipeline(DiffusionPipeline):
         with ``transformer_2``, the high-noise expert (diffusers' ``transformer``).
       mesh: from ``ParallelConfig.make_mesh``.
       transformer_2: Wan 2.2 A14B's low-noise expert, a ``WanTransformer`` of the same config (or its
-        ``nnx.State``), placed for ``mesh`` or in host memory; needs ``boundary_ratio``.
+        ``nnx.State``), placed for ``mesh`` or in host memory; needs ``boundary_ratio``. Under PipeFusion a
+        ``PipeFusionWan`` (or its state), or a ``WanTransformer`` that is laid out in stage slots here.
       boundary_ratio: the high-noise expert runs while t >= boundary_ratio x num_train_timesteps.
       expand_timesteps: Wan 2.2 TI2V (per-token timesteps; an image replaces the first latent frame).
       offload_idle_expert: keep only the running expert on the mesh, the other in host memory
@@ -191,7 +192,8 @@ class WanPipeline(DiffusionPipeline):
       kernel: attention kernel options; compiler_options: XLA options for the compiled step.
 
     On a mesh with ``pipefusion > 1`` ``model`` is the PipeFusion stage layout (``PipeFusionWan``) and the
-    denoiser is the PipeFusion runner; it runs Wan 2.1 only (see :meth:`check_pipefusion`).
+    denoiser is the PipeFusion runner, for every variant (Wan 2.2 A14B: ``transformer_2`` in the same
+    layout, one PipeFusion run per expert segment of the schedule, ``pipefusion/segments.py``).
     """
 
     cfg_hint = "use guidance_scale > 1 with negative conditioning"
@@ -228,8 +230,6 @@ class WanPipeline(DiffusionPipeline):
             )
         if expand_timesteps and transformer_2 is not None:
             raise ValueError("expand_timesteps (TI2V) with two experts is no Wan 2.2 release")
-        wan22 = transformer_2 is not None or expand_timesteps
-        self._refuse_pipefusion(wan22 or (model.config.condition_channels > 0 and not model.config.is_i2v))
         self.model = model  # with offload_idle_expert the parameters' truth is ``forward.state``
         self.config: wan.WanConfig = model.config
         self.dtype = model.dtype
@@ -242,11 +242,10 @@ class WanPipeline(DiffusionPipeline):
         #: The LoRAs fused into the low-noise expert (``load_lora(..., load_into_transformer_2=True)``).
         self.loras_2: FusedLoras | None = None
         if transformer_2 is not None:
-            if isinstance(transformer_2, nnx.Module):
-                if transformer_2.config != self.config:
-                    raise ValueError(_config_difference(self.config, transformer_2.config))
-                transformer_2 = nnx.state(transformer_2)
-            self.experts = TwoExperts(self.forward, transformer_2, offload_idle_expert=offload_idle_expert)
+            transformer_2 = self._second_expert_state(transformer_2)
+            # The plain loop's forward, or under PipeFusion the stage layout: what computes with the expert.
+            holder = self.forward if self.forward is not None else model
+            self.experts = TwoExperts(holder, transformer_2, offload_idle_expert=offload_idle_expert)
         self.scheduler = scheduler
         self.encode_image = encode_image
         temporal, spatial = self.config.vae_factors  # the VAE the latent width names, unless told
@@ -257,7 +256,9 @@ class WanPipeline(DiffusionPipeline):
             runner = PipeFusionRunner(
                 WanPatches(model.config), model, kernel=kernel, compiler_options=compiler_options
             )
-            self.denoiser = PipeFusionDenoiser(runner, sampler)
+            self.denoiser = PipeFusionDenoiser(
+                runner, sampler, experts=None if self.experts is None else self.experts.params
+            )
         else:
             self.denoiser = Denoiser(
                 self.forward,
@@ -268,14 +269,19 @@ class WanPipeline(DiffusionPipeline):
                 experts=None if self.experts is None else self.experts.params,
             )
 
-    def _refuse_pipefusion(self, wan22: bool) -> None:
-        """PipeFusion's runner does not run Wan 2.2 yet: it switches no experts, takes no per-token
-        timestep mask or first-frame hook, and reads condition channels only beside CLIP features."""
-        if self.parallel.pipefusion > 1 and wan22:
-            raise ValueError(
-                "PipeFusion (pipefusion > 1) does not run Wan 2.2 yet (two experts, per-token timesteps, "
-                "condition channels without CLIP): put the devices on ulysses/ring/tensor/cfg instead"
-            )
+    def _second_expert_state(self, transformer_2: Any) -> Any:
+        """The low-noise expert's parameters in this pipeline's layout: a module's state (under PipeFusion
+        a ``PipeFusionWan``'s, or a plain ``WanTransformer`` laid out in stage slots here); an
+        ``nnx.State`` as it is (already in the layout: ``TwoExperts`` checks its shapes)."""
+        if isinstance(transformer_2, nnx.State):
+            return transformer_2
+        if transformer_2.config != self.config:
+            raise ValueError(_config_difference(self.config, transformer_2.config))
+        if isinstance(transformer_2, PipeFusionWan):
+            return transformer_2.state
+        if self.parallel.pipefusion > 1:
+            return PipeFusionWan.from_model(transformer_2, self.mesh).state
+        return nnx.state(transformer_2)
 
     # ------------------------------------------------------------------ LoRA, per expert
     def lora_targets(self, expert: int = HIGH_NOISE) -> tuple[Any, Any, Any]:
@@ -485,9 +491,10 @@ class WanPipeline(DiffusionPipeline):
         ``latents``: initial noise instead of the seed's. Image-to-video: ``image`` (with an image
         encoder), or ``image_embeds`` (Wan 2.1 only) and ``condition``. ``max_sequence_length``: the text
         encoder's token count (default: the encoder's, 512 for umT5). ``output_type``: np, pil (a list of
-        frame lists) or latent. PipeFusion (a mesh with pipefusion > 1; Wan 2.1): ``num_pipeline_patch``
-        (default: the smallest M >= P that splits the latent rows), ``warmup_steps`` (default 1),
-        ``patch_by`` ("rows", default, or "frames"), as xDiT's flags.
+        frame lists) or latent. PipeFusion (a mesh with pipefusion > 1): ``num_pipeline_patch``
+        (default: the smallest M >= P that splits the latent rows), ``warmup_steps`` (default 1; Wan 2.2
+        A14B: at the start of each expert's steps), ``patch_by`` ("rows", default, or "frames"), as
+        xDiT's flags.
         ``cache``: a feature cache,
         ``jaxdit.cache.FirstBlockCache(threshold=...)`` or ``TeaCache()`` (the output's ``cache`` reports it).
         """
@@ -649,5 +656,6 @@ def _check_experts(paths: Sequence[Path], mesh: Mesh) -> wan.WanConfig:
 def _load_second(path: Path, mesh: Mesh, dtype: Any, check: Any, offload: bool) -> nnx.State:
     """The low-noise expert's parameters; with ``offload`` moved to host memory at once, before the
     high-noise expert is read, so the devices never hold both."""
-    state = nnx.state(load_model(path, mesh, as_dtype(dtype), CHECKPOINTS, check))
+    loaded = load_model(path, mesh, as_dtype(dtype), CHECKPOINTS, check, staged=PipeFusionWan)
+    state = loaded.state if isinstance(loaded, PipeFusionWan) else nnx.state(loaded)  # stage layout or plain
     return to_host(state) if offload else state

@@ -22,21 +22,28 @@ Where the two parameter sets live is a choice (:class:`TwoExperts`):
   generation of minutes.
 
 Sharding the two experts over different devices (one expert per half of the mesh) would leave half the
-devices idle at every step; splitting each expert's layers over ``pipefusion`` is PipeFusion's own
-business (one stage layout per expert, the same switch).
+devices idle at every step. Under PipeFusion (pipefusion > 1) each expert is laid out in the same stage
+slots (``PipeFusionWan``: 1/P of its blocks per device) and the same switch applies; the runner runs each
+expert's run of steps as a PipeFusion run of its own (``pipefusion/segments.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
 
-from jaxdit.models.sharded_forward import ShardedForward
-
-__all__ = ["HIGH_NOISE", "LOW_NOISE", "TwoExperts", "expert_of_steps", "guidance_of_steps", "to_host"]
+__all__ = [
+    "HIGH_NOISE",
+    "LOW_NOISE",
+    "ParameterHolder",
+    "TwoExperts",
+    "expert_of_steps",
+    "guidance_of_steps",
+    "to_host",
+]
 
 #: Expert indices: the first (diffusers' ``transformer``) and the second (``transformer_2``).
 HIGH_NOISE, LOW_NOISE = 0, 1
@@ -84,28 +91,37 @@ def _same_layout(first: Any, second: Any) -> str | None:
     return None
 
 
-class TwoExperts:
-    """The two experts' parameters for one :class:`ShardedForward`, resident or with the idle one offloaded.
+class ParameterHolder(Protocol):
+    """What holds a model's parameters on the mesh: a ``ShardedForward`` (the plain loop) or a PipeFusion
+    stage layout (``pipefusion.stages.StagedModel``). Its ``state`` is what it computes with."""
 
-    ``forward.state`` is the high-noise expert's parameters (the forward was built from it);
-    ``low_noise`` the low-noise expert's, on the mesh with the same shardings or already in host memory
-    (a pipeline that offloads loads it first and moves it out before the other is read, so the two are
-    never on the devices together). ``params(expert)`` returns the
+    state: Any
+    param_shardings: Any
+
+
+class TwoExperts:
+    """The two experts' parameters for one :class:`ParameterHolder`, resident or with the idle one offloaded.
+
+    ``holder.state`` is the high-noise expert's parameters (the holder was built from it);
+    ``low_noise`` the low-noise expert's, on the mesh with the same shardings (``holder.param_shardings``)
+    or already in host memory (a pipeline that offloads loads it first and moves it out before the other
+    is read, so the two are never on the devices together). ``params(expert)`` returns the
     chosen expert's parameters on the mesh; with ``offload_idle_expert`` it first swaps the two (the
-    running one to host memory, its device buffers freed; the other in), and keeps ``forward.state`` the
-    resident one, so the forward called on its own computes with whichever expert is on the mesh.
+    running one to host memory, its device buffers freed; the other in), and keeps ``holder.state`` the
+    resident one, so the forward (or the PipeFusion runner) called on its own computes with whichever
+    expert is on the mesh.
     """
 
-    def __init__(self, forward: ShardedForward, low_noise: Any, *, offload_idle_expert: bool = False) -> None:
-        why = _same_layout(forward.state, low_noise)
+    def __init__(self, holder: ParameterHolder, low_noise: Any, *, offload_idle_expert: bool = False) -> None:
+        why = _same_layout(holder.state, low_noise)
         if why is not None:
             raise ValueError(f"the two Wan experts must have one architecture, but {why}")
-        self.forward = forward
+        self.holder = holder
         self.offload = offload_idle_expert
-        self.device_shardings = forward.param_shardings
+        self.device_shardings = holder.param_shardings
         # Placed already (device_put is then a no-op), or offloaded at once.
         placed = to_host(low_noise) if self.offload else jax.device_put(low_noise, self.device_shardings)
-        self.states = [forward.state, placed]
+        self.states = [holder.state, placed]
         self.resident = HIGH_NOISE
 
     def params(self, expert: int) -> Any:
@@ -121,7 +137,7 @@ class TwoExperts:
             self.states[idle] = to_host(self.states[idle])
             self.states[expert] = jax.device_put(self.states[expert], self.device_shardings)
             self.resident = expert
-            self.forward.state = self.states[expert]
+            self.holder.state = self.states[expert]
         return self.states[expert]
 
     def memory_kinds(self) -> tuple[str, str]:

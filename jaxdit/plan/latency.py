@@ -12,7 +12,8 @@ bandwidth one device gets in one direction). Whether it costs step time depends 
   (``parallel/pipefusion.py``'s schedule): the asynchronous steps take ``(steps-1) x max(M, V P) + M - 1
   + V P`` ticks of 1/M of a device's step compute each, so filling and draining the pipeline costs about
   one step per generation; the warm-up steps (xDiT's default: one) run the whole sequence through the
-  stages one after another.
+  stages one after another. Wan 2.2 A14B's two experts are two such runs (each expert's steps start with
+  their own warm-up step: its K/V is no context for the other expert), so twice the warm-up, fill and drain.
 
 Compute takes ``FLOPs / achieved FLOP/s`` at two rates: attention (``StepCost.attention_flops``: QK^T and
 PV of self-attention) at the attention kernel's throughput, everything else at the matmul rate
@@ -225,10 +226,13 @@ def timing(cost: StepCost, hw: Hardware) -> Timing:
     steps = cost.workload.steps
     p = cost.config.pipefusion
     if p > 1:
-        warmup = min(PIPEFUSION_WARMUP_STEPS, steps)
+        # Wan 2.2 A14B: one PipeFusion run per expert (its own warm-up steps, pipeline fill and drain).
+        segments = cost.workload.experts
+        warmup = min(PIPEFUSION_WARMUP_STEPS * segments, steps)
         async_steps = steps - warmup
         m, depth = cost.patches, cost.passes * p
-        ticks = (async_steps - 1) * max(m, depth) + m - 1 + depth if async_steps else 0
+        runs = min(segments, async_steps)
+        ticks = (async_steps - runs) * max(m, depth) + runs * (m - 1 + depth)
         # Warm-up: the whole sequence passes the stages one after another.
         generation = warmup * (p * compute + total) + ticks * compute / m + async_steps * exposed
     else:

@@ -27,10 +27,17 @@ __all__ = ["PipeFusionDenoiser"]
 
 
 class PipeFusionDenoiser:
-    """``run(inputs, progress=, callback=, warmup_steps=, num_pipeline_patch=, **family options)``."""
+    """``run(inputs, progress=, callback=, warmup_steps=, num_pipeline_patch=, **family options)``.
 
-    def __init__(self, runner: PipeFusionRunner, sampler: Sampler) -> None:
-        self.runner, self.sampler = runner, sampler
+    ``experts(index) -> parameters`` on the mesh (in the stage layout of the runner's model), for inputs
+    that choose a parameter set per step (Wan 2.2 A14B: ``DenoiseInputs.experts`` / ``scales``); the
+    runner cuts the schedule into one PipeFusion run per expert segment.
+    """
+
+    def __init__(
+        self, runner: PipeFusionRunner, sampler: Sampler, *, experts: Callable[[int], Any] | None = None
+    ) -> None:
+        self.runner, self.sampler, self.experts = runner, sampler, experts
 
     @property
     def last_programs(self) -> dict[str, Any]:
@@ -83,6 +90,9 @@ class PipeFusionDenoiser:
             warmup_steps=warmup,
             num_pipeline_patch=num_pipeline_patch,
             progress=progress,
+            experts=inputs.experts,
+            scales=inputs.scales,
+            params=self.experts,
             **options,
         )
         if callback is not None and callback(inputs.steps, inputs.steps) is False:

@@ -182,8 +182,9 @@ class PipeFusionPrograms:
         return self._cached(("warmup",), self._build_warmup)
 
     def asynchronous(self, steps: int, first_step: int) -> Callable:
-        """``(params, lat, state, kv, context, schedule, scale) -> lat``: steps ``first_step`` to
-        ``first_step + steps - 1`` pipelined."""
+        """``(params, lat, state, kv, context, schedule, scale) -> (lat, state)``: steps ``first_step``
+        to ``first_step + steps - 1`` pipelined. The sampler state comes back so that a later segment of
+        the schedule (another expert's, ``segments.py``) continues the same trajectory."""
         return self._cached(("async", steps, first_step), lambda: self._build_async(steps, first_step))
 
     # ------------------------------------------------------------------ pieces (inside shard_map)
@@ -231,7 +232,7 @@ class PipeFusionPrograms:
         context = {name: sp[name] for name in self.family.context_axes}
         index = () if pipelined else (sp["scalar"],)
         in_specs = (lat, state, kv, context, sp["scalar"], *index, sp["scalar"])  # schedule: replicated
-        out_specs = lat if pipelined else (lat, state, kv)
+        out_specs = (lat, state) if pipelined else (lat, state, kv)
         mesh, model = self.model.mesh, self.model
         fn = jax.shard_map(
             local, mesh=mesh, in_specs=(model.param_specs, *in_specs), out_specs=out_specs, check_vma=False
@@ -243,7 +244,7 @@ class PipeFusionPrograms:
             in_shardings=(model.param_shardings, *jax.tree.map(shard, in_specs, is_leaf=is_spec)),
             out_shardings=jax.tree.map(shard, out_specs, is_leaf=is_spec),
             # The latents, sampler state and (in warm-up) the K/V buffers are updated in place.
-            donate_argnums=(1,) if pipelined else (1, 2, 3),
+            donate_argnums=(1, 2) if pipelined else (1, 2, 3),
             compiler_options=self.compiler_options,
         )
 
@@ -367,7 +368,7 @@ class PipeFusionPrograms:
             local_batch = g.batch // (pc.data * pc.cfg)
             zero = jnp.zeros((local_batch, layout.local_length, self.family.width), jnp.float32)
             carry = (lat, state, (zero,) * len(stacks), kv)
-            (lat, *_), _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
-            return lat[None]
+            (lat, state, *_), _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
+            return lat[None], tuple(a[None] for a in state)
 
         return self._jit(local, pipelined=True, state_count=self._state_count())

@@ -1,4 +1,5 @@
-"""PipeFusion's denoising loop (arXiv 2405.14430) for any model family: warm-up steps, then one pipelined call.
+"""PipeFusion's denoising loop (arXiv 2405.14430) for any model family: warm-up steps, then one pipelined call
+(per expert segment of the schedule).
 
 A pipeline hands the runner what its plain denoising loop would take, and gets the final latents back::
 
@@ -10,15 +11,26 @@ A pipeline hands the runner what its plain denoising loop would take, and gets t
         context,          # the family's forward context by diffusers' names, CFG rows interleaved
                           # (``jaxdit.parallel.cfg.interleave_branches``), unpadded: FLUX
                           # encoder_hidden_states, pooled_projections, txt_ids, img_ids, guidance (dev);
-                          # Wan encoder_hidden_states, positions, and for I2V encoder_hidden_states_image
-                          # and condition (the mask + first-frame tokens [B, N, K'] beside the noise)
+                          # Wan encoder_hidden_states, positions, for I2V condition (the mask +
+                          # first-frame tokens [B, N, K'] beside the noise; Wan 2.1 also
+                          # encoder_hidden_states_image), for TI2V with an image timestep_mask [N],
+                          # first_frame [B, N, K] and in_first_frame [B, N, 1]
         sampler=sampler,  # a jaxdit.samplers.sampler.Sampler (EulerSampler, UniPCSampler, ...)
         schedule=sched,   # sampler.schedule(num_inference_steps, ...), on the host
         grid=grid,        # the token grid of the latents: FLUX (rows, cols), Wan (F', H', W')
         guidance_scale=s, # classifier-free guidance scale (used when the context has both branches)
         num_inference_steps=n, warmup_steps=1, num_pipeline_patch=None,  # None: the family's default
+        experts=(), params=None,  # Wan 2.2 A14B: each step's expert, params(expert) -> its parameters
+        scales=(),        # each step's guidance scale (each expert has its own); empty: guidance_scale
         **options,        # the family's: Wan's patch_by="rows" | "frames"
     )                     # -> np.ndarray [B, N, K] fp32, the final latent tokens
+
+Two experts. K/V buffered by one expert is no context for the other's layers, so the schedule is cut
+into expert segments (``segments.py``), each a PipeFusion run of its own with its expert's parameters and
+guidance scale: warm-up step(s) that refill the K/V buffers, then one pipelined call; the latents and the
+sampler state carry over. Cost: one more synchronous step per switch (``warmup_steps`` more in general)
+and one more pipelined launch; the warm-up program is shared, a pipelined program is compiled per
+(length, first step).
 
 Guidance runs when the context's batch is twice the latents' (both branches, interleaved). The request
 is checked before anything compiles (patches against the grid and the sequence degree, warm-up steps
@@ -31,7 +43,7 @@ collectives.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -45,6 +57,7 @@ from jaxdit.pipelines.denoiser import progress_bar as _progress
 from jaxdit.pipelines.pipefusion.family import PatchFamily
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
+from jaxdit.pipelines.pipefusion.segments import Segment, expert_segments
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 from jaxdit.samplers.sampler import Sampler
 
@@ -70,8 +83,11 @@ class PipeFusionRunner:
         self.kernel, self.compiler_options = kernel, compiler_options
         #: (geometry, guided) -> its programs.
         self.programs: dict[tuple[PatchGeometry, bool], PipeFusionPrograms] = {}
-        #: After a call: (warm-up fn, its abstract args) and (pipelined fn, its abstract args) or None.
+        #: After a call: (warm-up fn, its abstract args) and (pipelined fn, its abstract args) or None
+        #: (with two experts, the last segment's).
         self.last_programs: dict[str, tuple[Callable, tuple] | None] = {}
+        #: After a call: the schedule's expert segments as they ran (``segments.Segment``).
+        self.last_segments: tuple[Segment, ...] = ()
 
     def programs_for(self, g: PatchGeometry, guided: bool, sampler: Sampler) -> PipeFusionPrograms:
         """The programs of ``g``, built once (per sampler kind: a sampler's settings live in its schedule)."""
@@ -112,13 +128,23 @@ class PipeFusionRunner:
         warmup_steps: int = 1,
         num_pipeline_patch: int | None = None,
         progress: bool = False,
+        experts: Sequence[int] = (),
+        scales: Sequence[float] = (),
+        params: Callable[[int], Any] | None = None,
         **options: Any,
     ) -> np.ndarray:
         """The final latent tokens [B, N, K] (see the module docstring); ``options`` are the family's
-        (Wan: ``patch_by``)."""
+        (Wan: ``patch_by``). ``experts``: the parameter set of each step (Wan 2.2 A14B), ``params(expert)``
+        its parameters on the mesh (same shapes and shardings as ``model.state``); ``scales``: each step's
+        guidance scale (default ``guidance_scale``)."""
         pc, family = self.parallel, self.family
         x = np.asarray(jax.device_get(latents), np.float32)
         patches = self.check(grid, num_inference_steps, warmup_steps, num_pipeline_patch, **options)
+        segments = expert_segments(experts, num_inference_steps, warmup_steps)
+        if scales and len(scales) != num_inference_steps:
+            raise ValueError(f"{len(scales)} guidance scales for {num_inference_steps} steps")
+        if experts and params is None:
+            raise ValueError("these inputs choose an expert per step, but no expert parameters were given")
         g = family.geometry(grid, patches, pc, x.shape[0], context, **options)
         if g.batch not in (g.requests, 2 * g.requests):
             raise ValueError(
@@ -128,7 +154,7 @@ class PipeFusionRunner:
         if g.requests % pc.data:
             raise ValueError(f"{g.requests} requests cannot be split over data={pc.data}")
         programs = self.programs_for(g, g.batch == 2 * g.requests, sampler)
-        sh, params = programs.shardings, self.model.state
+        sh = programs.shardings
 
         tokens = g.to_patches(x, 1)  # [B, M, N/M, K]: every stage keeps its own copy
         lat = jax.device_put(np.broadcast_to(tokens[None], (pc.pipefusion, *tokens.shape)), sh["latents"])
@@ -138,30 +164,41 @@ class PipeFusionRunner:
             for name, entry in family.program_context(context, g, self.model.dtype).items()
         }
         sched = jax.device_put(schedule, sh["scalar"])
-        scale = jnp.float32(guidance_scale)
+        scale_of = lambda step: jnp.float32(scales[step] if scales else guidance_scale)
 
         kv = programs.zero_buffers()
         warm = programs.warmup()
-        args = (params, lat, state, kv, placed, sched, jnp.int32(0), scale)
-        self.last_programs = {"warmup": (warm, jax.tree.map(abstract_like, args)), "pipelined": None}
+        self.last_programs = {"warmup": None, "pipelined": None}
+        self.last_segments = segments
         # Non-finite values: the K/V buffers (the transformer's) and the latents after each warm-up step.
         stages = (finite.KV_STAGE,) * len(jax.tree.leaves(kv)) + ("denoising step",)
-        watch = finite.StepWatch(self.model.mesh, num_inference_steps, stages)
-        for i in _progress(range(warmup_steps), progress, warmup_steps):
-            lat, state, kv = warm(params, lat, state, kv, placed, sched, jnp.int32(i), scale)
-            watch.add(i, finite.array_flags(self.model.mesh, [*jax.tree.leaves(kv), lat]))
-        watch.finish()
-        remaining = num_inference_steps - warmup_steps
-        if remaining:
-            run = programs.asynchronous(remaining, warmup_steps)
-            args = (params, lat, state, kv, placed, sched, scale)
-            self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
-            lat = run(*args)
+        bar = _progress(range(sum(s.warmup for s in segments)), progress, sum(s.warmup for s in segments))
+        ticks = iter(bar)
+        last_stage = programs.schedule(1).last_stage
+        for segment in segments:
+            weights = self.model.state if segment.expert is None else params(segment.expert)
+            scale = scale_of(segment.first)
+            # The segment's warm-up refills every layer's K/V buffer with its own expert's K/V.
+            watch = finite.StepWatch(self.model.mesh, num_inference_steps, stages)
+            for i in range(segment.first, segment.first + segment.warmup):
+                args = (weights, lat, state, kv, placed, sched, jnp.int32(i), scale)
+                self.last_programs["warmup"] = (warm, jax.tree.map(abstract_like, args))
+                lat, state, kv = warm(*args)
+                watch.add(i, finite.array_flags(self.model.mesh, [*jax.tree.leaves(kv), lat]))
+                next(ticks, None)
+            watch.finish()
+            if segment.pipelined:
+                first = segment.first + segment.warmup
+                run = programs.asynchronous(segment.pipelined, first)
+                args = (weights, lat, state, kv, placed, sched, scale)
+                self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
+                lat, state = run(*args)
+                # The copy of the stage where a patch's step ends holds the result.
+                phase = f"the latents after the pipelined steps {first + 1}-{segment.first + segment.steps}"
+                finite.check_arrays("denoising step", {phase: jax.device_get(lat[last_stage])})
+        next(ticks, None)
         # The copy of the stage where a patch's step ends holds the result (the others: what they computed).
-        out = np.asarray(jax.device_get(lat[programs.schedule(1).last_stage]))
-        if remaining:
-            phase = f"the latents after the pipelined steps {warmup_steps + 1}-{num_inference_steps}"
-            finite.check_arrays("denoising step", {phase: out})
+        out = np.asarray(jax.device_get(lat[last_stage]))
         return g.from_patches(out, 1)
 
 

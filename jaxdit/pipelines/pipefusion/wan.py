@@ -1,4 +1,5 @@
-"""Wan 2.1 with PipeFusion (arXiv 2405.14430): how Wan's tokens and blocks meet the runner.
+"""Wan (2.1; 2.2 A14B and TI2V-5B) with PipeFusion (arXiv 2405.14430): how Wan's tokens and blocks meet
+the runner.
 
 Stages. Wan has one stack of identical blocks: its stacked layer axis is split over ``pipefusion`` by
 the ``PIPEFUSION`` rule, ceil(L/P) slots per device (padded slots hold zeros; a zero Wan block adds
@@ -35,6 +36,13 @@ last stage holds the authoritative latents and state and updates patch m's slice
 the pipeline; stage 0 keeps a copy of the latents that it refreshes from the permuted patch. With
 warmup_steps equal to the number of steps every step is the serial step on all patches at once, so the
 result equals ``WanPipeline``'s.
+
+Wan 2.2. A14B's two experts share this layout (the low-noise expert's state is a second staged state with
+the same shardings, ``wan_experts.TwoExperts``); the runner runs each expert's steps as a PipeFusion run
+of its own (``segments.py``). I2V-A14B reads the condition channels without CLIP features. TI2V-5B with an
+image: each patch's first-frame tokens take the given frame in the model input and see timestep 0 (the
+embeddings of t and 0 per step, a per-token select in every block and the head), as the plain loop's
+``token_hooks`` and ``timestep_mask`` do on the whole sequence.
 """
 
 from __future__ import annotations
@@ -80,6 +88,9 @@ __all__ = [
 
 #: One pass over the stages per forward (one stack of blocks).
 PASSES = len(wan.WanTransformer.STACKS)
+#: Per-token context entries [B, N, k] beside the latent tokens: I2V's condition channels (mask + image
+#: latent), TI2V's first-frame tokens and the 0/1 marks of the tokens it replaces.
+PER_TOKEN = ("condition", "first_frame", "in_first_frame")
 PATCH_AXES = {"frames": 0, "rows": 1}
 
 
@@ -128,7 +139,7 @@ def validate_patches(
 
 
 def check_model(config: wan.WanConfig, parallel: ParallelConfig) -> None:
-    """Heads against ulysses x tensor; Wan PipeFusion runs T2V and I2V models alike."""
+    """Heads against ulysses x tensor; Wan PipeFusion runs T2V, I2V and TI2V models alike."""
     parallel.validate_heads(config.num_heads)
 
 
@@ -188,7 +199,8 @@ def padded_config(config: wan.WanConfig, stages: int) -> wan.WanConfig:
 class Geometry(PatchGeometry):
     """Static sizes of one generation: the (F', H', W') token grid, M patches split by rows or frames,
     S = ring x ulysses sequence shards, the model batch (both CFG branches), the latent batch, the text
-    length (and image tokens for I2V). A patch holds video tokens only."""
+    length (and CLIP image tokens for Wan 2.1 I2V), whether a first frame is given (TI2V). A patch holds
+    video tokens only."""
 
     grid: tuple[int, int, int]
     patches: int
@@ -199,6 +211,8 @@ class Geometry(PatchGeometry):
     text: int
     image: int = 0
     patch_by: str = "rows"
+    #: Wan 2.2 TI2V with an image: the first latent frame is given (per-token timesteps, see ``_Pieces``).
+    first_frame: bool = False
 
     @property
     def tokens(self) -> int:
@@ -282,39 +296,62 @@ def collective_bytes(
 
 
 class _Pieces:
-    """Wan's own embeddings, conditioning and head order on one generation's patches (in the program)."""
+    """Wan's own embeddings, conditioning and head order on one generation's patches (in the program).
+
+    The per-token inputs of the plain loop (``jaxdit.pipelines.wan.token_hooks`` and the forward's
+    ``timestep_mask``) are taken per patch here, in the same order: I2V's condition channels are
+    concatenated beside the noise; TI2V's first frame replaces the first latent frame's tokens of the
+    model input (the sampler keeps updating the latents themselves, as in the plain loop), and each token
+    of a patch is modulated by the embedding of t or of 0 (``timestep_mask``: 1 sees t).
+    """
 
     def __init__(self, model: wan.WanTransformer, context: dict, g: Geometry, full: bool, batch: Callable):
         c = model.config
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.full = model, batch, full
         # The cross-attention context: embedded once per call on every device (no timestep in it).
         self.text, self.image = model.embed_context(
             context["encoder_hidden_states"], context["encoder_hidden_states_image"]
         )
         rope = lambda positions: rope_angles(positions, c.rope_axes_dim, c.rope_theta)
-        positions, condition = context["positions"], context["condition"]  # [M, n, 3], [b, M, n, K']
+        positions = context["positions"]  # [M, n, 3]
+        # Per-token arrays [b, M, n, k] (condition, first frame and where it goes) and the mask [M, n].
+        self.per_token = {name: context[name] for name in PER_TOKEN if context[name] is not None}
+        self.timestep_mask = context["timestep_mask"]
         if full:  # every patch on this device, patch-major
             self.angles = rope(positions.reshape(-1, 3))[None]  # [1, M*n, D/2]
-            if condition is not None:
-                condition = condition.reshape(condition.shape[0], -1, condition.shape[-1])
+            self.per_token = {k: a.reshape(a.shape[0], -1, a.shape[-1]) for k, a in self.per_token.items()}
+            if self.timestep_mask is not None:
+                self.timestep_mask = self.timestep_mask.reshape(-1)
         else:
             self.angles = jax.vmap(rope)(positions)  # [M, n, D/2]
-        self.condition = condition
+
+    def _of_patch(self, name: str, patch: jax.Array | None) -> jax.Array:
+        a = self.per_token[name]
+        return a if patch is None else lax.dynamic_index_in_dim(a, patch, 1, False)
 
     def step_cond(self, timestep: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return self.model.embed_time(jnp.full((self.text.shape[0],), timestep, jnp.float32))
+        t = jnp.full((self.text.shape[0],), timestep, jnp.float32)
+        if self.timestep_mask is None:
+            return self.model.embed_time(t)
+        # Per-token timesteps: the embeddings of t and of 0, stacked; each patch's tokens pick in ``cond``.
+        temb, time_mod, _ = self.model.embed_token_time(t, self.timestep_mask)
+        return temb, time_mod
 
     def embed(self, x: jax.Array, patch: jax.Array | None) -> jax.Array:
-        if self.condition is not None:  # I2V: the mask and first-frame latent beside the noise
-            cond = (
-                self.condition if patch is None else lax.dynamic_index_in_dim(self.condition, patch, 1, False)
-            )
-            x = jnp.concatenate([x, cond], -1)
+        if "condition" in self.per_token:  # I2V: the mask and first-frame latent beside the noise
+            x = jnp.concatenate([x, self._of_patch("condition", patch)], -1)
+        elif "first_frame" in self.per_token:  # TI2V: the given first frame in place (an exact select)
+            given = self._of_patch("in_first_frame", patch) > 0
+            x = jnp.where(given, self._of_patch("first_frame", patch), x)
         return self.model.patch_embedding(self.batch(x).astype(self.model.dtype)).astype(jnp.float32)
 
     def cond(self, time: tuple[jax.Array, jax.Array], patch: jax.Array | None) -> wan.WanCond:
         angles = self.angles if patch is None else self.angles[patch][None]
-        return wan.WanCond(*time, self.text, self.image, angles)
+        token_time = None
+        if self.timestep_mask is not None:
+            mask = self.timestep_mask if patch is None else self.timestep_mask[patch]
+            token_time = (mask > 0)[None, :, None]  # [1, n, 1], as the forward's ``embed_token_time``
+        return wan.WanCond(*time, self.text, self.image, angles, token_time)
 
     def prediction(self, pred: jax.Array) -> jax.Array:
         c = self.model.config
@@ -326,8 +363,10 @@ class WanPatches:
     """What the PipeFusion runner asks of Wan (``family.PatchFamily``), for a model ``config``.
 
     The programs' context is the forward context by diffusers' names: the text (and CLIP image) context
-    whole for every patch, the video tokens' ``positions`` [M, n, 3] in patches and, for I2V, the
-    ``condition`` tokens [B, M, n, K'] (mask and first-frame latent, concatenated to the noise).
+    whole for every patch, the video tokens' ``positions`` [M, n, 3] in patches and, for I2V (Wan 2.1
+    and 2.2 A14B), the ``condition`` tokens [B, M, n, K'] (mask and first-frame latent, concatenated to
+    the noise); for TI2V with an image, the ``first_frame`` tokens [B, M, n, K] and ``in_first_frame``
+    marks [B, M, n, 1] of the tokens they replace, and the per-token ``timestep_mask`` [M, n].
     """
 
     config: wan.WanConfig
@@ -336,7 +375,8 @@ class WanPatches:
         "encoder_hidden_states": ("batch", None, None),
         "encoder_hidden_states_image": ("batch", None, None),
         "positions": (None, "seq", None),
-        "condition": ("request", None, "seq", None),
+        "timestep_mask": (None, "seq"),
+        **{name: ("request", None, "seq", None) for name in PER_TOKEN},
     }
 
     @property
@@ -369,28 +409,42 @@ class WanPatches:
         batch, text = np.shape(context["encoder_hidden_states"])[:2]
         image = context.get("encoder_hidden_states_image")
         images, pc = (0 if image is None else np.shape(image)[1]), parallel
-        return Geometry(tuple(grid), patches, pc.ring, pc.ulysses, batch, requests, text, images, patch_by)
+        first = context.get("first_frame") is not None
+        return Geometry(
+            tuple(grid), patches, pc.ring, pc.ulysses, batch, requests, text, images, patch_by, first
+        )
 
     def program_context(self, context: Mapping, g: Geometry, dtype: Any) -> dict[str, tuple | None]:
-        image, condition = context.get("encoder_hidden_states_image"), context.get("condition")
+        image, mask = context.get("encoder_hidden_states_image"), context.get("timestep_mask")
+        per_token = {
+            name: None
+            if context.get(name) is None
+            else (g.to_patches(np.asarray(context[name], np.float32), 1), jnp.float32)
+            for name in PER_TOKEN
+        }
         return {
             "encoder_hidden_states": (np.asarray(context["encoder_hidden_states"], np.float32), dtype),
             "encoder_hidden_states_image": None if image is None else (np.asarray(image, np.float32), dtype),
             "positions": (g.to_patches(np.asarray(context["positions"], np.int32), 0), jnp.int32),
-            "condition": None
-            if condition is None
-            else (g.to_patches(np.asarray(condition, np.float32), 1), jnp.float32),
+            "timestep_mask": None
+            if mask is None
+            else (g.to_patches(np.asarray(mask, np.float32), 0), jnp.float32),
+            **per_token,
         }
 
     def abstract_context(self, g: Geometry, dtype: Any) -> dict[str, tuple | None]:
         c = self.config
-        extra = (c.in_channels - c.out_channels) * math.prod(c.patch_size)
-        i2v = c.is_i2v
+        tokens = (g.requests, g.patches, g.patch_tokens)
+        condition = c.condition_channels * math.prod(c.patch_size)  # I2V: beside CLIP or without (2.2)
+        first = g.first_frame
         return {
             "encoder_hidden_states": ((g.batch, g.text, c.text_dim), dtype),
-            "encoder_hidden_states_image": ((g.batch, g.image, c.image_dim), dtype) if i2v else None,
+            "encoder_hidden_states_image": ((g.batch, g.image, c.image_dim), dtype) if c.is_i2v else None,
             "positions": ((g.patches, g.patch_tokens, 3), jnp.int32),
-            "condition": ((g.requests, g.patches, g.patch_tokens, extra), jnp.float32) if i2v else None,
+            "timestep_mask": ((g.patches, g.patch_tokens), jnp.float32) if first else None,
+            "condition": ((*tokens, condition), jnp.float32) if condition else None,
+            "first_frame": ((*tokens, c.out_features), jnp.float32) if first else None,
+            "in_first_frame": ((*tokens, 1), jnp.float32) if first else None,
         }
 
     def pieces(
