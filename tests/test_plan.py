@@ -13,6 +13,7 @@ CPU's widening of bf16 collectives (and not of fp32 ones) is part of what is che
 
 import dataclasses
 import json
+import os
 
 import jax
 import pytest
@@ -288,6 +289,24 @@ def test_cli_json_and_text(capsys):
         main(["plan", "--model", "flux-dev", "--devices", "8", "--verify", "--configs", "cfg2xulysses4"]) == 2
     )
     assert "distilled" in capsys.readouterr().err
+
+
+def test_verify_never_emulates_fewer_devices_than_xla_flags_ask_for():
+    """``--verify`` on 4 devices in a fresh process whose XLA_FLAGS ask for 8 (a test worker, a user's
+    shell): jax starts with 8. Before, it started with 4, and a pytest worker whose first test ran a
+    4-device verify failed every 8-device test after it."""
+    import subprocess
+    import sys
+
+    script = (
+        "from jaxdit.plan.verify import ensure_cpu_devices as e; e(4); import jax; print(len(jax.devices()))"
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-1] == "8"
 
 
 def test_verify_compiles_flux_pipefusion_and_matches_the_per_program_model():

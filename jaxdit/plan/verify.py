@@ -30,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -45,12 +47,14 @@ FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
 def ensure_cpu_devices(count: int) -> None:
-    """Emulate ``count`` CPU devices if jax has not started yet; raise if fewer are available."""
+    """Emulate at least ``count`` CPU devices if jax has not started yet (never fewer than ``XLA_FLAGS``
+    asks for: the rest of the process may want them); raise if fewer are available."""
     import jax
 
+    asked = re.search(r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", ""))
     try:
         jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", count)
+        jax.config.update("jax_num_cpu_devices", max(count, int(asked.group(1)) if asked else 1))
     except RuntimeError:
         pass  # the backend is up already (e.g. under tests/conftest.py); use what it has
     have = len(jax.devices())
