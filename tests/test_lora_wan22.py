@@ -92,7 +92,23 @@ def _quick_compiles(monkeypatch):
     monkeypatch.setattr(WanPipeline, "from_pretrained", classmethod(quick))
 
 
-def test_generate_with_a_lora_per_expert_matches_diffusers(files, monkeypatch, tmp_path, capsys):
+MESHES = {
+    "tensor2 x ring2": ["--tensor_parallel_degree", "2", "--ring_degree", "2"],
+    # Every step a warm-up step (synchronous): exact, so diffusers is the reference; the LoRAs are fused
+    # into both experts' stage layouts.
+    "pipefusion2 x ulysses2": [
+        "--pipefusion_parallel_degree",
+        "2",
+        "--ulysses_degree",
+        "2",
+        "--warmup_steps",
+        "3",
+    ],
+}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_generate_with_a_lora_per_expert_matches_diffusers(mesh, files, monkeypatch, tmp_path, capsys):
     folder, pipe, components, high, low = files
     _quick_compiles(monkeypatch)
     out = tmp_path / "latents.npy"
@@ -100,7 +116,7 @@ def test_generate_with_a_lora_per_expert_matches_diffusers(files, monkeypatch, t
     argv += ["--height", str(HEIGHT), "--width", str(WIDTH), "--num_frames", str(FRAMES)]
     argv += ["--steps", str(STEPS), "--seed", str(SEED), "--max_sequence_length", "16"]
     argv += ["--guidance_scale", str(GUIDANCE), "--guidance_scale_2", str(GUIDANCE_2)]
-    argv += ["--tensor_parallel_degree", "2", "--ring_degree", "2", "--output", str(out)]
+    argv += [*MESHES[mesh], "--output", str(out)]
     argv += ["--lora", f"{high}:{HIGH_SCALE}", "--lora_2", f"{low}:{LOW_SCALE}"]
     assert cli.main(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
@@ -113,7 +129,7 @@ def test_generate_with_a_lora_per_expert_matches_diffusers(files, monkeypatch, t
     # Each expert's LoRA moves the result (so each went where it acts, not into the other expert).
     effect_low, effect_high = float(np.abs(both - high_only).max()), float(np.abs(both - low_only).max())
     print(
-        f"Wan 2.2 T2V-A14B, a LoRA per expert (tensor2 x ring2): max |jaxdit - diffusers| = {err:.2e}; "
+        f"Wan 2.2 T2V-A14B, a LoRA per expert ({mesh}): max |jaxdit - diffusers| = {err:.2e}; "
         f"the low-noise LoRA moves the latents by {effect_low:.3f}, the high-noise one by {effect_high:.3f}"
     )
     assert min(effect_low, effect_high) > 100 * TOL
