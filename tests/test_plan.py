@@ -309,6 +309,29 @@ def test_verify_never_emulates_fewer_devices_than_xla_flags_ask_for():
     assert done.stdout.split()[-1] == "8"
 
 
+def test_verify_pipefusion_in_a_fresh_process_full_size_ti2v():
+    """``jaxdit plan --verify`` of a PipeFusion configuration in a fresh process, as a user runs it:
+    TI2V-5B at 1280 x 704 x 121 (per-token timesteps, the first frame) on pipefusion2 x ulysses4 compiles
+    from abstract shapes, and its two programs send exactly the modelled bytes. Before, the PipeFusion
+    check asked jax for its devices before they were emulated, and the run stopped with "1 devices are
+    given"."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    argv = ["plan", "--model", "wan2.2-ti2v-5b", "--devices", "8", "--verify"]
+    argv += ["--configs", "pipefusion2xulysses4", "--json"]
+    script = f"import sys; from jaxdit.cli import main; sys.exit(main({argv!r}))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (verified,) = json.loads(done.stdout)["verify"]
+    assert verified["config"] == "pipefusion2 x ulysses4" and not verified["unexpected_collectives"]
+    assert verified["warmup_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert verified["pipelined_ratio"] == pytest.approx(1.0, abs=1e-4)
+
+
 def test_verify_compiles_flux_pipefusion_and_matches_the_per_program_model():
     """FLUX PipeFusion (pf2 x ulysses2): the runner's warm-up step and its pipelined phase (3 steps as one
     scan, fill/drain bubbles included) send exactly what the plan's model says for the same program. The

@@ -178,6 +178,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("cannot verify invalid configurations: " + " | ".join(bad))
         else:
             chosen = list(report.plans)
+        # Before anything asks jax for its devices (the PipeFusion check below builds meshes): jax fixes
+        # its device count when it first starts.
+        ensure_cpu_devices(max([p.config.num_devices for p in chosen] + [1]))
         compile_now = [p for p in chosen if p.config.pipefusion == 1]
         # PipeFusion compiles the runner's two programs (warm-up step, pipelined phase), where the runner
         # can use the plan's patch count.
@@ -188,7 +191,6 @@ def run(args: argparse.Namespace) -> int:
         }
         pipefusion = [p for p in chosen if p.config.pipefusion > 1 and p.name not in skipped]
         say = (lambda s: print(f"  {s}", file=sys.stderr, flush=True)) if not args.json else None
-        ensure_cpu_devices(max([p.config.num_devices for p in compile_now + pipefusion] + [1]))
         comparisons = (
             verify(workload, [p.config for p in compile_now], threads=args.threads, progress=say)
             if compile_now
