@@ -497,7 +497,7 @@ class _CallView:
 
     def __getattr__(self, name: str) -> Any:
         # The request's embeddings, and what a family's checks need from the request beyond the call.
-        if name in ("embeddings", "folder", "model", "offload_idle_expert", "lora_2"):
+        if name in ("embeddings", "folder", "model", "weights", "offload_idle_expert", "lora_2"):
             return getattr(self.request, name)
         return getattr(self.call, name)
 
@@ -509,7 +509,7 @@ def _model_config(r: GenerateRequest) -> Any:
         return None  # the folder's transformer's, read only where a check needs it
     if r.model != TINY:
         return r.family.preset_config(r.model)
-    return r.family.checkpoints.open(Path(r.weights), None).config  # a checkpoint without --model: its own
+    return r.family.checkpoint_config(Path(r.weights))  # a checkpoint without --model: its own
 
 
 def _check_output(r: GenerateRequest) -> None:
@@ -615,7 +615,8 @@ def run(r: GenerateRequest) -> int:
         )
     _check_memory(r, parallel, devices[: parallel.num_devices])
     mesh = parallel.make_mesh(devices[: parallel.num_devices])
-    label = r.weights if r.folder is not None else r.model
+    # A folder: its path; a checkpoint: the preset it was checked against, else its path.
+    label = r.model if r.is_tiny or (r.folder is None and r.model != TINY) else r.weights
     if r.is_tiny and not r.tiny_prompt.strip():
         say(
             "tiny-digits: the empty prompt asks for no digit: one unconditional sample (the judge does not apply)"

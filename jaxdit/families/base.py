@@ -26,6 +26,7 @@ from typing import Any, ClassVar
 from jax.sharding import Mesh
 
 from converters.checkpoints import CheckpointFormat
+from jaxdit.loading import checkpoint_config
 from jaxdit.pipelines.model_folder import FolderClass, ModelFolder
 
 __all__ = ["ModelFamily", "Preset", "Reduction", "StepTerms"]
@@ -113,6 +114,11 @@ class ModelFamily:
     def preset_config(self, name: str) -> Any:
         """The config of preset ``name`` (read when asked, so a test may register a tiny one)."""
         return self.checkpoints.config_class.preset(name)
+
+    def checkpoint_config(self, path: Path) -> Any:
+        """The config of a transformer checkpoint of this family, in any layout it reads (``jaxdit convert``
+        folders included), from its config file or headers only."""
+        return checkpoint_config(path, self.checkpoints)[0]
 
     def original_folder(self, root: Path) -> ModelFolder | None:
         """A folder in the family's own (non-diffusers) release layout, else None."""

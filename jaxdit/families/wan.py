@@ -38,6 +38,7 @@ from jaxdit.pipelines.wan import (
     WanVariant,
     check_folder,
     check_inputs,
+    checkpoint_experts,
     nearest,
     open_original_folder,
 )
@@ -187,9 +188,19 @@ class WanFamily(ModelFamily):
     def video_fps(self, folder: ModelFolder | None) -> int:
         return self.fps if folder is None else WanVariant.of(folder).fps
 
+    def checkpoint_config(self, path: Path) -> wan.WanConfig:
+        """As the base's; a folder of Wan 2.2 A14B's two experts answers with its high-noise expert's."""
+        return super().checkpoint_config(checkpoint_experts(path)[0][0] if path.is_dir() else path)
+
     def check_generate(self, request: Any, config: wan.WanConfig | None, parallel: Any) -> None:
         folder, preset = getattr(request, "folder", None), getattr(request, "model", None)
-        variant = WanVariant.of(folder) if folder is not None else PRESET_VARIANTS.get(preset, WanVariant())
+        weights = getattr(request, "weights", None)
+        if folder is not None:
+            variant = WanVariant.of(folder)
+        elif weights is not None and Path(weights).is_dir():  # a checkpoint folder: one expert or two
+            variant = checkpoint_experts(Path(weights), preset)[1]
+        else:
+            variant = PRESET_VARIANTS.get(preset, WanVariant())
         two = variant.boundary_ratio is not None
         if getattr(request, "guidance_scale_2", None) is not None and not two:
             raise ValueError(

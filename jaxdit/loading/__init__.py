@@ -3,6 +3,6 @@
 (:mod:`~jaxdit.loading.vae`). The layer above ``converters`` (which read the files) and below
 ``pipelines`` (which assemble a whole model folder)."""
 
-from jaxdit.loading.params import convert_checkpoint, flat_path, load_params, resolve_keys
+from jaxdit.loading.params import checkpoint_config, convert_checkpoint, flat_path, load_params, resolve_keys
 
-__all__ = ["convert_checkpoint", "flat_path", "load_params", "resolve_keys"]
+__all__ = ["checkpoint_config", "convert_checkpoint", "flat_path", "load_params", "resolve_keys"]

@@ -32,6 +32,7 @@ from jaxdit.models.partitioning import named_shardings
 from sharding_rules import rules_for
 
 __all__ = [
+    "checkpoint_config",
     "convert_checkpoint",
     "flat_path",
     "load_params",
@@ -58,6 +59,23 @@ def resolve_keys(checkpoints: CheckpointFormat, source: Source, dtype: Any = jnp
     source.resolve({flat_path(p): tuple(v.shape) for p, v in nnx.to_flat_state(abstract)})
 
 
+def _orbax_config(path: Path, checkpoints: CheckpointFormat) -> tuple[dict[str, Any], Any]:
+    """A ``jaxdit convert`` folder's metadata and config, its family checked."""
+    meta = orbax_io.read_metadata(path)
+    if meta["family"] != checkpoints.name:
+        raise CheckpointError(f"{path}: a {meta['family']!r} checkpoint, not {checkpoints.name!r}")
+    return meta, checkpoints.config_from_json(meta["config"])
+
+
+def checkpoint_config(path: PathLike, checkpoints: CheckpointFormat) -> tuple[Any, bool]:
+    """(the config, whether it is a ``jaxdit convert`` folder) of a checkpoint in any layout the family
+    reads, from its config file or headers only."""
+    path = Path(path)
+    if orbax_io.is_orbax_checkpoint(path):
+        return _orbax_config(path, checkpoints)[1], True
+    return checkpoints.open(path, None).config, False
+
+
 def load_params(
     path: PathLike,
     mesh: Mesh,
@@ -79,10 +97,8 @@ def load_params(
     degrees = ParallelConfig.from_mesh(mesh)
     rules = rules if rules is not None else rules_for(tensor=degrees.tensor, pipefusion=degrees.pipefusion)
     if orbax_io.is_orbax_checkpoint(path):
-        meta = orbax_io.read_metadata(path)
-        if meta["family"] != checkpoints.name:
-            raise CheckpointError(f"{path}: a {meta['family']!r} checkpoint, not {checkpoints.name!r}")
-        cfg = checkpoints.config_from_json(meta["config"]) if config is None else config
+        meta, recorded = _orbax_config(path, checkpoints)
+        cfg = recorded if config is None else config
         if check is not None:
             check(cfg)
         dtype = jnp.dtype(dtype or meta["dtype"])

@@ -25,8 +25,9 @@ from typing import Any
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from converters import orbax_io
 from converters.checkpoints import CheckpointFormat
-from jaxdit.loading import load_params, resolve_keys
+from jaxdit.loading import checkpoint_config, load_params, resolve_keys
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models.sharded_forward import validate_forward
 
@@ -43,17 +44,21 @@ def check_transformer(
 ) -> Any:
     """The transformer's config, checked against the mesh (and ``check``), and its key table checked
     against the checkpoint's tensor names and shapes -- from the config and file headers only, so a broken
-    transformer checkpoint is reported before the (large) text encoders are read."""
-    source = checkpoints.open(Path(path), None)
+    transformer checkpoint is reported before the (large) text encoders are read. (A ``jaxdit convert``
+    folder's names and shapes were checked when it was written, and are again when it is restored.)"""
+    path = Path(path)
+    source = None if orbax_io.is_orbax_checkpoint(path) else checkpoints.open(path, None)
+    config = checkpoint_config(path, checkpoints)[0] if source is None else source.config
     if check is not None:
-        check(source.config)
+        check(config)
     parallel = ParallelConfig.from_mesh(mesh)
     if parallel.pipefusion > 1:
-        parallel.validate_heads(source.config.num_heads)
+        parallel.validate_heads(config.num_heads)
     else:
-        validate_forward(parallel, source.config.num_heads)
-    resolve_keys(checkpoints, source)  # strict: names the key
-    return source.config
+        validate_forward(parallel, config.num_heads)
+    if source is not None:
+        resolve_keys(checkpoints, source)  # strict: names the key
+    return config
 
 
 def load_model(

@@ -26,6 +26,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from converters.wan import CHECKPOINTS
+from jaxdit.loading import checkpoint_config
 from jaxdit.pipelines.model_folder import (
     FolderClass,
     ModelFolder,
@@ -147,6 +149,8 @@ def _original_22(root: Path) -> ModelFolder | None:
     if not experts and not (root / ORIGINAL_VAE_22).exists():
         return None
     common = {"text_encoder": root / ORIGINAL_T5, "tokenizer": root / ORIGINAL_TOKENIZER}
+    if experts and not any(p.exists() for p in (root / ORIGINAL_VAE, *common.values())):
+        return None  # the two experts alone (e.g. each converted by jaxdit convert): a checkpoint folder
     if experts:
         paths = {
             "transformer": root / HIGH_NOISE_DIR,
@@ -252,6 +256,15 @@ def open_folder(path: str | os.PathLike[str]) -> ModelFolder:
     return folder
 
 
+def _a14b_kind(expert: Path) -> str:
+    """t2v or i2v, which sets the expert switch: the original config's ``model_type``; a diffusers or
+    ``jaxdit convert`` folder records none, and its input channels tell (I2V: mask + image latent)."""
+    config = expert / "config.json"
+    if config.is_file() and "model_type" in (data := read_json(config)):
+        return data["model_type"]
+    return "i2v" if checkpoint_config(expert, CHECKPOINTS)[0].condition_channels else "t2v"
+
+
 def checkpoint_experts(path: Path, preset: str | None = None) -> tuple[tuple[Path, ...], WanVariant]:
     """The transformer checkpoint(s) under ``path`` (``WanPipeline.from_checkpoint``) and the pipeline
     settings they come with: a Wan 2.2 A14B folder holds two experts (``high_noise_model/`` +
@@ -266,7 +279,7 @@ def checkpoint_experts(path: Path, preset: str | None = None) -> tuple[tuple[Pat
             raise ValueError(
                 f"{path}: a Wan 2.2 A14B folder holds {HIGH_NOISE_DIR}/ and {LOW_NOISE_DIR}/; no {missing[0]}/"
             )
-        model_type = read_json(paths[0] / "config.json").get("model_type", "t2v")
+        model_type = _a14b_kind(paths[0])
         if model_type not in ("t2v", "i2v"):
             raise ValueError(f"{paths[0]}: model_type {model_type!r} in an A14B expert folder (t2v or i2v)")
         return paths, WanVariant(boundary_ratio=ORIGINAL_22[model_type]["boundary_ratio"])
