@@ -418,8 +418,8 @@ def detect(
         high, low = experts
         raise CheckpointError(
             f"{path} holds Wan 2.2's two experts ({high}/ and {low}/), and a checkpoint is one model: name "
-            f"{high}/ (high noise) or {low}/ (low noise), or load the whole pipeline (jaxdit generate "
-            "--weights, WanPipeline.from_pretrained)"
+            f"{path / high} (high noise) or {path / low} (low noise), or load the whole folder (jaxdit "
+            "generate --weights, WanPipeline.from_pretrained / from_checkpoint)"
         )
     found = _config_folder(path) if path.is_dir() else None
     if found is not None:

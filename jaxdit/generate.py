@@ -120,7 +120,7 @@ class GenerateRequest:
     @functools.cached_property
     def loras_2(self) -> list[tuple[str, float]]:
         """``--lora_2 FILE[:SCALE]`` (the low-noise expert's) as (path, scale) pairs."""
-        return [parse_lora(arg) for arg in self.lora_2]
+        return [parse_lora(arg, "--lora_2") for arg in self.lora_2]
 
     # ------------------------------------------------------------------ what runs
     @property
@@ -475,14 +475,17 @@ def _check_loras(r: GenerateRequest, config: Any) -> None:
     """Every ``--lora`` / ``--lora_2`` file read and checked against the model (layout, family, sizes,
     values) before any weight loads; they are small. Without a known config (a checkpoint without
     --model) the files are checked when the pipeline loads them, still before the first step."""
-    from converters.lora import read_lora
+    from converters.lora import LoraError, read_lora
 
     for flag, loras in (("--lora", r.loras), ("--lora_2", r.loras_2)):
         for path, _ in loras:
             if not Path(path).exists():
                 raise ValueError(f"{flag} {path}: no such file")
             if config is not None:
-                read_lora(path, config)
+                try:
+                    read_lora(path, config)
+                except (LoraError, ValueError) as e:  # which flag (which expert) the file was given to
+                    raise type(e)(f"{flag} {e}") from None
 
 
 def call_view(r: GenerateRequest, call: GenerationRequest) -> Any:

@@ -40,6 +40,7 @@ import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -114,19 +115,22 @@ class FuseCost:
 # --------------------------------------------------------------------------------------------------------
 
 
-def parse_lora(arg: str) -> tuple[str, float]:
+def parse_lora(arg: str, flag: str = "--lora") -> tuple[str, float]:
     """``FILE`` or ``FILE:SCALE`` -> (FILE, SCALE); a colon inside the path is kept (the scale is what
-    follows the last one, if it is a number)."""
+    follows the last one when it is a number, or when the whole is no file but what precedes it is).
+    ``flag``: the option the text came from, for the error messages."""
     path, sep, scale = arg.rpartition(":")
-    if sep:
-        try:
-            value = float(scale)
-        except ValueError:
-            return arg, 1.0
-        if not math.isfinite(value):
-            raise ValueError(f"--lora {arg}: the scale {scale} is not a finite number")
-        return path, value
-    return arg, 1.0
+    if not sep:
+        return arg, 1.0
+    try:
+        value = float(scale)
+    except ValueError:
+        if Path(path).is_file() and not Path(arg).exists():
+            raise ValueError(f"{flag} {arg}: the scale {scale!r} is not a number") from None
+        return arg, 1.0
+    if not math.isfinite(value):
+        raise ValueError(f"{flag} {arg}: the scale {scale} is not a finite number")
+    return path, value
 
 
 def read_loras(loras: Sequence[LoraArg], config: Any) -> list[tuple[LoraFile, float]]:

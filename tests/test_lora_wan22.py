@@ -20,6 +20,8 @@ import torch
 from flax import nnx
 
 from converters.keymap import invert
+from converters.lora import LoraError
+from converters.safetensors_io import SafetensorsFile, write_safetensors
 from converters.wan import diffusers_to_params, original_table
 from jaxdit import ParallelConfig, cli
 from jaxdit.models.wan import WanConfig
@@ -140,13 +142,31 @@ def _params(state) -> dict[str, np.ndarray]:
     return {".".join(map(str, p)): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(state)}
 
 
-def test_load_and_unload_per_expert_with_the_idle_expert_offloaded(files):
+def _with_a_nan(source, path):
+    with SafetensorsFile(source) as f:
+        tensors = {k: f.read(k) for k in f}
+    key = next(k for k in sorted(tensors) if k.endswith("lora_up.weight"))
+    tensors[key] = tensors[key].copy()
+    tensors[key].flat[0] = np.nan
+    return write_safetensors(path, tensors)
+
+
+def test_load_and_unload_per_expert_with_the_idle_expert_offloaded(files, tmp_path):
     folder, _, _, high, low = files
     pipe = WanPipeline.from_pretrained(
         folder, ParallelConfig(tensor=2), offload_idle_expert=True, compiler_options=FAST
     )
     experts = pipe.experts
     base = [_params(experts.params(e)) for e in (HIGH_NOISE, LOW_NOISE)]
+    assert experts.memory_kinds() == ("pinned_host", "device")  # the low-noise expert was read last
+    # A bad file for the offloaded (high-noise) expert is refused before it moves (at full size a 14B
+    # expert's copy each way).
+    bad = _with_a_nan(low, tmp_path / "nan.safetensors")
+    with pytest.raises(LoraError, match="NaN/inf value"):
+        pipe.load_lora(bad)
+    assert experts.memory_kinds() == ("pinned_host", "device") and pipe.loras is None
+    with pytest.raises(TypeError, match="scale must be a number"):
+        pipe.load_lora(low, True)  # not load_into_transformer_2
     pipe.load_lora(low, scale=LOW_SCALE, load_into_transformer_2=True)  # brings the low-noise expert in
     assert experts.memory_kinds() == ("pinned_host", "device")
     assert pipe.loras is None and [s for _, s in pipe.loras_2.loras] == [LOW_SCALE]
@@ -179,6 +199,17 @@ def test_a_second_expert_lora_needs_two_experts(files, tmp_path, capsys):
         assert cli.main([*argv, "--output", str(tmp_path / "x.npy")]) == 2
         err = capsys.readouterr().err
         assert "has one transformer: use --lora" in err and len(err.strip().splitlines()) == 1, err
+    # Errors name the flag the file came with (which expert it was meant for).
+    bad = _with_a_nan(low, tmp_path / "nan.safetensors")
+    for arg, needle in (
+        (str(bad), f"--lora_2 {bad}: "),
+        (f"{low}:abc", f"--lora_2 {low}:abc: the scale 'abc' is not a number"),
+        (f"{low}:nan", f"--lora_2 {low}:nan: the scale nan is not a finite number"),
+    ):
+        argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--lora_2", arg]
+        assert cli.main([*argv, "--output", str(tmp_path / "x.npy")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and len(err.strip().splitlines()) == 1, err
     missing = tmp_path / "missing.safetensors"
     argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--lora_2", str(missing)]
     assert cli.main([*argv, "--output", str(tmp_path / "x.npy")]) == 2

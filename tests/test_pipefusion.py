@@ -445,6 +445,7 @@ def test_runner_rejects_a_context_that_is_not_one_or_two_rows_per_request():
     "kwargs, message",
     [
         (dict(pipefusion_parallel_degree=4, num_pipeline_patch=2), "num_pipeline_patch=2 is smaller than"),
+        (dict(pipefusion_parallel_degree=2, num_pipeline_patch=0), "num_pipeline_patch=0 is smaller than"),
         (dict(pipefusion_parallel_degree=2, num_pipeline_patch=3), "does not divide the 8 rows"),
         (
             dict(pipefusion_parallel_degree=2, num_pipeline_patch=8, ring_degree=3),

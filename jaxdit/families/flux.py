@@ -184,7 +184,9 @@ class FluxFamily(ModelFamily):
     def check_pipefusion(self, request: Any, config: flux.FluxConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole rows of packed tokens that ring x ulysses splits; 1 <= warm-up <= steps."""
         rows, cols = request.height // multiple, request.width // multiple
-        patches = request.num_pipeline_patch or default_num_patches(parallel.pipefusion, rows)
+        patches = request.num_pipeline_patch
+        if patches is None:
+            patches = default_num_patches(parallel.pipefusion, rows)
         validate_pipefusion(
             parallel.pipefusion,
             patches,

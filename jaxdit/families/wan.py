@@ -197,10 +197,10 @@ class WanFamily(ModelFamily):
         weights = getattr(request, "weights", None)
         if folder is not None:
             variant = WanVariant.of(folder)
-        elif weights is not None and Path(weights).is_dir():  # a checkpoint folder: one expert or two
-            variant = checkpoint_experts(Path(weights), preset)[1]
-        else:
+        elif preset in PRESET_VARIANTS or weights is None or not Path(weights).is_dir():
             variant = PRESET_VARIANTS.get(preset, WanVariant())
+        else:  # a checkpoint folder without a Wan 2.2 preset: one expert or two
+            variant = checkpoint_experts(Path(weights))[1]
         two = variant.boundary_ratio is not None
         if getattr(request, "guidance_scale_2", None) is not None and not two:
             raise ValueError(
@@ -255,9 +255,9 @@ class WanFamily(ModelFamily):
         latent = (1, config.out_channels, (request.num_frames - 1) // temporal + 1)
         latent += (request.height // spatial, request.width // spatial)
         grid = wan.latent_grid(latent, config.patch_size)
-        patches = request.num_pipeline_patch or default_num_patches(
-            parallel.pipefusion, grid, parallel.sequence_degree
-        )
+        patches = request.num_pipeline_patch
+        if patches is None:
+            patches = default_num_patches(parallel.pipefusion, grid, parallel.sequence_degree)
         validate_pipefusion(
             parallel.pipefusion,
             patches,

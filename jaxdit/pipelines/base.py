@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from converters.checkpoints import CheckpointFormat
-from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, unfuse_loras
+from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, read_loras, unfuse_loras
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
@@ -189,7 +189,7 @@ class DiffusionPipeline:
         Every file is read and checked against the model first (layout, family, sizes, finite values):
         a bad file changes nothing. Shapes and shardings stay, so the compiled step is reused.
         """
-        self.loras = fuse_on_top(self.lora_targets(), self.loras, loras, scale)
+        self.loras = fuse_on_top(self.lora_targets, self.config, self.loras, loras, scale)
         return self.loras
 
     def unload_lora(self) -> None:
@@ -317,16 +317,20 @@ class DiffusionPipeline:
 
 
 def fuse_on_top(
-    targets: tuple[Any, Any, Any],
+    targets: Callable[[], tuple[Any, Any, Any]],
+    config: Any,
     fused: FusedLoras | None,
     loras: LoraArg | list[LoraArg],
     scale: float = 1.0,
 ) -> FusedLoras:
-    """Fuse ``loras`` (see :meth:`DiffusionPipeline.load_lora`) into ``targets`` (a pipeline's
-    ``lora_targets()``: state, config, stack orders) on top of ``fused`` (None: nothing yet); returns the
-    handle of everything now fused there."""
+    """Fuse ``loras`` (see :meth:`DiffusionPipeline.load_lora`) into what ``targets()`` returns (a
+    pipeline's ``lora_targets``: state, config, stack orders) on top of ``fused`` (None: nothing yet);
+    returns the handle of everything now fused there. Every file is read and checked against ``config``
+    before ``targets`` is asked for the state (which may move an offloaded expert onto the mesh)."""
+    if isinstance(scale, bool) or not isinstance(scale, int | float):
+        raise TypeError(f"scale must be a number, got {scale!r}")
     items = loras if isinstance(loras, list) else [loras]
-    new = [item if isinstance(item, tuple) else (item, scale) for item in items]
-    state, config, orders = targets
-    added = fuse_loras(state, config, new, stack_orders=orders)
+    checked = read_loras([item if isinstance(item, tuple) else (item, scale) for item in items], config)
+    state, _, orders = targets()
+    added = fuse_loras(state, config, checked, stack_orders=orders)
     return added if fused is None else dataclasses.replace(added, loras=fused.loras + added.loras)

@@ -155,6 +155,29 @@ def progress_bar(iterable, enabled: bool, total: int):
     return tqdm(iterable, total=total, desc="denoising", unit="step", leave=False)
 
 
+class StepCounter:
+    """A progress bar advanced by hand, by one step or by a pipelined phase's steps at once (no-op when
+    disabled); use as a context manager."""
+
+    def __init__(self, enabled: bool, total: int) -> None:
+        self.bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="denoising", unit="step", leave=False)
+
+    def update(self, steps: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(steps)
+
+    def __enter__(self) -> StepCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 class Denoiser:
     """The plain (non-pipelined) denoising loop of one model on its mesh.
 

@@ -50,6 +50,7 @@ zero-padded to 512 tokens as Wan does), ``decode(latents [B, C, F', h, w]) -> vi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -305,7 +306,8 @@ class WanPipeline(DiffusionPipeline):
                 "load_into_transformer_2: this pipeline has one transformer; only Wan 2.2 A14B has a "
                 "second (low-noise) expert"
             )
-        self.loras_2 = fuse_on_top(self.lora_targets(LOW_NOISE), self.loras_2, loras, scale)
+        targets = functools.partial(self.lora_targets, LOW_NOISE)
+        self.loras_2 = fuse_on_top(targets, self.config, self.loras_2, loras, scale)
         return self.loras_2
 
     def unload_lora(self) -> None:

@@ -58,7 +58,9 @@ class PipeFusionDenoiser:
         **options: Any,
     ) -> tuple[Any, Any]:
         """The warm-up step and the pipelined phase (None when every step is a warm-up step) for
-        ``inputs``, lowered from abstract shapes (the model may be abstract; only shapes are read)."""
+        ``inputs``, lowered from abstract shapes (the model may be abstract; only shapes are read). With
+        two experts the run has one pipelined phase per expert (``segments.py``); this lowers the one
+        phase of a single expert, whose programs have the same per-tick collectives."""
         runner, warmup = self.runner, 1 if warmup_steps is None else warmup_steps
         patches = runner.check(inputs.grid, inputs.steps, warmup, num_pipeline_patch, **options)
         context = {**inputs.context, **inputs.extras}

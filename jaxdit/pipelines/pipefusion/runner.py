@@ -52,8 +52,7 @@ import numpy as np
 
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines import finite
-from jaxdit.pipelines.denoiser import abstract_like
-from jaxdit.pipelines.denoiser import progress_bar as _progress
+from jaxdit.pipelines.denoiser import StepCounter, abstract_like
 from jaxdit.pipelines.pipefusion.family import PatchFamily
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
@@ -110,7 +109,10 @@ class PipeFusionRunner:
         """The patch count for a request (the family's default when None), checked with the warm-up
         steps before any work: raises ValueError naming the numbers."""
         pc = self.parallel
-        patches = num_pipeline_patch or self.family.default_patches(grid, pc, **options)
+        if num_pipeline_patch is None:
+            patches = self.family.default_patches(grid, pc, **options)
+        else:  # given: checked as given (0 is no request for the default)
+            patches = num_pipeline_patch
         validate_pipefusion(pc.pipefusion, patches, warmup_steps, num_inference_steps)
         self.family.validate_patches(grid, patches, pc, **options)
         return patches
@@ -164,7 +166,6 @@ class PipeFusionRunner:
             for name, entry in family.program_context(context, g, self.model.dtype).items()
         }
         sched = jax.device_put(schedule, sh["scalar"])
-        scale_of = lambda step: jnp.float32(scales[step] if scales else guidance_scale)
 
         kv = programs.zero_buffers()
         warm = programs.warmup()
@@ -172,32 +173,31 @@ class PipeFusionRunner:
         self.last_segments = segments
         # Non-finite values: the K/V buffers (the transformer's) and the latents after each warm-up step.
         stages = (finite.KV_STAGE,) * len(jax.tree.leaves(kv)) + ("denoising step",)
-        bar = _progress(range(sum(s.warmup for s in segments)), progress, sum(s.warmup for s in segments))
-        ticks = iter(bar)
-        last_stage = programs.schedule(1).last_stage
-        for segment in segments:
-            weights = self.model.state if segment.expert is None else params(segment.expert)
-            scale = scale_of(segment.first)
-            # The segment's warm-up refills every layer's K/V buffer with its own expert's K/V.
-            watch = finite.StepWatch(self.model.mesh, num_inference_steps, stages)
-            for i in range(segment.first, segment.first + segment.warmup):
-                args = (weights, lat, state, kv, placed, sched, jnp.int32(i), scale)
-                self.last_programs["warmup"] = (warm, jax.tree.map(abstract_like, args))
-                lat, state, kv = warm(*args)
-                watch.add(i, finite.array_flags(self.model.mesh, [*jax.tree.leaves(kv), lat]))
-                next(ticks, None)
-            watch.finish()
-            if segment.pipelined:
-                first = segment.first + segment.warmup
-                run = programs.asynchronous(segment.pipelined, first)
-                args = (weights, lat, state, kv, placed, sched, scale)
-                self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
-                lat, state = run(*args)
-                # The copy of the stage where a patch's step ends holds the result.
-                phase = f"the latents after the pipelined steps {first + 1}-{segment.first + segment.steps}"
-                finite.check_arrays("denoising step", {phase: jax.device_get(lat[last_stage])})
-        next(ticks, None)
         # The copy of the stage where a patch's step ends holds the result (the others: what they computed).
+        last_stage = programs.schedule(1).last_stage
+        with StepCounter(progress, num_inference_steps) as counter:
+            for segment in segments:
+                weights = self.model.state if segment.expert is None else params(segment.expert)
+                scale = jnp.float32(scales[segment.first] if scales else guidance_scale)  # one per expert
+                # The segment's warm-up refills every layer's K/V buffer with its own expert's K/V.
+                watch = finite.StepWatch(self.model.mesh, num_inference_steps, stages)
+                for i in range(segment.first, segment.first + segment.warmup):
+                    args = (weights, lat, state, kv, placed, sched, jnp.int32(i), scale)
+                    self.last_programs["warmup"] = (warm, jax.tree.map(abstract_like, args))
+                    lat, state, kv = warm(*args)
+                    watch.add(i, finite.array_flags(self.model.mesh, [*jax.tree.leaves(kv), lat]))
+                    counter.update()
+                watch.finish()
+                if segment.pipelined:
+                    first = segment.first + segment.warmup
+                    run = programs.asynchronous(segment.pipelined, first)
+                    args = (weights, lat, state, kv, placed, sched, scale)
+                    self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
+                    lat, state = run(*args)
+                    last = segment.first + segment.steps
+                    phase = f"the latents after the pipelined steps {first + 1}-{last}"
+                    finite.check_arrays("denoising step", {phase: jax.device_get(lat[last_stage])})
+                    counter.update(segment.pipelined)  # one program: its steps end together
         out = np.asarray(jax.device_get(lat[last_stage]))
         return g.from_patches(out, 1)
 
