@@ -145,6 +145,17 @@ def _run_dead_peer(args) -> None:
     from jaxdit.distributed import key_value_store
 
     key_value_store().wait_at_barrier("jaxdit_test_ready", 60_000)
+    # The barrier's reply to the survivor can still be in flight when a dying coordinator leaves it (and
+    # so can the reply to any later message to the coordinator): the survivor says it is past the barrier
+    # through a file, which needs no reply, and the dying process waits for that file.
+    ready = os.path.join(args.out, "survivor_past_barrier")
+    if jax.process_index() == args.dead:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    else:
+        with open(ready, "w"):
+            pass
     if jax.process_index() == args.dead:
         if args.warm:
             time.sleep(0.5)  # let the survivor finish reading the warm-up sum
