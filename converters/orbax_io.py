@@ -147,6 +147,10 @@ def _collect_quietly(folder: Path) -> None:
     coroutines that were never awaited are dropped too: the caller reports the failure once."""
     logging.getLogger("asyncio").addFilter(_FailedWritesNoise(folder))
     warnings.filterwarnings("ignore", message=r"coroutine 'async_(de)?serializ\w*", category=RuntimeWarning)
+    # Any of orbax's coroutines collected here, by the gc.collect below (their names vary by version).
+    warnings.filterwarnings(
+        "ignore", message=r"coroutine .* was never awaited", category=RuntimeWarning, module=__name__
+    )
     hook = sys.unraisablehook
     sys.unraisablehook = lambda unraisable: None
     try:
