@@ -164,9 +164,9 @@ MUTATIONS = (
     Mutation(
         "demo-cfg-scale",
         "jaxdit generate's default CFG scale for tiny-digits drifting from the trained 3.0 to 2.5",
-        "jaxdit/pipelines/generate.py",
-        "return 3.0 if self.is_tiny else 1.0",
-        "return 2.5 if self.is_tiny else 1.0",
+        "jaxdit/generate_request.py",
+        "num_inference_steps=20, true_cfg_scale=3.0)",
+        "num_inference_steps=20, true_cfg_scale=2.5)",
         ("tests/test_main_job.py::test_make_demo",),
     ),
 )

@@ -36,6 +36,8 @@ LAYERS = {
     "jaxdit.families": 7,
     "jaxdit.plan": 8,
     "jaxdit.generate": 8,
+    "jaxdit.generate_request": 8,
+    "jaxdit.generate_checks": 8,
     "jaxdit.serve": 8,
     "jaxdit.cli": 9,
 }

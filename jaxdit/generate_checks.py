@@ -1,0 +1,318 @@
+"""Everything that can be wrong with a ``jaxdit generate`` request, reported before jax starts, weights
+load or anything compiles: degrees against devices, the model folder or checkpoint (headers only), the
+call's arguments against the family (sizes the VAE and patches divide, CFG, PipeFusion options, caches),
+LoRA files, memory per device, and the output path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+from typing import Any
+
+from jaxdit import families, runtime
+from jaxdit.generate_request import (
+    IMAGE_SUFFIXES,
+    MAX_SEQUENCE_LENGTH,
+    TINY,
+    TINY_MAX_DIGITS,
+    TINY_MAX_SIZE,
+    TINY_SIZE,
+    VIDEO_SUFFIXES,
+    GenerateRequest,
+    takes,
+)
+from jaxdit.mesh import ParallelConfig
+from jaxdit.parallel.kernels import check_backend
+from jaxdit.pipelines import preflight
+from jaxdit.pipelines import tiny_digits as tiny
+from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
+from jaxdit.pipelines.request import GenerationRequest
+
+__all__ = ["call_view", "check_memory", "check_request", "model_config"]
+
+
+def check_request(r: GenerateRequest) -> None:
+    """Raise ValueError naming the problem; needs no devices."""
+    check_backend(r.attention_backend)
+    known = families.presets()
+    if r.weights is None and r.model != TINY:
+        if r.model not in known:
+            raise ValueError(
+                f"unknown --model {r.model!r}; use tiny-digits (bundled, the default) or, with --weights, "
+                f"one of {', '.join(known)}"
+            )
+        raise ValueError(
+            f"--model {r.model} needs --weights (a {known[r.model][0].display} checkpoint or pipeline folder)"
+        )
+    parallel = r.parallel()  # every degree >= 1
+    if parallel.pipefusion == 1 and (r.num_pipeline_patch is not None or r.warmup_steps is not None):
+        raise ValueError(
+            "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
+        )
+    group = r.process_group  # the process flags, checked
+    if r.initialization_timeout <= 0:
+        raise ValueError(f"--initialization_timeout must be > 0 seconds, got {r.initialization_timeout}")
+    _check_cache(r, parallel)
+    if r.emulate_devices is not None:
+        runtime.check_emulated_devices(r.emulate_devices)
+        # Emulated devices are per process; the mesh spans every process's.
+        parallel.validate_devices(r.emulate_devices * ((group.num_processes or 1) if group else 1))
+    for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
+        value = getattr(r, name)
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"--{name} must be a finite number, got {value}")
+    if r.folder is not None:
+        _check_folder(r)
+    elif r.image is not None or r.max_sequence_length is not None:
+        raise ValueError(
+            "--image and --max_sequence_length need a pipeline folder as --weights (text encoders)"
+        )
+    elif not r.is_tiny:
+        _check_checkpoint(r)
+    else:
+        _check_tiny(r)
+    _check_call(r, parallel)
+
+
+def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
+    if r.use_fbcache and r.use_teacache:
+        raise ValueError("--use_fbcache and --use_teacache are two caches: pick one")
+    if r.cache_threshold is not None:
+        if not (r.use_fbcache or r.use_teacache):
+            raise ValueError("--cache_threshold needs a cache: add --use_fbcache or --use_teacache")
+        if not math.isfinite(r.cache_threshold) or r.cache_threshold <= 0:
+            raise ValueError(f"--cache_threshold must be a positive number, got {r.cache_threshold}")
+    if (r.use_fbcache or r.use_teacache) and parallel.pipefusion > 1:
+        raise ValueError(
+            f"--pipefusion_parallel_degree {parallel.pipefusion} with a cache: {CACHE_WITH_PIPEFUSION}"
+        )
+
+
+def _check_tiny(r: GenerateRequest) -> None:
+    digits = tiny.parse_prompt(r.tiny_prompt)
+    if len(digits) > TINY_MAX_DIGITS:
+        raise ValueError(
+            f"tiny-digits draws at most {TINY_MAX_DIGITS} digits per run; the prompt has {len(digits)}"
+        )
+    if r.prompt_embeds is not None:
+        raise ValueError("tiny-digits takes digit prompts, not --prompt_embeds")
+    for name in ("height", "width"):
+        value = getattr(r, name)
+        if value is not None and value > TINY_MAX_SIZE:
+            raise ValueError(
+                f"tiny-digits was trained on {TINY_SIZE}x{TINY_SIZE} pictures; --{name} {value} is "
+                f"beyond the {TINY_MAX_SIZE} pixels it is allowed to try"
+            )
+
+
+def _check_folder(r: GenerateRequest) -> None:
+    """``--model`` is optional with a folder (the folder says what it is); a preset given must be of the
+    folder's family and kind (its exact architecture is not compared)."""
+    folder, family = r.folder, r.family
+    if r.model != TINY:
+        owner, preset = families.preset(r.model) if r.model in families.presets() else (None, None)
+        if owner is not family or preset.kind != folder.kind:
+            raise ValueError(
+                f"--model {r.model} does not match {r.weights}, a {family.display} folder ({folder.kind})"
+            )
+    if r.prompt is None:
+        raise ValueError(f"{r.weights} is a whole pipeline: give --prompt (its text encoders encode it)")
+    if r.prompt_embeds is not None:
+        raise ValueError("--prompt_embeds and a pipeline folder: the folder's text encoders encode --prompt")
+    takes_image = family.image_input(folder)
+    if takes_image == "required" and r.image is None:
+        raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
+    if takes_image == "none" and r.image is not None:
+        raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
+    if r.image is not None:
+        preflight.check_image_file(r.image)
+    preflight.check_prompts([p for p in (r.prompt, r.negative_prompt) if p is not None])
+    if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= MAX_SEQUENCE_LENGTH:
+        raise ValueError(
+            f"--max_sequence_length must be in 1..{MAX_SEQUENCE_LENGTH} (the T5 encoders' length), "
+            f"got {r.max_sequence_length}"
+        )
+
+
+def _check_checkpoint(r: GenerateRequest) -> None:
+    family = r.family
+    if not Path(r.weights).exists():
+        raise ValueError(f"--weights {r.weights}: no such file or folder")
+    if r.prompt is not None or r.negative_prompt is not None:
+        raise ValueError(
+            f"{r.weights} is a transformer checkpoint without text encoders: put "
+            f"{' / '.join(family.embedding_names[:2])} in --prompt_embeds, or give a pipeline folder"
+        )
+    if r.prompt_embeds is None:
+        raise ValueError(
+            f"a {family.display} checkpoint needs --prompt_embeds (a .npz/.safetensors with "
+            f"{', '.join(family.embedding_names)}), or a whole pipeline folder as --weights"
+        )
+    shapes = r.embeddings
+    unknown = sorted(set(shapes) - set(family.embedding_names))
+    if unknown or "prompt_embeds" not in shapes:
+        raise ValueError(
+            f"{r.prompt_embeds} holds {sorted(shapes)}; a {family.display} embeddings file holds "
+            f"{', '.join(family.embedding_names)}" + (f" (unknown: {', '.join(unknown)})" if unknown else "")
+        )
+
+
+def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
+    """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
+    family, call, pipeline = r.family, r.call(), r.family.pipeline_class
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
+        if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
+            owners = " / ".join(
+                f.display for f in families.FAMILIES.values() if takes(f.pipeline_class, flags[0])
+            )
+            if flags[0] == "guidance_scale_2":
+                raise ValueError(f"--guidance_scale_2 applies to {owners} models with two experts")
+            if flags[0] == "true_cfg_scale":
+                raise ValueError(
+                    f"--true_cfg_scale is {owners}'s; {family.display}'s classifier-free guidance scale is "
+                    f"--{family.cfg_scale_argument}"
+                )
+            raise ValueError(f"{' and '.join('--' + f for f in flags)} apply to {owners} models")
+    if (
+        r.offload_idle_expert
+        and "offload_idle_expert" not in inspect.signature(pipeline.from_pretrained).parameters
+    ):
+        raise ValueError(f"--offload_idle_expert applies to two-expert models; {family.display} has none")
+    if r.lora_2 and "load_into_transformer_2" not in inspect.signature(pipeline.load_lora).parameters:
+        raise ValueError(
+            f"--lora_2 goes into a second (low-noise) expert; {family.display} has one transformer: use --lora"
+        )
+    if call.num_inference_steps < 1:
+        raise ValueError(f"--num_inference_steps must be >= 1, got {call.num_inference_steps}")
+    config = model_config(r)
+    # The family's own checks first: with a known model and embeddings they are the pipeline's, whose
+    # messages name the nearest valid sizes and frame counts.
+    family.check_generate(call_view(r, call), config, parallel)
+    multiple = 2 if r.is_tiny else family.size_multiple(r.folder)
+    if call.height % multiple or call.width % multiple or min(call.height, call.width) < multiple:
+        raise ValueError(
+            f"{family.display}: height and width must be positive multiples of {multiple}; "
+            f"got {call.height}x{call.width}"
+        )
+    cfg = _uses_cfg(r, call)
+    if parallel.cfg == 2 and not cfg:
+        value = getattr(call, family.cfg_scale_argument)
+        raise ValueError(
+            f"--use_cfg_parallel needs classifier-free guidance: {family.cfg_needs} "
+            f"(got --{family.cfg_scale_argument} {value})"
+        )
+    if config is not None:
+        parallel.validate_heads(config.num_heads)
+    if config is None and (parallel.pipefusion > 1 or r.lora or r.lora_2) and r.folder is not None:
+        config = family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
+    if parallel.pipefusion > 1:
+        family.check_pipefusion(call_view(r, call), config, parallel, multiple)
+    _check_loras(r, config)
+    _check_output(r)
+
+
+def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:
+    family = r.family
+    cfg = getattr(call, family.cfg_scale_argument) > 1.0
+    if family.cfg_scale_argument == "true_cfg_scale":
+        cfg = cfg and (call.negative_prompt is not None or "negative_prompt_embeds" in (r.embeddings or {}))
+    return cfg
+
+
+def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) -> None:
+    """Refuse, before any weight is read, a request the planner's memory model says cannot fit
+    (``jaxdit.plan.fit``). tiny-digits is bounded by its own size limits instead."""
+    if r.is_tiny:
+        return
+    from jaxdit.plan.fit import check_fits
+    from jaxdit.plan.workload import Workload
+
+    config = model_config(r)
+    if config is None:
+        config = r.family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
+    call = r.call()
+    shapes = r.embeddings or {}
+    # The workload counts tokens with the family's usual VAE factor; a folder whose VAE has another one
+    # is priced at the nearest size that factor divides (the check only refuses what cannot fit).
+    multiple = r.family.size_multiple(None)
+    up = lambda n: -(-n // multiple) * multiple
+    workload = Workload.for_config(
+        config,
+        height=up(call.height),
+        width=up(call.width),
+        frames=call.num_frames or 1,
+        steps=call.num_inference_steps,
+        branches=2 if _uses_cfg(r, call) else 1,
+        requests=shapes["prompt_embeds"][0] if "prompt_embeds" in shapes else 1,
+        dtype=r.dtype or "bfloat16",
+    )
+    check_fits(workload, parallel, devices)
+
+
+def _check_loras(r: GenerateRequest, config: Any) -> None:
+    """Every ``--lora`` / ``--lora_2`` file read and checked against the model (layout, family, sizes,
+    values) before any weight loads; they are small. Without a known config (a checkpoint without
+    --model) the files are checked when the pipeline loads them, still before the first step."""
+    from converters.lora import LoraError, read_lora
+
+    for flag, loras in (("--lora", r.loras), ("--lora_2", r.loras_2)):
+        for path, _ in loras:
+            if not Path(path).exists():
+                raise ValueError(f"{flag} {path}: no such file")
+            if config is not None:
+                try:
+                    read_lora(path, config)
+                except (LoraError, ValueError) as e:  # which flag (which expert) the file was given to
+                    raise type(e)(f"{flag} {e}") from None
+
+
+def call_view(r: GenerateRequest, call: GenerationRequest) -> Any:
+    """The call's arguments plus the request's embeddings (names -> shapes), for family checks."""
+    return _CallView(call, r)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CallView:
+    call: GenerationRequest
+    request: GenerateRequest
+
+    def __getattr__(self, name: str) -> Any:
+        # The request's embeddings, and what a family's checks need from the request beyond the call.
+        if name in ("embeddings", "folder", "model", "weights", "offload_idle_expert", "lora_2"):
+            return getattr(self.request, name)
+        return getattr(self.call, name)
+
+
+def model_config(r: GenerateRequest) -> Any:
+    if r.is_tiny:
+        return tiny.CONFIG
+    if r.folder is not None:
+        return None  # the folder's transformer's, read only where a check needs it
+    if r.model != TINY:
+        return r.family.preset_config(r.model)
+    return r.family.checkpoint_config(Path(r.weights))  # a checkpoint without --model: its own
+
+
+def _check_output(r: GenerateRequest) -> None:
+    output = r.output or r.default_output
+    suffix = Path(output).suffix.lower()
+    preflight.check_writable(output)
+    if r.folder is None and not r.is_tiny:
+        if suffix != ".npy":
+            raise ValueError(
+                f"a transformer checkpoint alone makes latents: --output must end in .npy; got {output}"
+            )
+        return
+    if r.family.makes_video:
+        if suffix not in VIDEO_SUFFIXES:
+            raise ValueError(f"--output must end in .mp4 / .gif (video) or .npy (latents); got {output}")
+        if suffix == ".mp4" and importlib.util.find_spec("av") is None:
+            raise ValueError(
+                "writing MP4 needs PyAV: pip install 'jaxdit[video]', or pass --output with .gif (or .npy)"
+            )
+    elif suffix not in IMAGE_SUFFIXES:
+        raise ValueError(f"--output must end in .png (image) or .npy (latents); got {output}")
