@@ -53,6 +53,8 @@ from jaxdit.models.wan import WanConfig, abstract_model
 
 __all__ = [
     "CHECKPOINTS",
+    "DIFFUSERS_EXPERT_DIRS",
+    "ORIGINAL_EXPERT_DIRS",
     "ORIGINAL_PREFIX",
     "ConvPatchKernel",
     "DropUnitAxis",
@@ -317,9 +319,14 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+#: Wan 2.2 A14B's expert folders (high noise, low noise) in Wan-AI's releases and in diffusers' pipelines.
+ORIGINAL_EXPERT_DIRS = ("high_noise_model", "low_noise_model")
+DIFFUSERS_EXPERT_DIRS = ("transformer", "transformer_2")
+
+
 def _two_experts(path: Path) -> tuple[str, str] | None:
     """The two expert folders' names if ``path`` is a whole Wan 2.2 A14B folder (diffusers' or Wan-AI's)."""
-    for high, low in (("transformer", "transformer_2"), ("high_noise_model", "low_noise_model")):
+    for high, low in (DIFFUSERS_EXPERT_DIRS, ORIGINAL_EXPERT_DIRS):
         if (path / high).is_dir() and (path / low).is_dir():
             return high, low
     return None

@@ -118,7 +118,7 @@ class ModelFamily:
     def checkpoint_config(self, path: Path) -> Any:
         """The config of a transformer checkpoint of this family, in any layout it reads (``jaxdit convert``
         folders included), from its config file or headers only."""
-        return checkpoint_config(path, self.checkpoints)[0]
+        return checkpoint_config(path, self.checkpoints)
 
     def original_folder(self, root: Path) -> ModelFolder | None:
         """A folder in the family's own (non-diffusers) release layout, else None."""

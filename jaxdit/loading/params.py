@@ -67,13 +67,13 @@ def _orbax_config(path: Path, checkpoints: CheckpointFormat) -> tuple[dict[str, 
     return meta, checkpoints.config_from_json(meta["config"])
 
 
-def checkpoint_config(path: PathLike, checkpoints: CheckpointFormat) -> tuple[Any, bool]:
-    """(the config, whether it is a ``jaxdit convert`` folder) of a checkpoint in any layout the family
-    reads, from its config file or headers only."""
+def checkpoint_config(path: PathLike, checkpoints: CheckpointFormat) -> Any:
+    """The config of a checkpoint in any layout the family reads (``jaxdit convert`` folders included),
+    from its config file or headers only."""
     path = Path(path)
     if orbax_io.is_orbax_checkpoint(path):
-        return _orbax_config(path, checkpoints)[1], True
-    return checkpoints.open(path, None).config, False
+        return _orbax_config(path, checkpoints)[1]
+    return checkpoints.open(path, None).config
 
 
 def load_params(

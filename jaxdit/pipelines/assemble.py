@@ -48,7 +48,7 @@ def check_transformer(
     folder's names and shapes were checked when it was written, and are again when it is restored.)"""
     path = Path(path)
     source = None if orbax_io.is_orbax_checkpoint(path) else checkpoints.open(path, None)
-    config = checkpoint_config(path, checkpoints)[0] if source is None else source.config
+    config = checkpoint_config(path, checkpoints) if source is None else source.config
     if check is not None:
         check(config)
     parallel = ParallelConfig.from_mesh(mesh)

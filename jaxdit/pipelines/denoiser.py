@@ -160,11 +160,7 @@ class StepCounter:
     disabled); use as a context manager."""
 
     def __init__(self, enabled: bool, total: int) -> None:
-        self.bar = None
-        if enabled:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, desc="denoising", unit="step", leave=False)
+        self.bar = progress_bar(None, enabled, total)  # None when disabled
 
     def update(self, steps: int = 1) -> None:
         if self.bar is not None:

@@ -288,10 +288,8 @@ class WanPipeline(DiffusionPipeline):
     def lora_targets(self, expert: int = HIGH_NOISE) -> tuple[Any, Any, Any]:
         """What ``load_lora`` fuses into: with two experts, ``expert``'s parameters, brought onto the mesh
         first when it waits in host memory (``offload_idle_expert``: the other one goes out)."""
-        if self.experts is None:
-            return super().lora_targets()
-        orders = self.model.orders if self.parallel.pipefusion > 1 else None
-        return self.experts.params(expert), self.config, orders
+        state, config, orders = super().lora_targets()
+        return (state if self.experts is None else self.experts.params(expert)), config, orders
 
     def load_lora(
         self, loras: Any, scale: float = 1.0, *, load_into_transformer_2: bool = False

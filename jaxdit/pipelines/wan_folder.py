@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from converters.wan import CHECKPOINTS
+from converters.wan import CHECKPOINTS, ORIGINAL_EXPERT_DIRS
 from jaxdit.loading import checkpoint_config
 from jaxdit.pipelines.model_folder import (
     FolderClass,
@@ -58,7 +58,7 @@ ORIGINAL_T5 = "models_t5_umt5-xxl-enc-bf16.pth"
 ORIGINAL_TOKENIZER = "google/umt5-xxl"
 ORIGINAL_CLIP = "models_clip_open-clip-xlm-roberta-large-vit-huge-14.pth"
 #: The A14B releases' expert folders.
-HIGH_NOISE_DIR, LOW_NOISE_DIR = "high_noise_model", "low_noise_model"
+HIGH_NOISE_DIR, LOW_NOISE_DIR = ORIGINAL_EXPERT_DIRS
 
 #: The Wan2.2 repository's settings of each original release (wan/configs/wan_*.py): the expert boundary,
 #: the flow shift (``sample_shift``) and frames per second, by the transformer's ``model_type``.
@@ -262,7 +262,7 @@ def _a14b_kind(expert: Path) -> str:
     config = expert / "config.json"
     if config.is_file() and "model_type" in (data := read_json(config)):
         return data["model_type"]
-    return "i2v" if checkpoint_config(expert, CHECKPOINTS)[0].condition_channels else "t2v"
+    return "i2v" if checkpoint_config(expert, CHECKPOINTS).condition_channels else "t2v"
 
 
 def checkpoint_experts(path: Path, preset: str | None = None) -> tuple[tuple[Path, ...], WanVariant]:
