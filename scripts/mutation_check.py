@@ -54,7 +54,7 @@ MUTATIONS = (
     Mutation(
         "wan-layernorm-eps",
         "Wan's block LayerNorms with eps ten times the config's",
-        "jaxdit/models/wan.py",
+        "jaxdit/models/wan_blocks.py",
         "        eps = self.cfg.eps\n",
         "        eps = self.cfg.eps * 10\n",
         (

@@ -21,6 +21,9 @@ from test_cache_policies import fbcache_reference, teacache_reference
 
 from jaxdit import hlo_stats
 from jaxdit.cache import FirstBlockCache, TeaCache
+from jaxdit.hlo_stats import collective_ops
+from jaxdit.hlo_stats import parse as hlo_parse
+from jaxdit.hlo_stats import walk as hlo_walk
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import digits
 from jaxdit.pipelines import tiny_digits as tiny
@@ -109,20 +112,25 @@ def test_digits_stay_recognisable_while_skipping_a_third_of_the_blocks(cache):
 def _conditionals(compiled) -> list[list[list[str]]]:
     """For each ``conditional`` of the compiled module, the collectives each branch runs, by kind, once per
     execution (loop trip counts and fusions included), read with jaxdit.hlo_stats' HLO parser."""
-    module = hlo_stats._module(compiled)
+    module = hlo_parse._module(compiled)
     found = []
     for comp in module.computations.values():
         for ins in comp.instrs:
             if ins.opcode != "conditional":
                 continue
-            branches = hlo_stats._callee_list(ins.attrs, "branch_computations") or [
-                hlo_stats._callee(ins.attrs, key) for key in ("false_computation", "true_computation")
+            branches = hlo_walk._callee_list(ins.attrs, "branch_computations") or [
+                hlo_walk._callee(ins.attrs, key) for key in ("false_computation", "true_computation")
             ]
             kinds = []
             for branch in branches:
-                sites = hlo_stats._expand(module, branch, 1, (), True, lambda s: 0)
+                sites = hlo_walk._expand(module, branch, 1, (), True, lambda s: 0)
                 kinds.append(
-                    [k for s in sites if (k := hlo_stats._kind_of(s.instr.opcode)) for _ in range(s.count)]
+                    [
+                        k
+                        for s in sites
+                        if (k := collective_ops._kind_of(s.instr.opcode))
+                        for _ in range(s.count)
+                    ]
                 )
             found.append(kinds)
     return found

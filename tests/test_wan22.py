@@ -293,7 +293,7 @@ def test_broken_low_noise_expert_is_named_before_any_weight_is_read(a14b_folder,
 
     from converters.errors import CheckpointError
     from converters.safetensors_io import open_checkpoint, write_safetensors
-    from jaxdit.pipelines import wan as wan_pipeline
+    from jaxdit.pipelines import wan_load
 
     root = tmp_path / "broken"
     shutil.copytree(a14b_folder, root)
@@ -304,7 +304,7 @@ def test_broken_low_noise_expert_is_named_before_any_weight_is_read(a14b_folder,
         tensors = {k: f.read(k) for k in f}
     tensors[key] = tensors[key][:-1]
     write_safetensors(shard, tensors)
-    monkeypatch.setattr(wan_pipeline, "load_model", lambda *a, **k: pytest.fail("a weight was read"))
+    monkeypatch.setattr(wan_load, "load_model", lambda *a, **k: pytest.fail("a weight was read"))
     with pytest.raises(CheckpointError) as info:
         WanPipeline.from_checkpoint(root, ParallelConfig())
     assert key in str(info.value) and shard.name in str(info.value), str(info.value)

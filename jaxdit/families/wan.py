@@ -291,7 +291,7 @@ class WanFamily(ModelFamily):
         return "float32"  # Wan's head returns fp32 whatever the model's dtype
 
     def step_terms(self, w: Any, parallel: Any, sh: Any) -> StepTerms:
-        """Wan's blocks (``models/wan.py``): self-attention (q, k, v, o + sequence-parallel attention),
+        """Wan's blocks (``models/wan_blocks.py``): self-attention (q, k, v, o + sequence-parallel attention),
         cross-attention to the context (its K/V computed on every sequence shard), FFN; the time path,
         norms and modulation in fp32; q/k RMSNorm across all heads (two small all-reduces per block
         under tensor parallelism)."""

@@ -32,8 +32,9 @@ update) from padded sharded tokens to padded sharded tokens, with no host round 
 step are the tokens gathered, unpadded and unpatchified.
 
 Token features: Wan's patch embedding reads a token's features in (c, t, h, w) order, its head writes them in
-(t, h, w, c) order. The tokens keep the input order and the step reorders each token's predicted features
-to match (a transpose inside each token's feature vector: no token moves, no device talks to another).
+(t, h, w, c) order; the tokens keep the input order and the step swaps each prediction's features
+(``wan_token_hooks.py``, with I2V's condition channels and TI2V's first frame). Building a pipeline from
+a checkpoint or a folder: ``wan_load.py``.
 
 Padding: the padded tokens are zero patches at position (0, 0, 0); attention masks them as keys, so they
 never touch a real token, and they are dropped at the end.
@@ -64,29 +65,18 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
-from jaxdit.loading.encoders import load_wan_image_encoder, load_wan_text_encoder
-from jaxdit.loading.vae import load_wan_vae
 from jaxdit.lora import FusedLoras, unfuse_loras
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
-from jaxdit.models.wan import swap_features
-from jaxdit.parallel.kernels import check_kernel_options, with_backend
+from jaxdit.models.wan_patchify import swap_features
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared, fuse_on_top
-from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser, TokenHooks
+from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
 from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
 from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, WanPatches
 from jaxdit.pipelines.request import GenerationRequest
-from jaxdit.pipelines.wan_experts import (
-    HIGH_NOISE,
-    LOW_NOISE,
-    TwoExperts,
-    expert_of_steps,
-    guidance_of_steps,
-    to_host,
-)
+from jaxdit.pipelines.wan_experts import HIGH_NOISE, LOW_NOISE, TwoExperts, expert_of_steps, guidance_of_steps
 from jaxdit.pipelines.wan_folder import (
     FOLDER_CLASSES,
     ORIGINAL_CLIP,
@@ -101,8 +91,9 @@ from jaxdit.pipelines.wan_folder import (
     open_folder,
     open_original_folder,
 )
-from jaxdit.pipelines.wan_image import FirstFrameLatent, ImageCondition
 from jaxdit.pipelines.wan_inputs import WanInputs, check_inputs, default_flow_shift, nearest
+from jaxdit.pipelines.wan_load import checkpoint_arguments, config_difference, folder_arguments
+from jaxdit.pipelines.wan_token_hooks import first_frame_tokens, token_hooks, with_first_frame
 from jaxdit.samplers import unipc
 from jaxdit.samplers.sampler import UniPCSampler
 
@@ -130,46 +121,6 @@ __all__ = [
 Encoder = Callable[[Sequence[str]], np.ndarray]
 Decoder = Callable[[np.ndarray], np.ndarray]
 ImageEncoder = Callable[[np.ndarray, int, int, int], tuple[np.ndarray | None, np.ndarray]]
-
-
-# --------------------------------------------------------------------------------------------------------
-# Token features and hooks
-# --------------------------------------------------------------------------------------------------------
-
-
-def _model_input(x: jax.Array, extras: dict[str, jax.Array]) -> jax.Array:
-    """The forward's ``hidden_states`` from the latent tokens: I2V's condition channels beside each token;
-    TI2V's first frame in place of the first latent frame's tokens (an exact select, as diffusers'
-    ``(1 - mask) * condition + mask * latents``)."""
-    if "condition" in extras:
-        return jnp.concatenate([x, extras["condition"]], axis=-1)
-    if "first_frame" in extras:
-        return jnp.where(extras["in_first_frame"] > 0, extras["first_frame"], x)
-    return x
-
-
-def token_hooks(config: wan.WanConfig) -> TokenHooks:
-    """Wan's tokens in the shared loop: I2V reads the condition channels beside each noise token, TI2V's
-    first frame replaces the first latent frame, and the head's (patch, channel) features become the
-    patch embedding's (channel, patch) order."""
-    patch, channels = math.prod(config.patch_size), config.out_channels
-    return TokenHooks(
-        model_input=_model_input,
-        prediction=lambda v: swap_features(v, patch, channels),
-        extra_features=config.condition_channels * patch,
-    )
-
-
-def first_frame_tokens(grid: tuple[int, int, int], patch_t: int) -> np.ndarray:
-    """[N] bool: the tokens of the first latent frame (patchify order), for a temporal patch of 1."""
-    if patch_t != 1:
-        raise ValueError(f"first-frame conditioning needs a temporal patch of 1, got {patch_t}")
-    return wan.token_positions(grid)[:, 0] == 0
-
-
-# --------------------------------------------------------------------------------------------------------
-# Pipeline
-# --------------------------------------------------------------------------------------------------------
 
 
 class WanPipeline(DiffusionPipeline):
@@ -277,7 +228,7 @@ class WanPipeline(DiffusionPipeline):
         if isinstance(transformer_2, nnx.State):
             return transformer_2
         if transformer_2.config != self.config:
-            raise ValueError(_config_difference(self.config, transformer_2.config))
+            raise ValueError(config_difference(self.config, transformer_2.config))
         if isinstance(transformer_2, PipeFusionWan):
             return transformer_2.state
         if self.parallel.pipefusion > 1:
@@ -348,28 +299,18 @@ class WanPipeline(DiffusionPipeline):
                 attention_backend=attention_backend,
                 **options,
             )
-        kernel = with_backend(kernel, attention_backend)
-        check_kernel_options(kernel)
-        mesh = mesh_for(parallel)
-        check = preset_check(path, CHECKPOINTS, preset)
-        second = None
-        if len(paths) == 2:
-            _check_experts(paths, mesh)
-            second = _load_second(paths[1], mesh, dtype, check, offload_idle_expert)
-        elif offload_idle_expert:
-            raise ValueError(f"offload_idle_expert applies to two-expert checkpoints; {path} holds one")
-        model = load_model(paths[0], mesh, dtype, CHECKPOINTS, check, staged=PipeFusionWan)
-        return cls(
-            model,
-            mesh,
-            transformer_2=second,
-            boundary_ratio=variant.boundary_ratio,
-            expand_timesteps=variant.expand_timesteps,
+        model, mesh, arguments = checkpoint_arguments(
+            path,
+            paths,
+            variant,
+            parallel,
+            dtype,
+            preset=preset,
             offload_idle_expert=offload_idle_expert,
             kernel=kernel,
-            compiler_options=compiler_options,
-            **options,
+            attention_backend=attention_backend,
         )
+        return cls(model, mesh, **arguments, compiler_options=compiler_options, **options)
 
     @classmethod
     def from_pretrained(
@@ -395,61 +336,18 @@ class WanPipeline(DiffusionPipeline):
         default, as Wan keeps it). The transformers' heads and key tables are checked before anything is
         read. ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         """
-        kernel = with_backend(kernel, attention_backend)
-        check_kernel_options(kernel)
-        folder = open_folder(path)
-        variant = WanVariant.of(folder)
-        mesh = mesh_for(parallel)
-        experts = tuple(folder[c] for c in ("transformer", "transformer_2") if c in folder)
-        config = _check_experts(experts, mesh)
-        if offload_idle_expert and len(experts) == 1:
-            raise ValueError(
-                f"offload_idle_expert applies to two-expert folders (Wan 2.2 A14B); {path} has one"
-            )
-        dtype = as_dtype(dtype)
-        text = load_wan_text_encoder(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
-        )
-        vae = load_wan_vae(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
-        factors = dict(temporal=vae.config.temporal_factor, spatial=vae.config.spatial_factor)
-        encode_image = None
-        if "image_encoder" in folder:
-            image_encoder = load_wan_image_encoder(
-                folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
-            )
-            encode_image = ImageCondition(image_encoder, vae, mesh=mesh, **factors)
-        elif config.condition_channels:
-            encode_image = ImageCondition(None, vae, mesh=mesh, **factors)  # Wan 2.2 I2V-A14B: no CLIP
-        elif variant.expand_timesteps:
-            encode_image = FirstFrameLatent(vae, mesh=mesh)
-        second = None
-        if len(experts) == 2:
-            second = _load_second(experts[1], mesh, dtype, None, offload_idle_expert)
-        model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
-
-        def decode(z: np.ndarray) -> np.ndarray:
-            video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
-            return video.transpose(0, 2, 3, 4, 1)  # the pipeline's frames [B, F, H, W, 3]
-
-        scheduler = (
-            unipc.UniPCConfig.from_diffusers(folder.scheduler_config) if folder.scheduler_config else None
-        )
-        return cls(
-            model,
-            mesh,
-            transformer_2=second,
-            boundary_ratio=variant.boundary_ratio,
-            expand_timesteps=variant.expand_timesteps,
+        model, mesh, arguments = folder_arguments(
+            path,
+            parallel,
+            dtype,
+            encoder_device=encoder_device,
+            vae_dtype=vae_dtype,
             offload_idle_expert=offload_idle_expert,
-            scheduler=scheduler,
-            encode=text,
-            decode=decode,
-            encode_image=encode_image,
-            vae_scale_factor_spatial=factors["spatial"],
-            vae_scale_factor_temporal=factors["temporal"],
             kernel=kernel,
             compiler_options=compiler_options,
+            attention_backend=attention_backend,
         )
+        return cls(model, mesh, **arguments)
 
     # ------------------------------------------------------------------ call
     def __call__(
@@ -577,7 +475,7 @@ class WanPipeline(DiffusionPipeline):
             extras["first_frame"] = wan.patchify(frames, mc.patch_size)
             extras["in_first_frame"] = np.broadcast_to(in_first[None, :, None], (*tokens.shape[:2], 1))
             context["timestep_mask"] = (~in_first).astype(np.float32)  # first-frame tokens see t = 0
-            to_latents = lambda t: _with_first_frame(self.untokenize(t, grid), first)
+            to_latents = lambda t: with_first_frame(self.untokenize(t, grid), first)
         scheduler = dataclasses.replace(self.scheduler or unipc.UniPCConfig(), flow_shift=plan.flow_shift)
         schedule = unipc.set_timesteps(scheduler, r.num_inference_steps)
         experts, scales = (), ()
@@ -621,41 +519,3 @@ class WanPipeline(DiffusionPipeline):
                 return None  # check_inputs says what is missing
             raise ValueError(f"pass a {name} or {name}_embeds [B, T, {self.config.text_dim}]")
         return np.asarray(embeds, np.float32)
-
-
-# --------------------------------------------------------------------------------------------------------
-# Helpers
-# --------------------------------------------------------------------------------------------------------
-
-
-def _with_first_frame(latents: np.ndarray, first: np.ndarray) -> np.ndarray:
-    """TI2V's result: the given first frame in place of the first latent frame (diffusers does the same)."""
-    out = np.array(latents)
-    out[:, :, :1] = first
-    return out
-
-
-def _config_difference(config: wan.WanConfig, other: wan.WanConfig) -> str:
-    diff = [
-        f"{f.name}={getattr(other, f.name)} (transformer: {getattr(config, f.name)})"
-        for f in dataclasses.fields(config)
-        if getattr(config, f.name) != getattr(other, f.name)
-    ]
-    return f"the two Wan experts must share one architecture; transformer_2 has {', '.join(diff)}"
-
-
-def _check_experts(paths: Sequence[Path], mesh: Mesh) -> wan.WanConfig:
-    """Every expert's config against the mesh and its key table against its files (headers only), and
-    the experts' configs against each other: all before any weight is read."""
-    configs = [check_transformer(p, mesh, CHECKPOINTS) for p in paths]
-    if len(configs) == 2 and configs[0] != configs[1]:
-        raise ValueError(f"{paths[1]}: " + _config_difference(configs[0], configs[1]))
-    return configs[0]
-
-
-def _load_second(path: Path, mesh: Mesh, dtype: Any, check: Any, offload: bool) -> nnx.State:
-    """The low-noise expert's parameters; with ``offload`` moved to host memory at once, before the
-    high-noise expert is read, so the devices never hold both."""
-    loaded = load_model(path, mesh, as_dtype(dtype), CHECKPOINTS, check, staged=PipeFusionWan)
-    state = loaded.state if isinstance(loaded, PipeFusionWan) else nnx.state(loaded)  # stage layout or plain
-    return to_host(state) if offload else state

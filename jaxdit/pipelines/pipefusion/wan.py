@@ -64,7 +64,7 @@ from converters.wan import CHECKPOINTS
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.layers import rope_angles
-from jaxdit.models.wan import swap_features
+from jaxdit.models.wan_patchify import swap_features
 from jaxdit.pipelines.assemble import preset_check
 from jaxdit.pipelines.pipefusion import runner
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
@@ -298,7 +298,7 @@ def collective_bytes(
 class _Pieces:
     """Wan's own embeddings, conditioning and head order on one generation's patches (in the program).
 
-    The per-token inputs of the plain loop (``jaxdit.pipelines.wan.token_hooks`` and the forward's
+    The per-token inputs of the plain loop (``jaxdit.pipelines.wan_token_hooks`` and the forward's
     ``timestep_mask``) are taken per patch here, in the same order: I2V's condition channels are
     concatenated beside the noise; TI2V's first frame replaces the first latent frame's tokens of the
     model input (the sampler keeps updating the latents themselves, as in the plain loop), and each token
