@@ -35,8 +35,9 @@ from jaxdit.pipelines.request import GenerationRequest
 __all__ = ["call_view", "check_memory", "check_request", "model_config"]
 
 
-def check_request(r: GenerateRequest) -> None:
-    """Raise ValueError naming the problem; needs no devices."""
+def check_request(r: GenerateRequest, *, output: bool = True) -> None:
+    """Raise ValueError naming the problem; needs no devices. ``output=False``: the output path is not
+    checked (``jaxdit serve``, which writes no file: its check must not depend on the working folder)."""
     check_backend(r.attention_backend)
     known = families.presets()
     if r.weights is None and r.model != TINY:
@@ -75,7 +76,7 @@ def check_request(r: GenerateRequest) -> None:
         _check_checkpoint(r)
     else:
         _check_tiny(r)
-    _check_call(r, parallel)
+    _check_call(r, parallel, output)
 
 
 def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
@@ -161,7 +162,7 @@ def _check_checkpoint(r: GenerateRequest) -> None:
         )
 
 
-def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
+def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = True) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
     for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
@@ -212,7 +213,8 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig) -> None:
     if parallel.pipefusion > 1:
         family.check_pipefusion(call_view(r, call), config, parallel, multiple)
     _check_loras(r, config)
-    _check_output(r)
+    if output:
+        _check_output(r)
 
 
 def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:

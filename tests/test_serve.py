@@ -10,6 +10,8 @@ server (uvicorn, a free port on 127.0.0.1) around it with the settings it needs.
   stops its generation within a step; an error inside one generation fails that request only; a graceful
   shutdown finishes the running request and answers the queued ones 503.
 * ``--new_shapes compile`` compiles a new shape once, then serves it from the cache.
+* A PipeFusion mesh (cfg2 x pipefusion2 x ulysses2) answers `jaxdit generate`'s pictures with its programs
+  compiled at start-up only; progress and cancellation act at its warm-up step and its pipelined phase's end.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ pytest.importorskip("prometheus_client")
 from PIL import Image  # noqa: E402
 
 from jaxdit.mesh import ParallelConfig  # noqa: E402
+from jaxdit.pipelines import preflight  # noqa: E402
 from jaxdit.serve import schema  # noqa: E402
 from jaxdit.serve.command import Service  # noqa: E402
-from jaxdit.serve.engine import Engine, EngineLimits  # noqa: E402
+from jaxdit.serve.engine import Engine, EngineLimits, GenerationCancelled  # noqa: E402
 from jaxdit.serve.jobs import Scheduler  # noqa: E402
 from jaxdit.serve.metrics import Metrics, compile_counts, listen_for_compiles  # noqa: E402
 
@@ -67,13 +70,18 @@ def _load_script():
 load_test = _load_script()
 
 
-@pytest.fixture(scope="module")
-def generated() -> np.ndarray:
-    """`jaxdit generate`'s picture of DIGIT with SEED on the same mesh, at 16x16."""
-    big = np.asarray(Image.open(io.BytesIO(worker.generated_png())))
+def _small(png: bytes) -> np.ndarray:
+    """`jaxdit generate`'s PNG of a digit (enlarged by SCALE) at its 16x16."""
+    big = np.asarray(Image.open(io.BytesIO(png)))
     small = big[::SCALE, ::SCALE]
     assert (np.repeat(np.repeat(small, SCALE, 0), SCALE, 1) == big).all()
     return small
+
+
+@pytest.fixture(scope="module")
+def generated() -> np.ndarray:
+    """`jaxdit generate`'s picture of DIGIT with SEED on the same mesh, at 16x16."""
+    return _small(worker.generated_png())
 
 
 @pytest.fixture(scope="module")
@@ -232,7 +240,7 @@ BAD_REQUESTS = [
 ]
 
 
-def test_bad_requests_name_the_field_and_never_reach_the_devices(server):
+def test_bad_requests_name_the_field_and_never_reach_the_devices(server, monkeypatch):
     s = server()
     for body, content_type, status, param, word in BAD_REQUESTS:
         code, answer, _ = s.post(body, content_type=content_type)
@@ -250,6 +258,13 @@ def test_bad_requests_name_the_field_and_never_reach_the_devices(server):
     code, answer, _ = s.post({"prompt": "7"}, path="/v1/videos")
     assert code == 404 and "POST /v1/images/generations" in answer["error"]["message"]
     assert s.post({"prompt": "7", "seed": SEED})[0] == 200  # the server is still serving
+
+    def unwritable(path, flag="--output"):
+        raise ValueError(f"{flag} {path}: cannot write")
+
+    # The server writes no file: its checks do not depend on a writable working folder.
+    monkeypatch.setattr(preflight, "check_writable", unwritable)
+    assert s.post({"prompt": "7", "seed": SEED})[0] == 200
 
 
 def test_full_queue_answers_429_with_retry_after(server, slow):
@@ -358,6 +373,27 @@ def test_new_shapes_compile_once(engine, server):
     assert health["shapes"] == ["16x16 n=1 1-63 steps with CFG", "16x16 n=2 1-63 steps with CFG"], health
 
 
+def test_serve_flags_checked_before_anything_loads():
+    """PipeFusion's flags, and the start-up shapes against them, refused before jax starts or weights load."""
+    import argparse
+
+    from jaxdit.serve import command
+
+    def check(*flags: str):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        return command.check(parser.parse_args(["--emulate_devices", "8", *flags]))
+
+    plan = check(*PF_FLAGS)
+    assert plan.config == PF_CONFIG
+    with pytest.raises(ValueError, match="apply to PipeFusion"):
+        check("--warmup_steps", "2", "--ulysses_degree", "8")
+    with pytest.raises(ValueError, match="start-up shapes: num_pipeline_patch=3 does not divide"):
+        check(*PF_FLAGS, "--num_pipeline_patch", "3")
+    with pytest.raises(ValueError, match="start-up shapes: warmup_steps=5 exceeds the 4 denoising steps"):
+        check(*PF_FLAGS[:-1], "5", "--step_counts", "20,4")
+
+
 def test_video_requests_checked_against_the_card():
     card = schema.ModelCard(
         name="wan",
@@ -392,3 +428,67 @@ def test_video_requests_checked_against_the_card():
         with pytest.raises(schema.RequestError) as e:
             schema.video_request(body, card)
         assert e.value.param == param and word in e.value.message, e.value.message
+
+
+#: PipeFusion as the README runs it on tiny-digits, with its warm-up step given as a server flag.
+PF_FLAGS = ("--use_cfg_parallel", "--pipefusion_parallel_degree", "2", "--ulysses_degree", "2")
+PF_FLAGS += ("--warmup_steps", "1")
+PF_CONFIG = ParallelConfig(cfg=2, pipefusion=2, ulysses=2)
+
+
+def test_pipefusion_mesh_serves_generate_pictures_compiled_at_start_up(monkeypatch, tmp_path):
+    """Requests on a PipeFusion mesh: `jaxdit generate`'s picture for the same flags and seed, nothing
+    compiled after start-up, progress after the warm-up step and after the pipelined phase, cancellation
+    at the warm-up step, the exact step count as the compiled shape.
+
+    `jaxdit generate` runs in this process on the served pipeline (its ``build`` hands it over; both call
+    ``tiny_digits(mesh)``, and the plain mesh's test compares separately built ones): the programs compile
+    once, which also shows a second caller reuses them."""
+    from jaxdit import cli
+    from jaxdit import generate as cli_generate
+
+    mesh = PF_CONFIG.make_mesh(jax.devices()[: PF_CONFIG.num_devices])
+    engine = Engine.load(None, mesh, limits=EngineLimits(max_steps=MAX_STEPS), warmup_steps=1)
+    engine.warm_up([engine.request_for(16, 16)])
+    compiled = compile_counts()
+
+    def build(r, generate_mesh):
+        assert r.is_tiny and r.parallel() == PF_CONFIG and r.warmup_steps == 1
+        return engine.pipe
+
+    monkeypatch.setattr(cli_generate, "build", build)
+    path = tmp_path / "digit.png"
+    argv = ["generate", "--prompt", DIGIT, "--seed", str(SEED), "--output", str(path), *PF_FLAGS]
+    assert cli.main(argv) == 0
+    reference = _small(path.read_bytes())
+
+    s = Server(engine, max_queue=8)
+    try:
+        asks = [{"prompt": DIGIT, "seed": SEED}, {"prompt": "2", "seed": 5}, {"prompt": DIGIT, "seed": SEED}]
+        answers = [None] * len(asks)
+        ask = lambda i: answers.__setitem__(i, s.post(asks[i]))
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(asks))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [a[0] for a in answers] == [200] * 3, answers
+        for i in (0, 2):
+            assert (_png(answers[i][1]["data"][0]["b64_json"]) == reference).all(), "not generate's picture"
+        # 20 steps: the warm-up step (its time includes encoding the prompt), then 19 in one phase.
+        assert s.metric("jaxdit_step_seconds_count") == 3 * 19
+        code, answer, _ = s.post({"prompt": "3", "steps": 19})
+        assert code == 400 and answer["error"]["param"] == "steps", answer
+        assert "it serves: 16x16 n=1 20 steps with CFG" in answer["error"]["message"], answer
+    finally:
+        s.service.stop()
+
+    g = schema.image_request({"prompt": "4"}, engine.card)
+    seen = []
+    engine.generate(g, lambda done, total: seen.append((done, total)) is None)
+    assert seen == [(1, 20), (20, 20)], seen
+    seen.clear()
+    with pytest.raises(GenerationCancelled):
+        engine.generate(g, lambda done, total: seen.append((done, total)) is not None)
+    assert seen == [(1, 20)], "the run went on after the warm-up step said stop"
+    assert compile_counts() == compiled, "a request compiled a program after start-up"

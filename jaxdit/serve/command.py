@@ -70,6 +70,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(par, "ulysses_degree", type=int, default=1)
     _flag(par, "ring_degree", type=int, default=1)
     _flag(par, "tensor_parallel_degree", type=int, default=1)
+    _flag(par, "pipefusion_parallel_degree", type=int, default=1, help="PipeFusion stages (FLUX, Wan); "
+          "progress and cancellation then act after each warm-up step and at the end of the pipelined "
+          "phase (one program for all its steps), and each step count is a shape of its own")  # fmt: skip
+    _flag(par, "num_pipeline_patch", type=int, default=None, help="PipeFusion patches M >= P (as jaxdit "
+          "generate's)")  # fmt: skip
+    _flag(par, "warmup_steps", type=int, default=None, help="PipeFusion's synchronous first steps "
+          "(default 1)")  # fmt: skip
     distributed.add_arguments(p)
 
 
@@ -108,6 +115,7 @@ def check(args: argparse.Namespace) -> _Plan:
     config = ParallelConfig(
         data=args.data_parallel_degree,
         cfg=2 if args.use_cfg_parallel else 1,
+        pipefusion=args.pipefusion_parallel_degree,
         ring=args.ring_degree,
         ulysses=args.ulysses_degree,
         tensor=args.tensor_parallel_degree,
@@ -141,10 +149,37 @@ def check(args: argparse.Namespace) -> _Plan:
         raise ValueError(f"--step_counts {args.step_counts} exceeds --max_steps {args.max_steps}")
     from jaxdit.serve.engine import Engine
 
-    template = Engine.template_for(args.weights, config, args.dtype)  # what cannot be served, refused now
+    template = Engine.template_for(  # what cannot be served, refused now
+        args.weights,
+        config,
+        args.dtype,
+        warmup_steps=args.warmup_steps,
+        num_pipeline_patch=args.num_pipeline_patch,
+    )
     if frames is not None and not template.family.makes_video:
         raise ValueError(f"--frames applies to video models; {args.weights or 'tiny-digits'} makes images")
+    if template.family.makes_video and importlib.util.find_spec("av") is None:
+        raise ValueError("serving videos (MP4) needs PyAV: pip install 'jaxdit[video]'")
+    _check_shapes(template, sizes, frames, step_counts)
     return _Plan(config, group, sizes, batch_sizes, frames, step_counts)
+
+
+def _check_shapes(template, sizes, frames, step_counts) -> None:
+    """The start-up shapes as `jaxdit generate` checks them (sizes, frames, steps against the model and the
+    mesh: PipeFusion's patches and warm-up steps among them), before anything loads."""
+    from jaxdit.generate_checks import check_request
+
+    probe = dataclasses.replace(template, prompt="0" if template.is_tiny else "a photograph")
+    for width, height in sizes or ((None, None),):
+        for num_frames in frames or (None,):
+            for steps in step_counts or (None,):
+                shape = dataclasses.replace(
+                    probe, width=width, height=height, num_frames=num_frames, num_inference_steps=steps
+                )
+                try:
+                    check_request(shape, output=False)
+                except ValueError as e:
+                    raise ValueError(f"cannot serve the start-up shapes: {e}") from None
 
 
 def start_devices(args: argparse.Namespace, plan: _Plan) -> None:
@@ -180,7 +215,15 @@ def load(args: argparse.Namespace, plan: _Plan):
     limits = EngineLimits(
         max_steps=args.max_steps, max_batch=args.max_batch, max_prompt_chars=args.max_prompt_chars
     )
-    engine = Engine.load(args.weights, mesh, dtype=args.dtype, limits=limits, name=args.model_name)
+    engine = Engine.load(
+        args.weights,
+        mesh,
+        dtype=args.dtype,
+        limits=limits,
+        name=args.model_name,
+        warmup_steps=args.warmup_steps,
+        num_pipeline_patch=args.num_pipeline_patch,
+    )
     card = engine.card
     sizes = plan.sizes or (card.default_size,)
     frames = plan.frames or ((card.default_frames,) if card.default_frames else (None,))

@@ -15,7 +15,12 @@ queued) and its call (``GenerateRequest.call``: every field left out takes the m
 What a compiled program depends on: the size, the batch (``n``), the frames (videos), whether
 classifier-free guidance runs (two branches or one), and the step count's bucket (the sampler's tables are
 an argument of the step, padded to a multiple of 64 rows: 1-63 steps share one program, 64-127 the next).
+On a PipeFusion mesh the exact step count instead: the pipelined phase is one program whose schedule of
+ticks is fixed by its number of steps (its warm-up steps and patches are the server's, fixed at start-up).
 Seeds, prompts and guidance values reuse a program.
+
+PipeFusion reports progress, and can be stopped, after each warm-up step and at the end of its pipelined
+phase only (one program for all its steps; see ``jaxdit.pipelines.pipefusion.denoiser``).
 """
 
 from __future__ import annotations
@@ -51,6 +56,9 @@ _FIELDS = {
     "num_frames": "num_frames",
     "height": "size",
     "width": "size",
+    # PipeFusion's (the server's flags): a request's steps or size is what they do not fit.
+    "warmup_steps": "steps",
+    "num_pipeline_patch": "size",
 }
 
 
@@ -118,14 +126,20 @@ class Engine:
         limits: EngineLimits = EngineLimits(),
         name: str | None = None,
         compiler_options: dict[str, Any] | None = None,
+        warmup_steps: int | None = None,
+        num_pipeline_patch: int | None = None,
     ) -> Engine:
         """The pipeline for ``weights`` (None: tiny-digits, bundled; else a pipeline folder) on ``mesh``;
-        jax must be started (devices, processes). ``compiler_options``: XLA's, for the compiled steps."""
+        jax must be started (devices, processes). ``compiler_options``: XLA's, for the compiled steps.
+        ``warmup_steps`` and ``num_pipeline_patch``: PipeFusion's (a mesh with pipefusion > 1), as
+        `jaxdit generate`'s flags, for every request."""
         import jax.numpy as jnp
 
         from jaxdit.pipelines.flux import tiny_digits
 
-        template = cls.template_for(weights, mesh, dtype)
+        template = cls.template_for(
+            weights, mesh, dtype, warmup_steps=warmup_steps, num_pipeline_patch=num_pipeline_patch
+        )
         family, folder = template.family, template.folder
         if template.is_tiny:
             pipe = tiny_digits(mesh, compiler_options=compiler_options)
@@ -159,11 +173,22 @@ class Engine:
         return cls(pipe, template, card, mesh)
 
     @staticmethod
-    def template_for(weights: str | None, mesh_or_config: Any, dtype: str | None = None):
+    def template_for(
+        weights: str | None,
+        mesh_or_config: Any,
+        dtype: str | None = None,
+        *,
+        warmup_steps: int | None = None,
+        num_pipeline_patch: int | None = None,
+    ):
         """The `jaxdit generate` request every served request starts from; checks what cannot be served
         (before jax starts when given a ParallelConfig)."""
         parallel = mesh_or_config if isinstance(mesh_or_config, ParallelConfig) else None
         parallel = parallel or ParallelConfig.from_mesh(mesh_or_config)
+        if parallel.pipefusion == 1 and (warmup_steps is not None or num_pipeline_patch is not None):
+            raise ValueError(
+                "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
+            )
         template = cli_generate.GenerateRequest(
             weights=weights,
             dtype=dtype,
@@ -172,6 +197,9 @@ class Engine:
             ulysses_degree=parallel.ulysses,
             ring_degree=parallel.ring,
             tensor_parallel_degree=parallel.tensor,
+            pipefusion_parallel_degree=parallel.pipefusion,
+            warmup_steps=warmup_steps,
+            num_pipeline_patch=num_pipeline_patch,
         )
         if weights is not None:
             if template.folder is None:
@@ -181,10 +209,6 @@ class Engine:
                 )
             if template.folder.takes_image:
                 raise ValueError(f"{weights} is image-to-video; jaxdit serve makes text-to-video and images")
-        if parallel.pipefusion > 1:
-            raise ValueError(
-                "jaxdit serve runs without PipeFusion: use ulysses / ring / cfg / tensor degrees"
-            )
         return template
 
     # ------------------------------------------------------------------ requests
@@ -216,9 +240,15 @@ class Engine:
             cfg = cfg and call.negative_prompt is not None
         return cfg
 
+    @property
+    def exact_steps(self) -> bool:
+        """Whether a program serves one step count only (PipeFusion), not a bucket of them."""
+        return self.parallel.pipefusion > 1
+
     def shape_key(self, g: Generation) -> tuple:
         """What the compiled programs of ``g`` depend on (see the module docstring)."""
-        return (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), schedule_rows(g.steps))
+        steps = g.steps if self.exact_steps else schedule_rows(g.steps)
+        return (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), steps)
 
     @property
     def shape_fields(self) -> tuple[str, ...]:
@@ -228,7 +258,7 @@ class Engine:
     def describe(self, key: tuple) -> str:
         width, height, n, frames, cfg, rows = key
         parts = [f"{width}x{height}", f"n={n}"] + ([f"{frames} frames"] if frames is not None else [])
-        steps = f"{max(1, rows - SCHEDULE_ROWS)}-{rows - 1} steps"
+        steps = f"{rows} steps" if self.exact_steps else f"{max(1, rows - SCHEDULE_ROWS)}-{rows - 1} steps"
         return " ".join([*parts, steps, "with CFG" if cfg else "without CFG"])
 
     def check(self, g: Generation) -> None:
@@ -247,7 +277,7 @@ class Engine:
                 "n",
             )
         try:
-            cli_generate.check_request(self._flags(g))
+            cli_generate.check_request(self._flags(g), output=False)  # no file is written
         except ValueError as e:
             raise RequestError(str(e), _field_of(str(e))) from None
 

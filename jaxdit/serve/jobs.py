@@ -7,7 +7,8 @@ a Retry-After estimated from recent run times) rather than left to wait without 
 Every job has a deadline (``request_timeout`` from arrival) and may be stopped for a reason: cancelled
 (``DELETE``), disconnected (the client went away), timeout, shutdown. A queued job that is stopped leaves
 the queue at once; a running one stops after its current step (the step callback tells the pipeline to
-stop), so the devices are free again within one step.
+stop), so the devices are free again within one step (on a PipeFusion mesh: at the next warm-up step or
+the end of the pipelined phase, which is one program).
 
 :meth:`Scheduler.begin_shutdown` refuses new requests, answers every queued one (failed: shutdown) and
 lets the running one finish within ``shutdown_grace`` seconds (then stops it at the next step).
@@ -271,8 +272,10 @@ class Scheduler:
 
         def on_step(done: int, total: int) -> bool:
             now = time.monotonic()
-            if done > 1:  # the first step's time includes encoding the prompt
-                self.metrics.step_seconds.observe(now - last[0])
+            ran = done - job.steps_done  # more than one: a PipeFusion phase, whose steps end together
+            if job.steps_done:  # the first report's time includes encoding the prompt
+                for _ in range(ran):
+                    self.metrics.step_seconds.observe((now - last[0]) / ran)
             last[0], job.steps_done = now, done
             if done == total:
                 return True

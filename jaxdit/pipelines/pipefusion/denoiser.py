@@ -7,8 +7,11 @@ with the request's PipeFusion options (``warmup_steps``, ``num_pipeline_patch``,
 Wan's ``patch_by``).
 
 Progress and the step callback: the warm-up steps are separate calls, the pipelined phase is ONE program
-(a ``lax.scan`` over ticks in which steps overlap), so ``callback`` is called once, after the last step;
-a service that must cancel mid-generation should not use PipeFusion for it.
+(a ``lax.scan`` over ticks in which steps overlap), so ``callback(done, total)`` is called after each
+warm-up step and once after each pipelined phase, ``done`` jumping by the phase's steps. A caller that
+stops the run (the callback returns False) stops it there: at a warm-up step, or at the end of a phase.
+A phase cannot be cut shorter without changing the result: cutting it drains the pipeline, so the next
+steps would read other K/V than the uncut phase's.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdit.pipelines.denoiser import DenoiseInputs, DenoiseResult, GenerationCancelled
+from jaxdit.pipelines.denoiser import DenoiseInputs, DenoiseResult
 from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner, lower
 from jaxdit.samplers.sampler import Sampler
 
@@ -95,8 +98,7 @@ class PipeFusionDenoiser:
             experts=inputs.experts,
             scales=inputs.scales,
             params=self.experts,
+            callback=callback,
             **options,
         )
-        if callback is not None and callback(inputs.steps, inputs.steps) is False:
-            raise GenerationCancelled(f"stopped after step {inputs.steps} of {inputs.steps}")
         return DenoiseResult(tokens, time.perf_counter() - start)

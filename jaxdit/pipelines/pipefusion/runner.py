@@ -22,6 +22,8 @@ A pipeline hands the runner what its plain denoising loop would take, and gets t
         num_inference_steps=n, warmup_steps=1, num_pipeline_patch=None,  # None: the family's default
         experts=(), params=None,  # Wan 2.2 A14B: each step's expert, params(expert) -> its parameters
         scales=(),        # each step's guidance scale (each expert has its own); empty: guidance_scale
+        callback=None,    # callback(done, total) after each warm-up step and each pipelined phase;
+                          # False stops the run there (GenerationCancelled)
         **options,        # the family's: Wan's patch_by="rows" | "frames"
     )                     # -> np.ndarray [B, N, K] fp32, the final latent tokens
 
@@ -52,7 +54,7 @@ import numpy as np
 
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines import finite
-from jaxdit.pipelines.denoiser import StepCounter, abstract_like
+from jaxdit.pipelines.denoiser import GenerationCancelled, StepCounter, abstract_like
 from jaxdit.pipelines.pipefusion.family import PatchFamily
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
@@ -133,12 +135,15 @@ class PipeFusionRunner:
         experts: Sequence[int] = (),
         scales: Sequence[float] = (),
         params: Callable[[int], Any] | None = None,
+        callback: Callable[[int, int], bool | None] | None = None,
         **options: Any,
     ) -> np.ndarray:
         """The final latent tokens [B, N, K] (see the module docstring); ``options`` are the family's
         (Wan: ``patch_by``). ``experts``: the parameter set of each step (Wan 2.2 A14B), ``params(expert)``
         its parameters on the mesh (same shapes and shardings as ``model.state``); ``scales``: each step's
-        guidance scale (default ``guidance_scale``)."""
+        guidance scale (default ``guidance_scale``). ``callback(done, total)`` runs on the host after each
+        warm-up step and after each pipelined phase (``done`` jumps by the phase's steps: they end
+        together), once the devices have finished it; False stops the run (:class:`GenerationCancelled`)."""
         pc, family = self.parallel, self.family
         x = np.asarray(jax.device_get(latents), np.float32)
         patches = self.check(grid, num_inference_steps, warmup_steps, num_pipeline_patch, **options)
@@ -175,6 +180,13 @@ class PipeFusionRunner:
         stages = (finite.KV_STAGE,) * len(jax.tree.leaves(kv)) + ("denoising step",)
         # The copy of the stage where a patch's step ends holds the result (the others: what they computed).
         last_stage = programs.schedule(1).last_stage
+
+        def reached(done: int, x: jax.Array) -> None:
+            if callback is not None:
+                x.block_until_ready()  # the callback sees finished steps, not dispatched ones
+                if callback(done, num_inference_steps) is False:
+                    raise GenerationCancelled(f"stopped after step {done} of {num_inference_steps}")
+
         with StepCounter(progress, num_inference_steps) as counter:
             for segment in segments:
                 weights = self.model.state if segment.expert is None else params(segment.expert)
@@ -187,6 +199,7 @@ class PipeFusionRunner:
                     lat, state, kv = warm(*args)
                     watch.add(i, finite.array_flags(self.model.mesh, [*jax.tree.leaves(kv), lat]))
                     counter.update()
+                    reached(i + 1, lat)
                 watch.finish()
                 if segment.pipelined:
                     first = segment.first + segment.warmup
@@ -198,6 +211,7 @@ class PipeFusionRunner:
                     phase = f"the latents after the pipelined steps {first + 1}-{last}"
                     finite.check_arrays("denoising step", {phase: jax.device_get(lat[last_stage])})
                     counter.update(segment.pipelined)  # one program: its steps end together
+                    reached(last, lat)
         out = np.asarray(jax.device_get(lat[last_stage]))
         return g.from_patches(out, 1)
 
