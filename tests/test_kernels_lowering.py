@@ -51,9 +51,35 @@ def _flux_dev_step_text(parallel: ParallelConfig, kernel: dict, platforms=("cuda
     return forward.lower(lowering_platforms=platforms, **inputs).as_text()
 
 
+@pytest.fixture(autouse=True)
+def triton_target_gpu(monkeypatch):
+    """jax >= 0.11's Triton lowering asks which GPU it compiles for (its compute capability) and finds none
+    on this host; answer as an H100 would (jax 0.10 does not ask). Only the GPU the PTX would target."""
+    try:
+        from jax._src.pallas.triton import gpu_info
+    except ImportError:
+        return
+    if hasattr(gpu_info, "get_gpu_info_from_version"):
+        h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+        monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: h100)
+
+
 def _xla_attention_dots(text: str) -> list[str]:
     ops = (line for line in text.splitlines() if re.search(r"= stablehlo\.dot_general", line))
     return [op for op in ops if "batching_dims" in op]
+
+
+def _query_shapes(text: str, target: str) -> list[tuple[int, ...]]:
+    """The query operand's shape of every custom call to ``target`` (its first operand)."""
+    calls = [line for line in text.splitlines() if f"custom_call @{target}(" in line]
+    shapes = [re.search(r"\} : \(tensor<((?:\d+x)+)bf16>", line) for line in calls]
+    return [tuple(int(n) for n in m.group(1).rstrip("x").split("x")) for m in shapes if m]
+
+
+def _attention_shape(parallel: ParallelConfig) -> tuple[int, ...]:
+    """q [B, T, H, D] of one device's attention after Ulysses' all-to-all: the ring member's share of the
+    sequence, 24 / ulysses heads (FLUX-dev's lengths need no padding at these degrees)."""
+    return (BATCH, (IMAGE_TOKENS + TEXT_TOKENS) // parallel.ring, 24 // parallel.ulysses, 128)
 
 
 def test_the_no_xla_attention_check_can_fail():
@@ -65,7 +91,8 @@ def test_the_no_xla_attention_check_can_fail():
 @pytest.mark.parametrize("parallel", PARALLEL, ids=IDS)
 def test_flux_dev_1024px_step_lowers_for_gpu_with_triton(parallel):
     text = _flux_dev_step_text(parallel, {"backend": "triton", "platform": "cuda"})
-    assert TRITON_CALL in text
+    shapes = _query_shapes(text, TRITON_CALL)
+    assert shapes and set(shapes) == {_attention_shape(parallel)}  # the attention, at its per-device shape
     assert _xla_attention_dots(text) == []
 
 
@@ -82,7 +109,11 @@ def test_flux_dev_1024px_step_lowers_for_gpu_with_cudnn(cudnn_version_probe_answ
     with warnings.catch_warnings():
         warnings.simplefilter("error", kernels.KernelFallbackWarning)  # cuDNN itself, no fallback
         text = _flux_dev_step_text(parallel, {"backend": "cudnn", "platform": "cuda"})
-    assert CUDNN_CALL in text and TRITON_CALL not in text
+    shapes = _query_shapes(text, CUDNN_CALL)
+    assert shapes and set(shapes) == {_attention_shape(parallel)} and TRITON_CALL not in text
+    # One call per attention layer kind (double, single blocks: the layers are scanned), and on ring2 one
+    # more each for the K/V block that arrives from the other ring member.
+    assert len(shapes) == 2 * parallel.ring
     assert _xla_attention_dots(text) == []
 
 
@@ -118,18 +149,25 @@ def cudnn_stand_in(monkeypatch):
     monkeypatch.setattr(cudnn, "load", lambda: STAND_IN)
 
 
-@pytest.mark.parametrize(
-    "kernel,dtype",
-    [
-        ({"backend": "triton", "interpret": True}, jnp.float32),
-        ({"backend": "splash", "interpret": True}, jnp.float32),
-        ({"backend": "cudnn", "platform": "cuda"}, jnp.bfloat16),
-    ],
-    ids=["triton", "splash", "cudnn"],
-)
-def test_kernels_change_no_collective(cudnn_stand_in, kernel, dtype):
-    # USP (ring2 x ulysses4): Ulysses' 4 all-to-alls and Ring's permutes of K and V, whatever the kernel.
-    config = dict(ring=2, ulysses=4)
+KERNELS = {
+    "triton": ({"backend": "triton", "interpret": True}, jnp.float32),
+    "splash": ({"backend": "splash", "interpret": True}, jnp.float32),
+    "cudnn": ({"backend": "cudnn", "platform": "cuda"}, jnp.bfloat16),
+}
+#: The strategies plan --verify checks, by the collectives their attention issues.
+STRATEGIES = {
+    "ring2xulysses4": (dict(ring=2, ulysses=4), {"all-to-all", "collective-permute"}),
+    "ulysses8": (dict(ulysses=8), {"all-to-all"}),
+    "ring8": (dict(ring=8), {"collective-permute"}),
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("backend", list(KERNELS))
+def test_kernels_change_no_collective(cudnn_stand_in, backend, strategy):
+    # Ulysses' all-to-alls and Ring's permutes of K and V, count and bytes, whatever the kernel: what
+    # plan --verify measures with the XLA kernel holds for the fused ones.
+    (kernel, dtype), (config, kinds) = KERNELS[backend], STRATEGIES[strategy]
     expected = _collectives(config, {"backend": "xla"}, dtype)
-    assert set(expected) == {"all-to-all", "collective-permute"}
+    assert set(expected) == kinds
     assert _collectives(config, kernel, dtype) == expected

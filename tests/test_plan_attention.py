@@ -4,6 +4,10 @@ configuration runs, and takes measured rates: --attention_tflops, or --calibrati
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,10 +22,16 @@ def test_kernel_choice_follows_dtype_and_head_dim():
     hw = Hardware()
     auto = hw.attention_kernel("bfloat16", 128)
     assert (auto.backend, auto.tflops, auto.why) == ("cudnn", 680.0, "auto for bfloat16 on an NVIDIA GPU")
-    assert hw.attention_kernel("float32", 128).backend == "xla"  # cuDNN takes fp16/bf16 only
-    assert hw.attention_kernel("float16", 260).backend == "triton"  # head_dim past cuDNN's 256
+    assert hw.attention_kernel("float32", 128).backend == "xla"  # auto: cuDNN for fp16/bf16 only
+    # The library's own fallbacks (cudnn -> triton -> xla), not a copy of them: head_dim 100 is no
+    # multiple of 8 for cuDNN but the Triton kernel pads it; 264 is past both kernels' 256.
+    not_eight = hw.attention_kernel("float16", 100)
+    assert not_eight.backend == "triton" and "multiple of 8 up to 256, not 100" in not_eight.why
+    assert hw.attention_kernel("float16", 264).backend == "xla"
+    assert Hardware(attention_backend="triton").attention_kernel("bfloat16", 264).backend == "xla"
     asked = Hardware(attention_backend="cudnn").attention_kernel("float32", 128)
-    assert asked.backend == "xla" and "not float32 / 128" in asked.why
+    assert asked.backend == "triton" and "takes float16/bfloat16, not float32" in asked.why
+    assert asked.why.startswith("cudnn asked;") and asked.why.endswith(": triton instead")
     assert Hardware(attention_backend="triton").attention_kernel("bfloat16", 128).tflops == 390.0
     measured = Hardware(attention_backend="xla", attention_tflops=75.0).attention_kernel("bfloat16", 128)
     assert (measured.tflops, measured.source) == (75.0, "--attention_tflops")
@@ -35,6 +45,23 @@ def test_kernel_choice_follows_dtype_and_head_dim():
         Hardware(attention_backend="flash")
     with pytest.raises(ValueError, match="attention_tflops must be positive"):
         Hardware(attention_tflops=0.0)
+
+
+def test_planning_does_not_start_jax():
+    """The plan picks kernels without asking jax for its devices: ``--verify`` sets the emulated device
+    count after planning, which jax fixes when its backend first starts (a fresh process, as a user's)."""
+    code = (
+        "from jaxdit.plan.latency import Hardware; from jaxdit.plan.search import plan; "
+        "from jaxdit.plan.workload import Workload; from jax._src import xla_bridge; "
+        "plan(Workload.create('flux-dev'), 8, Hardware()); "
+        "plan(Workload.create('wan-14b'), 8, Hardware(attention_backend='cudnn')); "
+        "print(xla_bridge.backends_are_initialized())"
+    )
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["False"]
 
 
 def test_attention_runs_at_the_kernel_rate_and_the_rest_at_the_matmul_rate():

@@ -71,8 +71,6 @@ PIPEFUSION_WARMUP_STEPS = 1
 ATTENTION_TFLOPS: dict[str, float] = {"cudnn": 680.0, "triton": 390.0, "xla": 62.0}
 #: What ``--attention_backend`` accepts; splash is TPU's kernel: no H100 figure, so it needs a rate.
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "triton", "splash")
-#: cuDNN's fused attention on Hopper: fp16/bf16 inputs, head_dim a multiple of 8 up to 256.
-CUDNN_MAX_HEAD_DIM = 256
 
 
 def implemented_backends() -> tuple[str, ...]:
@@ -161,22 +159,21 @@ class Hardware:
 
     def attention_kernel(self, dtype: str, head_dim: int) -> AttentionKernel:
         """The kernel attention of ``dtype`` with ``head_dim`` runs on, as jaxdit picks it on an NVIDIA GPU
-        (``auto``: cuDNN for fp16/bf16, falling back to the Triton kernel where cuDNN cannot serve the head
-        dimension; XLA for fp32), and the rate it is priced at."""
-        fused = dtype in ("bfloat16", "float16")
-        cudnn_serves = fused and head_dim % 8 == 0 and head_dim <= CUDNN_MAX_HEAD_DIM
+        with cuDNN (a TPU for ``splash``), by the library's own choice (``jaxdit.parallel.kernels``:
+        ``auto`` is cuDNN for fp16/bf16, XLA for fp32; a kernel that cannot serve the dtype or head
+        dimension falls back cudnn -> triton -> xla), and the rate it is priced at."""
+        from jaxdit.parallel.kernels import backend_for
+
         asked = self.attention_backend
+        platform = "tpu" if asked == "splash" else "cuda"
+        choice = backend_for(platform, dtype, (1, 1, 1, head_dim), requested=asked, assume_present=True)
+        backend = choice.backend
         if asked == "auto":
-            backend = ("cudnn" if cudnn_serves else "triton") if fused else "xla"
-            why = f"auto for {dtype} on an NVIDIA GPU"
-        elif asked == "cudnn" and not cudnn_serves:
-            backend = "triton" if dtype != "float32" else "xla"
-            why = (
-                f"cudnn asked; cuDNN takes fp16/bf16 with head_dim a multiple of 8 up to "
-                f"{CUDNN_MAX_HEAD_DIM}, not {dtype} / {head_dim}: {backend} instead"
-            )
+            why = f"auto for {dtype} on an NVIDIA GPU" + (f" ({choice.reason})" if choice.reason else "")
+        elif choice.reason:
+            why = f"{asked} asked; {choice.reason}: {backend} instead"
         else:
-            backend, why = asked, "asked"
+            why = "asked"
         if self.attention_tflops is not None:
             rate, source = self.attention_tflops, self.attention_source or "--attention_tflops"
         else:

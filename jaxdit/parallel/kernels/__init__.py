@@ -17,11 +17,14 @@ Backends, one file each:
 Choosing (``select.py``), for planners and scripts:
 
 * :data:`BACKENDS` lists the backends, :data:`CHOICES` what ``attention_backend`` accepts (``auto`` too).
-* :func:`backend_for` ``(platform, dtype, q_shape, k_shape=None, requested="auto", interpret=False)``
-  returns :class:`Choice` ``(backend, reason)``: the backend that would compute such a call, and why it
-  is not the one requested (None when it is). ``auto`` is cuDNN on NVIDIA GPUs for fp16/bf16, splash on
-  TPUs, XLA otherwise; a backend that cannot serve falls back cudnn -> triton -> xla, splash -> xla.
-  While tracing, each distinct fallback warns once (:class:`KernelFallbackWarning`).
+* :func:`backend_for` ``(platform, dtype, q_shape, k_shape=None, requested="auto", interpret=False,
+  assume_present=False)`` returns :class:`Choice` ``(backend, reason)``: the backend that would compute
+  such a call, and why it is not the one requested (None when it is). ``auto`` is cuDNN on NVIDIA GPUs
+  for fp16/bf16, splash on TPUs, XLA otherwise; a backend that cannot serve falls back cudnn -> triton ->
+  xla, splash -> xla. ``assume_present`` judges as on a host with the platform's kernels installed
+  (``jaxdit plan``). While tracing, each distinct fallback reason warns once per process
+  (:class:`KernelFallbackWarning`); ``auto`` warns only when a kernel is missing from the host (cuDNN
+  not detected, jax's private entry point moved or changed), not for shapes no fused kernel takes.
 * :func:`check_kernel_options` validates a model's ``kernel`` mapping (keys :data:`KERNEL_OPTIONS`):
   ``backend``, the XLA kernel's ``block_q``/``block_k`` tiles, ``interpret`` (run the Pallas kernels in
   the interpreter on any platform) and ``platform`` (the platform lowered for, e.g. "cuda" on a CPU host);

@@ -35,26 +35,66 @@ from jaxdit.parallel.kernels.contract import clear_empty_rows
 PRIVATE_MODULE = "jax._src.cudnn.fused_attention_stablehlo"
 
 
-def load() -> tuple[Callable, type]:
-    """jax's private cuDNN attention and its ``MaskType`` enum, once cuDNN is known to be present.
+#: The private function's parameters the adapter relies on: the first seven, positional in this order,
+#: and the keyword-only ones it passes.
+POSITIONAL = ("query", "key", "value", "bias", "mask", "q_seqlen", "kv_seqlen")
+KEYWORD_ONLY = ("scale", "mask_type", "qkv_layout", "return_residual")
 
-    Raises RuntimeError naming the reason (the private function moved in this jax version, or cuDNN is
-    not detected), which the backend choice turns into a fallback with a warning.
-    """
+
+def check_contract(module) -> None:
+    """Raise RuntimeError unless ``module`` (jax's private cuDNN attention module) still has the function,
+    parameters and mask types the adapter calls. Checked before every use, so that a jax release that
+    changed them falls back to another kernel with a warning instead of failing inside a trace; the test
+    that pins them fails loudly, naming the jax version."""
+    import inspect
+
+    try:
+        params = inspect.signature(module.dot_product_attention).parameters
+        members = set(module.MaskType.__members__)
+        probe = module.check_cudnn_version
+    except (AttributeError, TypeError, ValueError) as e:
+        raise RuntimeError(
+            f"jax {jax.__version__}: {PRIVATE_MODULE} changed ({type(e).__name__}: {e})"
+        ) from e
+    problems = [] if callable(probe) else ["check_cudnn_version is not callable"]
+    if tuple(params)[: len(POSITIONAL)] != POSITIONAL:
+        problems.append(f"positional parameters {tuple(params)[: len(POSITIONAL)]}, expected {POSITIONAL}")
+    for name in KEYWORD_ONLY:
+        if name not in params or params[name].kind is not inspect.Parameter.KEYWORD_ONLY:
+            problems.append(f"no keyword-only {name!r}")
+    if not {"NO_MASK", "PADDING"} <= members:
+        problems.append(f"MaskType has {sorted(members)}, not NO_MASK and PADDING")
+    if problems:
+        raise RuntimeError(
+            f"jax {jax.__version__}: {PRIVATE_MODULE}.dot_product_attention changed: {'; '.join(problems)}"
+        )
+
+
+@functools.cache
+def _private_module():
+    """jax's private module, imported and its contract checked once (RuntimeError: why not usable)."""
     import importlib
 
     try:
         module = importlib.import_module(PRIVATE_MODULE)
-        call, mask_type, check = module.dot_product_attention, module.MaskType, module.check_cudnn_version
-    except (ImportError, AttributeError) as e:
-        raise RuntimeError(
-            f"jax {jax.__version__} has no {PRIVATE_MODULE}.dot_product_attention ({e})"
-        ) from e
+    except ImportError as e:
+        raise RuntimeError(f"jax {jax.__version__} has no {PRIVATE_MODULE} ({e})") from e
+    check_contract(module)
+    return module
+
+
+def load() -> tuple[Callable, type]:
+    """jax's private cuDNN attention and its ``MaskType`` enum, once cuDNN is known to be present.
+
+    Raises RuntimeError naming the reason (the private function moved or changed in this jax version, or
+    cuDNN is not detected), which the backend choice turns into a fallback with a warning.
+    """
+    module = _private_module()
     try:
-        check()
+        module.check_cudnn_version()
     except Exception as e:  # RuntimeError("cuDNN is not detected.") on hosts without cuDNN
         raise RuntimeError(f"cuDNN is unavailable: {e}") from e
-    return call, mask_type
+    return module.dot_product_attention, module.MaskType
 
 
 @functools.cache
@@ -68,18 +108,30 @@ def max_head_dim() -> int:
     return 256 if tuple(int(x) for x in str(capability).split(".")) >= (9, 0) else 128
 
 
-def unsupported(dtype, head_dim: int) -> str | None:
-    """Why cuDNN cannot serve this dtype / head dimension here, or None."""
+def limits(dtype, head_dim: int, max_head: int | None = None) -> str | None:
+    """Why cuDNN cannot serve this dtype / head dimension (its limits), or None. ``max_head``: the head
+    dimension limit of the GPU judged for (default: the local GPU's, :func:`max_head_dim`, which asks jax
+    for its devices and so starts its backend)."""
     if jnp.dtype(dtype) not in (jnp.float16, jnp.bfloat16):
         return f"cuDNN attention takes float16/bfloat16, not {jnp.dtype(dtype).name}"
-    limit = max_head_dim()
+    limit = max_head_dim() if max_head is None else max_head
     if head_dim % 8 or head_dim > limit:
         return f"cuDNN attention takes head_dim a multiple of 8 up to {limit}, not {head_dim}"
+    return None
+
+
+def missing() -> str | None:
+    """Why cuDNN cannot run on this host (not detected, or jax's private entry point moved), or None."""
     try:
         load()
     except RuntimeError as e:
         return str(e)
     return None
+
+
+def unsupported(dtype, head_dim: int) -> str | None:
+    """Why cuDNN cannot serve this dtype / head dimension here, or None."""
+    return limits(dtype, head_dim) or missing()
 
 
 def valid_keys_first(

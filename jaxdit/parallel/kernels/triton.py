@@ -93,6 +93,17 @@ def unsupported(dtype, head_dim: int) -> str | None:
     return None
 
 
+def missing() -> str | None:
+    """Why this jax cannot lower the kernel for a GPU (no Pallas Triton backend), or None."""
+    try:
+        from jax.experimental.pallas import triton as plgpu
+
+        plgpu.CompilerParams  # noqa: B018 - the one name the kernel takes from it
+    except (ImportError, AttributeError) as e:
+        return f"jax {jax.__version__} has no Pallas Triton backend ({e})"
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "out_dtype", "block_q", "block_k", "interpret"))
 def attention(
     q: jax.Array,
