@@ -160,6 +160,13 @@ def _max_error(a, b, rows) -> float:
     return float(np.abs(np.asarray(a, np.float32)[:, rows] - np.asarray(b, np.float32)[:, rows]).max())
 
 
+def _max_abs(a, rows) -> float:
+    """max |a| over the real query rows."""
+    import numpy as np
+
+    return float(np.abs(np.asarray(a, np.float32)[:, rows]).max())
+
+
 def attention_worker(emit: Emit, tiny: bool, reps: int) -> None:
     import jax
     import jax.numpy as jnp
@@ -206,6 +213,9 @@ def attention_worker(emit: Emit, tiny: bool, reps: int) -> None:
                     "err_lse_vs_xla": _max_error(lse, base_lse, valid),
                     "err_out_vs_fp32": _max_error(out, exact[0], valid),
                     "err_lse_vs_fp32": _max_error(lse, exact[1], valid),
+                    # max |fp32 reference| over the real rows: what a relative bound multiplies
+                    "out_scale": _max_abs(exact[0], valid),
+                    "lse_scale": _max_abs(exact[1], valid),
                     "device": device.device_kind,
                 }
             )
