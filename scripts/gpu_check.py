@@ -242,6 +242,15 @@ def _max_error(a, b, rows) -> float | None:
     return float(np.abs(np.asarray(a, np.float32)[:, rows] - np.asarray(b, np.float32)[:, rows]).max())
 
 
+def _max_abs(a, rows) -> float | None:
+    """max |a| over the real query rows (what a relative bound multiplies); None without a."""
+    import numpy as np
+
+    if a is None:
+        return None
+    return float(np.abs(np.asarray(a, np.float32)[:, rows]).max())
+
+
 def _no_begin(key: str) -> None:
     pass
 
@@ -321,6 +330,9 @@ def _attention_case(case: AttentionCase, todo, interpret: bool, reps: int, devic
             "err_lse_vs_xla": versus(base, 1, lse),
             "err_out_vs_fp32": versus(exact, 0, out),
             "err_lse_vs_fp32": versus(exact, 1, lse),
+            # max |fp32 reference| over the real rows: what a relative bound multiplies
+            "out_scale": None if exact is None else _max_abs(exact[0], valid),
+            "lse_scale": None if exact is None else _max_abs(exact[1], valid),
             "device": device.device_kind,
         }
 

@@ -5,6 +5,7 @@ import shutil
 import numpy as np
 import pytest
 import tiny_pipelines
+import tolerance as tol
 from PIL import Image
 
 from jaxdit import cli
@@ -139,4 +140,4 @@ def test_cli_flux_folder_with_pipefusion_matches_the_serial_run(flux_folder, tmp
     pf = ["--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", "2"]
     assert cli.main([*argv, *pf, "--output", str(tmp_path / "pf.npy")]) == 0, capsys.readouterr().err
     serial, piped = np.load(tmp_path / "serial.npy"), np.load(tmp_path / "pf.npy")
-    assert serial.shape == piped.shape and np.abs(serial - piped).max() < 1e-4
+    tol.check(piped, serial, tol.SAME_SEED, "PipeFusion warm-up only (pf2 x ulysses2) vs one device")

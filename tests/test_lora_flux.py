@@ -2,9 +2,11 @@
 
 Each file is fused by jaxdit into the tiny FLUX transformer (tests/flux_tiny.py) loaded from its diffusers
 folder, run on the mesh, and compared with diffusers' own model after ``load_lora_adapter`` +
-``fuse_lora`` of the same file (fp32 policy: 1e-4; the LoRAs move the output by 0.03-0.3, so a wrong
-mapping cannot pass). Unfusing after each test gives the base weights back within one fp32 rounding, and
-the compiled step is the one compiled first (checked in tests/test_lora_fuse.py).
+``fuse_lora`` of the same file (``tolerance.TORCH_FORWARD_GUIDANCE_EMBED``, the bound of the same forward
+without a LoRA: fusing adds little, 7.5e-6 relative against 6.8e-6; the LoRAs move the output by 0.03-0.3,
+over 100x the bound, so a wrong mapping cannot pass). Unfusing after each test gives the base weights back
+within one fp32 rounding, and the compiled step is the one compiled first (checked in
+tests/test_lora_fuse.py).
 
 Where diffusers 0.42.1 cannot read a tiny model's file, the reference uses diffusers' rule with the tiny
 sizes, as said at each place: its kohya converter fixes FLUX.1's single-block sizes (3 x 3072 + 12288) to
@@ -17,6 +19,7 @@ import functools
 import flux_tiny
 import lora_tiny
 import numpy as np
+import tolerance as tol
 import torch
 from diffusers import FluxPipeline
 from flax import nnx
@@ -27,7 +30,6 @@ from jaxdit import load_transformer
 from jaxdit.lora import fuse_loras, switch_loras, unfuse_loras
 from jaxdit.mesh import ParallelConfig
 
-TOL = 1e-4  # fp32 policy against PyTorch; never relaxed to pass
 MESH = ParallelConfig(tensor=2, ulysses=2)
 FAST = {"xla_backend_optimization_level": 0}  # quick CPU compiles; numerics are what is tested
 SCALE = 0.8
@@ -78,10 +80,10 @@ def _check(name: str, loras, reference: torch.nn.Module) -> float:
     finally:
         unfuse_loras(fwd.params, fused)
     ref = lora_tiny.run(reference, x)
-    err, effect = float(np.abs(out - ref).max()), float(np.abs(ref - base).max())
-    print(f"FLUX {name}: max |jaxdit - diffusers| = {err:.2e}; the LoRA moves the output by {effect:.3f}")
-    assert effect > 100 * TOL
-    assert err < TOL
+    effect = float(np.abs(ref - base).max())
+    print(f"FLUX {name}: the LoRA moves the output by {effect:.3f}")
+    assert effect > 100 * tol.TORCH_FORWARD_GUIDANCE_EMBED.allowed(np.abs(ref).max())
+    err = tol.check(out, ref, tol.TORCH_FORWARD_GUIDANCE_EMBED, f"FLUX {name} vs diffusers")
     for key, value in _params(fwd).items():  # unfused: back within one rounding of the fused weight
         bound = np.spacing(np.maximum(np.abs(before[key]), np.abs(during[key])))
         assert np.all(np.abs(value - before[key]) <= bound), key
@@ -254,7 +256,5 @@ def test_step_compiled_once():
     steps = list(fwd.forward._steps.values())
     assert [step._cache_size() for step in steps] == [1]
     assert np.abs(one - base).max() > 1e-2 and np.abs(two - one).max() > 1e-2
-    print(
-        f"FLUX step compiled once; output after fuse, switch, unfuse vs base: {np.abs(back - base).max():.1e}"
-    )
-    assert np.abs(back - base).max() < 1e-5
+    print("FLUX step compiled once")
+    tol.check(back, base, tol.ROUNDING, "FLUX output after fuse, switch, unfuse vs base")

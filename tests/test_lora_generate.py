@@ -14,6 +14,7 @@ import lora_tiny
 import numpy as np
 import pytest
 import tiny_pipelines
+import tolerance as tol
 import torch
 
 from converters.flux import bfl_table, diffusers_to_params
@@ -23,7 +24,6 @@ from jaxdit import ParallelConfig, cli
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.flux import FluxPipeline
 
-TOL = 1e-4  # the fp32 policy against PyTorch
 PROMPT, HEIGHT, WIDTH, STEPS, SEED = "a small red cube", 32, 48, 3, 5
 PEFT_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "proj_mlp", "proj_out", "ff.net.2"]
 
@@ -91,13 +91,10 @@ def test_generate_with_two_loras_in_two_layouts_matches_diffusers(files, tmp_pat
     ours = np.load(out)
     ref = _diffusers_latents(reference, loras)
     base = _diffusers_latents(reference, [])
-    err, effect = float(np.abs(ours - ref).max()), float(np.abs(ref - base).max())
-    print(
-        f"two LoRAs through jaxdit generate (tensor2 x ring2): max |jaxdit - diffusers| = {err:.2e}; "
-        f"the LoRAs move the latents by {effect:.3f}"
-    )
-    assert effect > 100 * TOL
-    assert err < TOL
+    effect = float(np.abs(ref - base).max())
+    print(f"two LoRAs through jaxdit generate (tensor2 x ring2): the LoRAs move the latents by {effect:.3f}")
+    assert effect > 100 * tol.TORCH_LOOP.allowed(np.abs(ref).max())
+    tol.check(ours, ref, tol.TORCH_LOOP, "two LoRAs through jaxdit generate (tensor2 x ring2) vs diffusers")
 
 
 def test_load_and_unload_lora_on_a_pipeline(files):
@@ -119,7 +116,8 @@ def test_load_and_unload_lora_on_a_pipeline(files):
     pipe.unload_lora()
     again = pipe(PROMPT, **call).latents
     assert np.abs(fused - base).max() > 1e-2
-    assert np.abs(again - base).max() < 1e-5  # every weight back within one fp32 rounding
+    # Every weight back within one fp32 rounding of the fused one: the latents within that rounding's effect.
+    tol.check(again, base, tol.ROUNDING, "latents after load_lora + unload_lora vs before")
 
 
 def test_generate_checks_lora_files_before_loading(files, capsys):

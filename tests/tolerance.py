@@ -101,7 +101,8 @@ SHARDED = Bound(
     2e-6,
     relative=True,
     measured="attention alone 8.2e-7 (ring8, random lengths), Wan 5.5e-7 (data2 x ring2 x ulysses2), "
-    "FLUX 3.2e-7 (cfg2 x ulysses4), relative",
+    "FLUX 3.2e-7 (cfg2 x ulysses4), Wan 2.2 per-token timesteps 2.8e-7 (ring2 x ulysses4), PipeFusion's ring "
+    "keeping its K/V blocks 2.2e-7, relative",
 )
 
 #: fp32, patch-parallel VAE decode / encode (latent rows over devices, halo rows, GroupNorm sums across
@@ -110,7 +111,19 @@ VAE_TILES = Bound(
     "VAE_TILES",
     2.5e-6,
     relative=True,
-    measured="Wan VAE decode 8.9e-7 (4 devices), FLUX AE decode 8.2e-7, encode 7.8e-7, relative",
+    measured="Wan 2.2 VAE decode 1.2e-6 (2 devices), Wan VAE decode 8.9e-7 (4 devices), FLUX AE decode "
+    "8.2e-7, encode 7.8e-7, relative",
+)
+
+#: fp32, ``decode_latents`` of latents normalised in numpy (``(z - mean) / std``) against ``decode`` of the
+#: raw latents: jaxdit undoes the normalisation in fp32, so the decoder's input moves by about one rounding,
+#: and the tiny random decoders (gammas and biases perturbed) amplify it ~10x. Wan 2.2's VAE gives 2.5x
+#: Wan 2.1's; the tiles' bound would have held it with a margin of 1.3 only.
+DECODE_LATENTS = Bound(
+    "DECODE_LATENTS",
+    5e-6,
+    relative=True,
+    measured="Wan 2.2 VAE 1.9e-6, Wan 2.1 VAE 7.4e-7, relative",
 )
 
 #: fp32, one forward against PyTorch (diffusers / transformers) on the same weights and inputs: FLUX
@@ -119,43 +132,70 @@ TORCH_FORWARD = Bound(
     "TORCH_FORWARD",
     6e-6,
     relative=True,
-    measured="FLUX AE decode 2.5e-6, Wan VAE decode 2.4e-6, FLUX schnell 1.5e-6, T5 9.7e-7, relative",
+    measured="FLUX AE decode 2.5e-6, Wan VAE decode 2.4e-6, Wan 2.2 VAE decode 1.9e-6, FLUX schnell 1.5e-6, "
+    "T5 9.7e-7, relative",
 )
 
 #: FLUX-dev against diffusers. Its guidance embedding takes sin / cos of guidance x 1000 (up to 5000
 #: here): fp32 spacing there is 4.9e-4, so the two implementations' arguments already differ by that much
-#: before any layer runs (the same inputs with guidance 1 measure 3.4e-6).
+#: before any layer runs (the same inputs with guidance 1 measure 3.4e-6). Also FLUX-dev with LoRAs fused
+#: (tests/test_lora_flux.py, every layout, against diffusers' ``fuse_lora``): fusing adds little.
 TORCH_FORWARD_GUIDANCE_EMBED = Bound(
     "TORCH_FORWARD_GUIDANCE_EMBED",
     1.5e-5,
     relative=True,
-    measured="6.8e-6 relative on every mesh (1.9e-5 on max |out| 2.8)",
+    measured="6.8e-6 relative on every mesh (1.9e-5 on max |out| 2.8); with a fused LoRA 7.5e-6 (kohya), "
+    "6.3e-6 (PEFT)",
 )
 
 #: Wan 2.1 against diffusers' WanTransformer3DModel, one forward. Larger than FLUX's and not traced to
-#: one op: 2.5e-6 to 7.1e-6 on the same weights over the three latent shapes.
+#: one op: 2.5e-6 to 7.1e-6 on the same weights over the three latent shapes. Also Wan 2.2's per-token
+#: timesteps (TI2V) and Wan with LoRAs fused (against diffusers' ``fuse_lora``).
 TORCH_FORWARD_WAN = Bound(
     "TORCH_FORWARD_WAN",
     1.5e-5,
     relative=True,
-    measured="7.1e-6 (t2v, 5 frames of 4 x 6), 5.0e-6 (i2v), relative",
+    measured="7.1e-6 (t2v, 5 frames of 4 x 6), 5.0e-6 (i2v), per-token timesteps 3.0e-6, with a fused LoRA "
+    "2.7e-6, relative",
 )
 
-#: Wan's whole denoising loop (4 UniPC steps, CFG 5) against diffusers' WanPipeline: guidance weights
-#: the two forwards' differences by -4 and 5, UniPC carries them (tests/test_wan_pipeline.py).
+#: A whole denoising loop against diffusers' pipeline on the same weights and noise, the final latents:
+#: guidance weights the two forwards' differences (by -4 and 5 at CFG 5), the sampler carries them. Wan
+#: (4 UniPC steps, tests/test_wan_pipeline.py), FLUX-dev and Wan with First-Block-Cache against diffusers'
+#: (tests/test_cache_diffusers.py: 10 and 6 steps, the same steps skipped), FLUX-dev with two LoRAs through
+#: ``jaxdit generate`` (tests/test_lora_generate.py) and Wan 2.2 A14B with a LoRA per expert
+#: (tests/test_lora_wan22.py) against diffusers' ``fuse_lora``.
 TORCH_LOOP = Bound(
     "TORCH_LOOP",
     1.2e-5,
     relative=True,
-    measured="T2V 5.0e-6 on every mesh (3.8e-5 on max |latent| 7.7), I2V 2.6e-6, relative",
+    measured="Wan T2V 5.0e-6 on every mesh (3.8e-5 on max |latent| 7.7), I2V 2.6e-6; FLUX-dev two LoRAs 5.0e-6 "
+    "(2.9e-5 on 5.7), First-Block-Cache FLUX-dev 4.7e-6 (2.5e-5 on 5.3), Wan 3.2e-6 (1.6e-5 on 5.1); Wan 2.2 a "
+    "LoRA per expert 2.3e-6 (1.1e-5 on 4.6), relative",
 )
 
-#: Prompt to pixels against diffusers' pipelines (tests/test_prompt_to_pixels.py), absolute on pixels
-#: in [0, 1]. One per pipeline: text encoders, steps and the VAE add up differently in each.
+#: Prompt to pixels against diffusers' pipelines (tests/test_prompt_to_pixels.py; Wan 2.2's through
+#: ``jaxdit generate`` to an MP4, tests/test_wan22_pipelines.py, both layouts), absolute on pixels in
+#: [0, 1]. One per pipeline: text encoders, steps and the VAE add up differently in each.
 PIXELS = {
     "flux": Bound("PIXELS[flux]", 1.5e-5, relative=False, measured="6.4e-6 (cfg2 x ring2 x ulysses2)"),
     "wan": Bound("PIXELS[wan]", 6e-6, relative=False, measured="2.3e-6 (cfg2 x ulysses2)"),
     "wan_i2v": Bound("PIXELS[wan_i2v]", 4.5e-5, relative=False, measured="1.9e-5 (ring2 x ulysses2)"),
+    "wan22_t2v": Bound(
+        "PIXELS[wan22_t2v]",
+        3.5e-5,
+        relative=False,
+        measured="T2V-A14B 1.4e-5 (PipeFusion warm-up only), 1.3e-5 (cfg2 x ulysses2; original layout, offloaded)",
+    ),
+    "wan22_i2v": Bound(
+        "PIXELS[wan22_i2v]", 5e-5, relative=False, measured="I2V-A14B 2.1e-5 (ring2 x ulysses2)"
+    ),
+    "wan22_ti2v": Bound(
+        "PIXELS[wan22_ti2v]",
+        1e-5,
+        relative=False,
+        measured="TI2V-5B text to video 3.5e-6 (original layout), image to video 1.3e-6 (cfg2 x ring2 x ulysses2)",
+    ),
 }
 
 #: A whole generation (every denoising step) on another mesh vs on one device, fp32, the same seed:
@@ -165,7 +205,8 @@ SAME_SEED = Bound(
     4e-6,
     relative=True,
     measured="tiny-digits 1.7e-6 (6 steps, cfg2 x ring2 x ulysses2; make demo's 20 steps: 1.7e-6 on |x| ~1), "
-    "PipeFusion warm-up only 1.5e-6 (FLUX), 1.2e-6 (Wan I2V), Wan 1.1e-6 (CLI vs library), relative",
+    "with a feature cache 1.6e-6 (tensor2 x cfg2 x ulysses2, TeaCache), PipeFusion warm-up only 1.5e-6 (FLUX), "
+    "1.2e-6 (Wan I2V), Wan 1.1e-6 (CLI vs library), Wan TeaCache 6.3e-7 (cfg2 x ring2 x tensor2), relative",
 )
 
 #: PipeFusion's pipelined phase (stale K/V) vs a serial reference of the same semantics written on the
@@ -179,12 +220,14 @@ PIPEFUSION = Bound(
 )
 
 #: Samplers against diffusers' schedulers, every step of a full run fed the same random model outputs,
-#: relative to that step's sample (tests/test_samplers.py): float32 arithmetic in another order.
+#: relative to that step's sample (tests/test_samplers.py): float32 arithmetic in another order. Also
+#: UniPC stepped from Python (one jitted step) against the scan.
 SAMPLER = Bound(
     "SAMPLER",
     3e-6,
     relative=True,
-    measured="UniPC 1.4e-6 (order 2, 50 steps), flow-match Euler 1.7e-7, relative",
+    measured="UniPC 1.4e-6 (order 2, 50 steps), flow-match Euler 1.7e-7, UniPC step by step vs scan 0 "
+    "(bit-identical on this CPU), relative",
 )
 
 #: bf16 weights and matmuls (norms, RoPE, modulation, softmax statistics in fp32) against the fp32
@@ -194,4 +237,60 @@ BF16 = Bound(
     8 * 2.0**-8,
     relative=True,
     measured="T5 encoder 1.4e-2 (3.7 ulps), FLUX-dev 7.7e-3, Wan 6.9e-3, relative",
+)
+
+
+#: Fused attention kernels against the fp32 reference attention (``reference_attention``; the LSE from
+#: ``jax.nn.logsumexp``), fp32 inputs: Triton and splash in Pallas' interpreter, alone and merged by Ring
+#: inside the real strategies, through PipeFusion's stale K/V and Wan's cross-attention; and the LSE of
+#: every kernel (fp32 whatever the inputs). The same softmax in blocks (running max and sum).
+KERNEL = Bound(
+    "KERNEL",
+    1.2e-6,
+    relative=True,
+    measured="out 4.9e-7 (Triton merged by Ring, ring2 x ulysses4), 3.6e-7 (splash), LSE 1.1e-7 (Triton), "
+    "9.6e-8 (cuDNN stand-in), relative",
+)
+
+#: bf16 inputs against the fp32 reference attention, output kept in fp32 or rounded to bf16 after an fp32
+#: merge: two bf16 roundings at most (the probabilities before the PV matmul, as the XLA kernel does, or a
+#: partial's output and then the merged output), each under 2^-8 of the output's scale.
+KERNEL_BF16 = Bound(
+    "KERNEL_BF16",
+    2 * 2.0**-8,
+    relative=True,
+    measured="3.3e-3 (gpu_check --tiny, XLA, wan-tiny ulysses4), 3.1e-3 (cuDNN stand-in merged by ring8), "
+    "1.3e-3 (Triton, interpret), relative",
+)
+
+#: bf16 inputs, fp32 arithmetic, the output rounded to bf16 once (the cuDNN adapter): half a bf16 ulp,
+#: at most 2^-8 of the value. A proof rather than a measurement: the margin is small by construction and
+#: a second rounding anywhere exceeds it.
+BF16_ROUNDED_ONCE = Bound(
+    "BF16_ROUNDED_ONCE",
+    2.0**-8,
+    relative=True,
+    measured="3.0e-3 (cuDNN stand-in, no mask; 0.76 of the bound), relative",
+)
+
+#: Fused LoRA weights (W + scale x B A, in fp32 where the weight lies) against a reference fusion of the
+#: same files: on one device vs tensor2 x ulysses2 and PipeFusion's stage slots, a switch vs a fresh fuse,
+#: ComfyUI's full deltas vs numpy's base + delta. Relative to each weight's max |value|.
+LORA_WEIGHTS = Bound(
+    "LORA_WEIGHTS",
+    3e-7,
+    relative=True,
+    measured="switch vs fresh fuse 1.2e-7, ComfyUI deltas vs numpy 1.1e-7, sharded and stage slots vs one "
+    "device 0 (bit-identical on this CPU), relative",
+)
+
+#: The same computation on inputs or weights one fp32 rounding apart: the output after fuse + unfuse of a
+#: LoRA against never fused (every weight back within one rounding), a picture rescaled from uint8 in
+#: another order, the latent normalisation against numpy's.
+ROUNDING = Bound(
+    "ROUNDING",
+    1e-6,
+    relative=True,
+    measured="FLUX-dev forward after fuse, switch, unfuse 3.5e-7; latents after load_lora + unload_lora 1.3e-7; "
+    "uint8 picture to [-1, 1] 5.9e-8; normalize_latents 3.3e-8, relative",
 )
