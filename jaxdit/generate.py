@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit import distributed, runtime
-from jaxdit.generate_checks import check_memory, check_request
+from jaxdit.generate_checks import check_memory, check_request, check_run
 from jaxdit.generate_request import TINY, TINY_SIZE, GenerateRequest, load_embeddings
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import tiny_digits as tiny
@@ -108,6 +108,7 @@ def run(r: GenerateRequest) -> int:
     every process runs this, and process 0 alone prints and writes."""
     import jax
 
+    check_run(r)  # before any device starts
     start_devices(r)
     main = distributed.is_main_process()
     say = print if main else lambda *args: None
@@ -121,7 +122,7 @@ def run(r: GenerateRequest) -> int:
     mesh = parallel.make_mesh(devices[: parallel.num_devices])
     # A folder: its path; a checkpoint: the preset it was checked against, else its path.
     label = r.model if r.is_tiny or (r.folder is None and r.model != TINY) else r.weights
-    if r.is_tiny and not r.tiny_prompt.strip():
+    if r.is_tiny and tiny.parse_prompt(r.tiny_prompt) == [tiny.NULL_LABEL]:  # "", "  ", ",,"
         say(
             "tiny-digits: the empty prompt asks for no digit: one unconditional sample (the judge does not apply)"
         )

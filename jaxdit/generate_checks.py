@@ -17,6 +17,7 @@ from jaxdit import families, runtime
 from jaxdit.generate_request import (
     IMAGE_SUFFIXES,
     MAX_SEQUENCE_LENGTH,
+    MAX_STEPS,
     TINY,
     TINY_MAX_DIGITS,
     TINY_MAX_SIZE,
@@ -32,7 +33,7 @@ from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
 from jaxdit.pipelines.request import GenerationRequest
 
-__all__ = ["call_view", "check_memory", "check_request", "model_config"]
+__all__ = ["call_view", "check_memory", "check_request", "check_run", "model_config"]
 
 
 def check_request(r: GenerateRequest, *, output: bool = True) -> None:
@@ -55,8 +56,10 @@ def check_request(r: GenerateRequest, *, output: bool = True) -> None:
             "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
         )
     group = r.process_group  # the process flags, checked
-    if r.initialization_timeout <= 0:
+    if not (math.isfinite(r.initialization_timeout) and r.initialization_timeout > 0):
         raise ValueError(f"--initialization_timeout must be > 0 seconds, got {r.initialization_timeout}")
+    if r.seed < 0:
+        raise ValueError(f"--seed must be >= 0 (numpy's generator draws the noise from it), got {r.seed}")
     _check_cache(r, parallel)
     if r.emulate_devices is not None:
         runtime.check_emulated_devices(r.emulate_devices)
@@ -95,6 +98,16 @@ def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
 
 def _check_tiny(r: GenerateRequest) -> None:
     digits = tiny.parse_prompt(r.tiny_prompt)
+    if r.negative_prompt is not None:
+        try:
+            negative = tiny.parse_prompt(r.negative_prompt)
+        except ValueError:
+            negative = None
+        if negative is None or len(negative) > 1:
+            raise ValueError(
+                "tiny-digits' --negative_prompt is one digit or empty (the label every picture is guided "
+                f"away from), got {r.negative_prompt!r}"
+            )
     if len(digits) > TINY_MAX_DIGITS:
         raise ValueError(
             f"tiny-digits draws at most {TINY_MAX_DIGITS} digits per run; the prompt has {len(digits)}"
@@ -131,7 +144,9 @@ def _check_folder(r: GenerateRequest) -> None:
         raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
     if r.image is not None:
         preflight.check_image_file(r.image)
-    preflight.check_prompts([p for p in (r.prompt, r.negative_prompt) if p is not None])
+    for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
+        if prompt is not None:
+            preflight.check_prompts([prompt], flag)
     if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= MAX_SEQUENCE_LENGTH:
         raise ValueError(
             f"--max_sequence_length must be in 1..{MAX_SEQUENCE_LENGTH} (the T5 encoders' length), "
@@ -189,6 +204,11 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = Tru
         )
     if call.num_inference_steps < 1:
         raise ValueError(f"--num_inference_steps must be >= 1, got {call.num_inference_steps}")
+    if call.num_inference_steps > MAX_STEPS:
+        raise ValueError(
+            f"--num_inference_steps must be at most {MAX_STEPS} (the schedulers' training timesteps; FLUX "
+            f"and Wan sample in 4-50), got {call.num_inference_steps}"
+        )
     config = model_config(r)
     # The family's own checks first: with a known model and embeddings they are the pipeline's, whose
     # messages name the nearest valid sizes and frame counts.
@@ -215,6 +235,44 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = Tru
     _check_loras(r, config)
     if output:
         _check_output(r)
+
+
+def check_run(r: GenerateRequest) -> None:
+    """What ``jaxdit generate`` checks beyond :func:`check_request`, before jax starts: what holds only
+    where one run draws its prompt's pictures and every flag came from the user (the HTTP service shares
+    check_request, but batches ``n`` pictures per prompt and sets every request's guidance scale)."""
+    parallel = r.parallel()
+    _check_batch(r, parallel)
+    if r.guidance_scale is not None:
+        config = model_config(r)
+        if config is None:
+            config = r.family.checkpoints.open(r.folder["transformer"], None).config  # headers only
+        if getattr(config, "guidance_embed", None) is False:
+            name = TINY if r.is_tiny else r.weights
+            raise ValueError(
+                f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {name} has none (like "
+                "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
+                "--true_cfg_scale and --negative_prompt"
+            )
+
+
+def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:
+    """The pictures of one run split evenly over ``data`` (each data group draws its share)."""
+    if parallel.data == 1:
+        return
+    if r.is_tiny:
+        batch = len(tiny.parse_prompt(r.tiny_prompt))
+    elif r.folder is not None:
+        batch = 1  # one prompt, one picture or video
+    else:
+        batch = r.embeddings["prompt_embeds"][0]
+    if batch % parallel.data:
+        what = "video(s)" if r.family.makes_video else "picture(s)"
+        raise ValueError(
+            f"--data_parallel_degree {parallel.data} splits the {what} of a run over {parallel.data} groups "
+            f"of devices; this run makes {batch} {what}, which do not split evenly: use a degree that "
+            f"divides {batch}, or put the devices on --ulysses_degree / --ring_degree"
+        )
 
 
 def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:

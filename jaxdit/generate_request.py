@@ -30,6 +30,9 @@ __all__ = ["GenerateRequest", "TINY", "call_defaults", "embedding_shapes", "load
 TINY = tiny.NAME
 #: T5 / umT5 prompt length in FLUX's and Wan's pipelines (diffusers refuses more).
 MAX_SEQUENCE_LENGTH = 512
+#: Denoising steps of one run at most: the schedulers' training timesteps (more repeat them, and a typo
+#: like 1000000000 would run for weeks).
+MAX_STEPS = 1000
 IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".npy"), (".mp4", ".gif", ".npy")
 #: The tiny model's training record fixes its sampling (pixel space, 16 x 16, CFG with the empty prompt).
 TINY_SIZE = 16

@@ -78,6 +78,7 @@ def _folders(work: Path) -> dict[str, Path]:
 VALID = {
     "tiny: 20 x 20 (not the trained size)": "not run at this size",
     "tiny: empty prompt": "one unconditional sample",
+    "tiny: a prompt of separators only": "one unconditional sample",
 }
 
 
@@ -112,6 +113,20 @@ def cases(f: dict[str, Path]) -> list[tuple[str, list[str]]]:
             "FLUX checkpoint: int32 embeddings",
             ["--weights", str(f["flux_transformer"]), "--prompt_embeds", str(f["int_embeds"]), *small],
         ),
+        # Found by probing after the issue was closed (see tests/test_reliability_generate.py).
+        ("tiny: a prompt of separators only", ["--prompt", ",,,", "--steps", "1"]),
+        ("tiny: --seed -1", ["--seed", "-1", "--steps", "1"]),
+        ("tiny: --steps 1000000000", ["--steps", "1000000000"]),
+        ("tiny: --initialization_timeout nan", ["--initialization_timeout", "nan", "--steps", "1"]),
+        (
+            "tiny: negative prompt of three digits",
+            ["--prompt", "12", "--negative_prompt", "345", "--steps", "1"],
+        ),
+        ("tiny: --guidance_scale (no guidance embedding)", ["--guidance_scale", "3", "--steps", "1"]),
+        ("tiny: 10 digits over --data_parallel_degree 3", ["--data_parallel_degree", "3", "--steps", "1"]),
+        ("output name of 300 bytes", ["--steps", "1", "--output", "a" * 300 + ".png"]),
+        ("FLUX: escape sequence in the prompt", [*flux, *small, "--prompt", "a \x1b[31mred\x1b[0m cube"]),
+        ("FLUX: one picture over --data_parallel_degree 2", [*flux, *small, "--data_parallel_degree", "2"]),
     ]
 
 

@@ -275,3 +275,129 @@ def test_wan_forward_checks_its_text_width_and_image_input():
 def test_emulated_device_counts_are_bounded(count):
     with pytest.raises(ValueError, match=r"--emulate_devices must be in 1\.\.256"):
         check_request(GenerateRequest(emulate_devices=count, ring_degree=max(count, 1)))
+
+
+# ------------------------------------------------- inputs found by probing (each failed before its fix)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(seed=-1), r"--seed must be >= 0"),  # was numpy's "expected non-negative integer", after loading
+        (dict(num_inference_steps=10**9), "--num_inference_steps must be at most 1000"),  # was a hang
+        (dict(initialization_timeout=float("nan")), "--initialization_timeout must be > 0"),  # was accepted
+        (dict(initialization_timeout=float("inf")), "--initialization_timeout must be > 0"),
+        (dict(negative_prompt="345"), "--negative_prompt is one digit or empty"),  # was a late shape error
+        (dict(negative_prompt="abc"), "--negative_prompt is one digit or empty"),  # was "its prompt ..."
+    ],
+)
+def test_probed_tiny_requests_refused_before_any_work(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        check_request(GenerateRequest(**kwargs))
+
+
+def test_output_names_the_file_system_cannot_hold(tmp_path):
+    """Names over the file system's 255 bytes: a traceback before; a folder to be made, after the run."""
+    with pytest.raises(ValueError, match="File name too long"):
+        check_request(GenerateRequest(output=str(tmp_path / ("a" * 300 + ".png"))))
+    with pytest.raises(ValueError, match="is 256 bytes; .* takes names of at most 255"):
+        check_request(GenerateRequest(output=str(tmp_path / "new" / ("b" * 256) / "x.png")))
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # a folder on the way that is a broken link
+    with pytest.raises(ValueError, match="gone is a symbolic link to nothing"):
+        check_request(GenerateRequest(output=str(tmp_path / "gone" / "x.png")))
+    assert listing(tmp_path) == ["gone"]
+
+
+def test_a_name_near_the_limit_is_written(tmp_path):
+    """The atomic write's temporary name was the file's plus 14 bytes: 242..255-byte names passed the
+    checks and failed after the run."""
+    from jaxdit.pipelines.output import save_image
+
+    path = tmp_path / ("c" * 250 + ".png")
+    check_request(GenerateRequest(output=str(path)))
+    save_image(path, np.zeros((2, 2), np.uint8))
+    assert listing(tmp_path) == [path.name]
+
+
+@pytest.mark.parametrize(
+    "prompt, message",
+    [
+        (dict(prompt="a \x1b[31mred\x1b[0m cube"), r"--prompt holds the control character U\+001B at character 2"),
+        (dict(prompt="a cube", negative_prompt="\x00"), r"--negative_prompt holds the control character U\+0000"),
+        (dict(prompt="a\x85cube"), r"U\+0085"),  # C1 controls too
+    ],
+)  # fmt: skip
+def test_control_characters_in_a_prompt(flux_folder, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        check_request(GenerateRequest(weights=str(flux_folder), **prompt))
+    check_request(GenerateRequest(weights=str(flux_folder), prompt="a\tcube\non\r\na table"))  # fine
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data_parallel_degree", "3", "--emulate_devices", "3"], "this run makes 10 picture"),
+        (["--prompt", "", "--data_parallel_degree", "2", "--emulate_devices", "2"], "makes 1 picture"),
+        (["--guidance_scale", "3"], "tiny-digits has none"),  # was silently ignored
+    ],
+)
+def test_probed_cli_runs_refused_before_devices_start(argv, message, tmp_path, capsys, monkeypatch):
+    import jaxdit.generate
+
+    monkeypatch.setattr(jaxdit.generate, "start_devices", _no_devices)
+    out = tmp_path / "d.png"
+    assert cli.main(["generate", *argv, "--steps", "1", "--output", str(out)]) == 2
+    assert message in capsys.readouterr().err and listing(tmp_path) == []
+
+
+def test_folder_data_degree_refused_before_loading(flux_folder, tmp_path, capsys, monkeypatch):
+    """It failed after the weights loaded ("1 images cannot be split over data=2")."""
+    import jaxdit.generate
+
+    monkeypatch.setattr(jaxdit.generate, "start_devices", _no_devices)
+    argv = ["generate", "--weights", str(flux_folder), *FLUX_ARGS, "--data_parallel_degree", "2"]
+    assert cli.main([*argv, "--output", str(tmp_path / "x.png")]) == 2
+    assert "--data_parallel_degree 2 splits the picture(s)" in capsys.readouterr().err
+    assert listing(tmp_path) == []
+
+
+def _no_devices(r):
+    raise AssertionError("devices started: the check came too late")
+
+
+def test_prompt_of_separators_says_it_draws_an_unconditional_sample(monkeypatch, capsys, tmp_path):
+    """',,,' parses to no digit, as '' does; it drew the unconditional sample without saying so."""
+    import jaxdit.generate
+
+    class Stop(Exception):
+        pass
+
+    def build(r, mesh):
+        raise Stop
+
+    monkeypatch.setattr(jaxdit.generate, "build", build)
+    with pytest.raises(Stop):
+        jaxdit.generate.run(GenerateRequest(prompt=",,,", output=str(tmp_path / "x.png")))
+    assert "one unconditional sample" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(seed=-1), "seed must be >= 0"),
+        (dict(seed=1.5), "seed must be an integer, got 1.5"),
+        (dict(seed=True), "seed must be an integer, got True"),
+        (dict(num_inference_steps=2.5), "num_inference_steps must be an integer"),
+        (dict(height=16.0), "height must be an integer"),
+        (dict(num_images_per_prompt=2.0), "num_images_per_prompt must be an integer"),
+        (dict(true_cfg_scale="3"), "true_cfg_scale must be a finite number, got '3'"),
+        (dict(callback=5), "callback must be callable"),
+    ],
+)
+def test_probed_pipeline_arguments_named(change, message):
+    """numpy's and jax's errors from inside the loop before (or, for a string scale, nothing at all)."""
+    from jaxdit.pipelines.request import GenerationRequest
+
+    request = GenerationRequest(prompt="1", height=16, width=16, num_inference_steps=2).replace(**change)
+    with pytest.raises(ValueError, match=message):
+        request.check()

@@ -31,7 +31,9 @@ def grid(images: np.ndarray, columns: int, pad: int = 1) -> np.ndarray:
 def _atomic(path: Path, write) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=path.suffix, dir=path.parent)
+    # The temporary name is longer than the file's by the random part: a name near the file system's
+    # limit (255 bytes) would fail here, after the whole run, so only the start of it is kept.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:64]}.", suffix=path.suffix[:16], dir=path.parent)
     os.close(fd)
     try:
         write(tmp)

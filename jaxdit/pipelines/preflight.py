@@ -5,8 +5,11 @@ the pictures are made (the whole generation) throws that work away. What can be 
 strings alone is told here, first:
 
 - prompts are text a tokenizer takes: a command line's undecodable bytes arrive in Python as lone
-  surrogates (PEP 383), which tokenizers reject deep inside with an unrelated error;
-- the output path can be written: not a folder, its nearest existing ancestor is a folder in which a
+  surrogates (PEP 383), which tokenizers reject deep inside with an unrelated error; control characters
+  (an escape sequence pasted from a terminal, a binary file's bytes) other than tab and newline are read
+  as unknown tokens, so the picture would follow something other than the words typed;
+- the output path can be written: not a folder, every name on it fits the file system (the picture is
+  not lost to "File name too long" after the run), its nearest existing ancestor is a folder in which a
   temporary file can be created (and is removed at once); missing folders are created only when the
   result is written, so a failed run leaves none behind;
 - an embeddings file (``--prompt_embeds``, .npz or .safetensors) opens, holds floating-point arrays, and
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import unicodedata
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,31 +36,60 @@ __all__ = ["check_image_file", "check_prompts", "check_writable", "read_embeddin
 
 
 def check_prompts(prompts: Sequence[str], what: str = "prompt") -> None:
-    """Raise ValueError unless every prompt encodes as UTF-8 (names the prompt, position and byte)."""
+    """Raise ValueError unless every prompt encodes as UTF-8 and holds no control character but tab,
+    newline and carriage return (names the prompt, position and character)."""
     for number, prompt in enumerate(prompts, 1):
+        which = f"{what} {number}" if len(prompts) > 1 else what
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError as e:
             char = prompt[e.start]
             byte = f" (the byte 0x{ord(char) - 0xDC00:02x})" if 0xDC80 <= ord(char) <= 0xDCFF else ""
-            which = f"{what} {number}" if len(prompts) > 1 else what
             raise ValueError(
                 f"{which} is not valid UTF-8 text: character {e.start} is {char!r}{byte}, which no "
                 "tokenizer reads; pass the prompt as UTF-8"
             ) from None
+        for position, char in enumerate(prompt):
+            if char not in "\t\n\r" and unicodedata.category(char) == "Cc":
+                raise ValueError(
+                    f"{which} holds the control character U+{ord(char):04X} at character {position}, which "
+                    "the tokenizers read as an unknown token; remove it (tabs and newlines are fine)"
+                )
 
 
 def check_writable(path: str | os.PathLike[str], flag: str = "--output") -> None:
-    """Raise ValueError unless a file can be written at ``path``: not an existing folder, and its nearest
-    existing ancestor is a folder where a temporary file can be created (it is removed again)."""
+    """Raise ValueError unless a file can be written at ``path``: not an existing folder, every name on it
+    within the file system's length limit, and its nearest existing ancestor is a folder where a
+    temporary file can be created (it is removed again)."""
     path = Path(path)
-    if path.is_dir():
-        raise ValueError(f"{flag} {path} is a folder; give a file name inside it")
-    ancestor = path.parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    try:
+        if path.is_dir():
+            raise ValueError(f"{flag} {path} is a folder; give a file name inside it")
+        ancestor = path.parent
+        while not ancestor.exists():
+            ancestor = ancestor.parent
+    except OSError as e:  # a name too long, a symbolic link loop on the way
+        shown = str(path) if len(str(path)) <= 100 else f"{str(path)[:60]}...{str(path)[-20:]}"
+        raise ValueError(f"{flag} {shown}: {e.strerror or e}") from None
     if not ancestor.is_dir():
         raise ValueError(f"{flag} {path}: {ancestor} is a file, so no folder can be made there")
+    try:
+        longest = os.pathconf(ancestor, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        longest = 255
+    missing = path.parts[len(ancestor.parts) :]  # the folders still to be made, and the file
+    for depth, name in enumerate(missing, 1):
+        if len(os.fsencode(name)) > longest:
+            raise ValueError(
+                f"{flag}: the name {name[:24]}... is {len(os.fsencode(name))} bytes; {ancestor} "
+                f"takes names of at most {longest}"
+            )
+        folder = ancestor.joinpath(*missing[:depth])
+        if depth < len(missing) and os.path.lexists(folder):  # there, yet not found: a broken link
+            raise ValueError(
+                f"{flag} {path}: {folder} is a symbolic link to nothing (a loop or a missing target), so "
+                "no folder can be made there"
+            )
     try:
         fd, probe = tempfile.mkstemp(prefix=".jaxdit-write-test-", dir=ancestor)
     except OSError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,11 @@ __all__ = ["OUTPUT_TYPES", "GenerationRequest", "prompt_list"]
 
 #: ``output_type`` values every pipeline accepts (diffusers' names).
 OUTPUT_TYPES = ("np", "pil", "latent")
+
+
+def _is_number(value: Any, kind: type) -> bool:
+    """A number of ``kind`` (numbers.Real / numbers.Integral; numpy's too), not a bool or a string."""
+    return isinstance(value, kind) and not isinstance(value, bool | np.bool_)
 
 
 def prompt_list(prompt: str | list[str] | tuple[str, ...] | None) -> list[str] | None:
@@ -87,8 +93,18 @@ class GenerationRequest:
             )
         for name in ("guidance_scale", "guidance_scale_2", "true_cfg_scale", "flow_shift"):
             value = getattr(self, name)
-            if value is not None and not math.isfinite(float(value)):
-                raise ValueError(f"{name} must be a finite number, got {value}")
+            if value is not None and (not _is_number(value, numbers.Real) or not math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        for name in ("height", "width", "num_frames", "num_inference_steps", "num_images_per_prompt", "seed"):
+            value = getattr(self, name)
+            if (value is not None or name == "seed") and not _is_number(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        if self.seed < 0:
+            raise ValueError(
+                f"seed must be >= 0 (numpy's generator draws the noise from it), got {self.seed}"
+            )
+        if self.callback is not None and not callable(self.callback):
+            raise ValueError(f"callback must be callable as callback(step, total), got {self.callback!r}")
         if self.latents is not None and not np.isfinite(np.asarray(self.latents, np.float32)).all():
             raise ValueError("latents hold NaN or inf")
         if self.prompt is not None and self.prompt_embeds is not None:

@@ -135,8 +135,9 @@ def run(args: argparse.Namespace) -> int:
         link=args.link,
         bandwidth_gbs=args.bandwidth,
         latency_s=None if args.latency_us is None else args.latency_us * 1e-6,
-        tflops=args.tflops or DEFAULT_TFLOPS,
-        memory_gb=args.memory_gb or DEFAULT_MEMORY_GB,
+        # None is "not given"; a 0 given is refused by Hardware, not replaced by the default.
+        tflops=DEFAULT_TFLOPS if args.tflops is None else args.tflops,
+        memory_gb=DEFAULT_MEMORY_GB if args.memory_gb is None else args.memory_gb,
         attention_backend=args.attention_backend,
         attention_tflops=args.attention_tflops,
     )

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -130,7 +131,9 @@ class Hardware:
             raise ValueError(
                 f"unknown attention backend {self.attention_backend!r}; known: {', '.join(ATTENTION_BACKENDS)}"
             )
-        if self.attention_tflops is not None and self.attention_tflops <= 0:
+        if self.attention_tflops is not None and not (
+            math.isfinite(self.attention_tflops) and self.attention_tflops > 0
+        ):
             raise ValueError(f"attention_tflops must be positive, got {self.attention_tflops}")
         if self.attention_backend == "splash" and self.attention_tflops is None:
             raise ValueError(
@@ -138,7 +141,10 @@ class Hardware:
                 "with --attention_tflops (or --calibration from a gpu_check run on the TPU)"
             )
         values = (1.0 if self.bandwidth_gbs is None else self.bandwidth_gbs, self.tflops, self.memory_gb)
-        if min(values) <= 0 or (self.latency_s is not None and self.latency_s < 0):
+        latency = 0.0 if self.latency_s is None else self.latency_s
+        if not all(math.isfinite(v) and v > 0 for v in values) or not (
+            math.isfinite(latency) and latency >= 0
+        ):
             raise ValueError(
                 f"bandwidth ({self.bandwidth_gbs} GB/s), tflops ({self.tflops}) and memory "
                 f"({self.memory_gb} GB) must be positive and latency ({self.latency_s} s) not negative"

@@ -13,8 +13,6 @@ jaxdit today, is exact and fits; within 3% of the fastest it is the one that sen
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import math
 from typing import Any
 
 from jaxdit.mesh import MESH_AXES, ParallelConfig
@@ -27,16 +25,30 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+#: The most devices one plan enumerates: far beyond one generation's mesh, and a bound on the work (a
+#: count with many divisors has hundreds of thousands of configurations).
+MAX_DEVICES = 4096
+
+
 def all_configs(devices: int) -> list[ParallelConfig]:
-    """Every (data, cfg, pipefusion, ring, ulysses, tensor) with product ``devices`` and cfg <= 2."""
-    if devices < 1:
-        raise ValueError(f"devices must be >= 1, got {devices}")
+    """Every (data, cfg, pipefusion, ring, ulysses, tensor) with product ``devices`` and cfg <= 2, in the
+    order of ``itertools.product`` over each axis's divisors (only products that reach ``devices`` are
+    visited, so the work is the number of configurations, not divisors ** axes)."""
+    if not 1 <= devices <= MAX_DEVICES:
+        raise ValueError(f"devices must be in 1..{MAX_DEVICES}, got {devices}")
     out = []
-    divs = _divisors(devices)
-    for degrees in itertools.product(divs, repeat=len(MESH_AXES)):
-        d = dict(zip(MESH_AXES, degrees, strict=True))
-        if d["cfg"] <= 2 and math.prod(degrees) == devices:
-            out.append(ParallelConfig(**d))
+
+    def extend(chosen: tuple[int, ...], left: int) -> None:
+        axis = len(chosen)
+        if axis == len(MESH_AXES):
+            if left == 1:
+                out.append(ParallelConfig(**dict(zip(MESH_AXES, chosen, strict=True))))
+            return
+        for d in _divisors(left):
+            if MESH_AXES[axis] != "cfg" or d <= 2:
+                extend((*chosen, d), left // d)
+
+    extend((), devices)
     return out
 
 

@@ -69,9 +69,12 @@ class Workload:
             raise ValueError(f"{self.name} has one transformer: there is no idle expert to offload")
         if self.branches not in (1, 2):
             raise ValueError(f"branches must be 1 (no CFG) or 2 (CFG), got {self.branches}")
-        if self.requests < 1 or self.steps < 1 or not self.tokens or min(self.tokens) < 1:
+        for name in ("requests", "steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.tokens or min(self.tokens) < 1 or min(self.context, default=1) < 1:
             raise ValueError(
-                f"bad workload: tokens={self.tokens}, requests={self.requests}, steps={self.steps}"
+                f"every token group must hold >= 1 token: tokens={self.tokens}, context={self.context}"
             )
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
@@ -166,10 +169,11 @@ class Workload:
         return cls.for_config(
             family.preset_config(name),
             name=name,
-            height=height or preset.height,
-            width=width or preset.width,
+            # Unset (None) takes the preset's; a 0 given is refused below, never read as "unset".
+            height=preset.height if height is None else height,
+            width=preset.width if width is None else width,
             frames=frames if frames is not None else preset.frames,
-            steps=steps or preset.steps,
+            steps=preset.steps if steps is None else steps,
             branches=branches or preset.branches,
             requests=requests,
             text_tokens=text_tokens,
