@@ -243,17 +243,22 @@ def check_run(r: GenerateRequest) -> None:
     check_request, but batches ``n`` pictures per prompt and sets every request's guidance scale)."""
     parallel = r.parallel()
     _check_batch(r, parallel)
-    if r.guidance_scale is not None:
-        config = model_config(r)
-        if config is None:
-            config = r.family.checkpoints.open(r.folder["transformer"], None).config  # headers only
-        if getattr(config, "guidance_embed", None) is False:
-            name = TINY if r.is_tiny else r.weights
-            raise ValueError(
-                f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {name} has none (like "
-                "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
-                "--true_cfg_scale and --negative_prompt"
-            )
+    if r.guidance_scale is not None and not takes_guidance_scale(r):
+        name = TINY if r.is_tiny else r.weights
+        raise ValueError(
+            f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {name} has none (like "
+            "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
+            "--true_cfg_scale and --negative_prompt"
+        )
+
+
+def takes_guidance_scale(r: GenerateRequest) -> bool:
+    """Whether the model reads ``guidance_scale``: Wan's CFG scale, FLUX.1-dev's guidance embedding; a FLUX
+    model without that embedding (FLUX.1-schnell, tiny-digits) ignores it."""
+    config = model_config(r)
+    if config is None:
+        config = r.family.checkpoints.open(r.folder["transformer"], None).config  # headers only
+    return getattr(config, "guidance_embed", None) is not False
 
 
 def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit import generate as cli_generate
+from jaxdit.generate_checks import takes_guidance_scale
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
 from jaxdit.pipelines.output import save_video, to_uint8
@@ -164,6 +165,7 @@ class Engine:
             frame_multiple=getattr(pipe, "vae_scale_factor_temporal", 4),
             fps=family.fps,
             digit_prompts=template.is_tiny,
+            takes_guidance=takes_guidance_scale(template),
             max_steps=limits.max_steps,
             max_batch=limits.max_batch,
             max_prompt_chars=limits.max_prompt_chars,

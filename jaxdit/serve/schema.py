@@ -68,6 +68,9 @@ class ModelCard:
     max_batch: int = 4
     max_prompt_chars: int = 2000
     max_guidance: float = 30.0
+    #: False where the model ignores ``guidance`` (a FLUX model without a guidance embedding: FLUX.1-schnell,
+    #: tiny-digits): a request giving it is refused rather than answered as if it had mattered.
+    takes_guidance: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,6 +200,15 @@ def _common(body: dict, card: ModelCard, allowed: set[str]) -> dict[str, Any]:
         raise RequestError(
             f"unknown field(s) {', '.join(unknown)}; this endpoint takes {', '.join(sorted(allowed))}",
             unknown[0],
+        )
+    if "guidance" in body and not card.takes_guidance:
+        cfg = (
+            " (for classifier-free guidance send true_cfg_scale)" if card.default_true_cfg is not None else ""
+        )
+        raise RequestError(
+            f"guidance feeds FLUX.1-dev's guidance embedding; {card.name} has none, so it would change "
+            f"nothing{cfg}",
+            "guidance",
         )
     model = body.get("model")
     if model is not None and model != card.name:
