@@ -55,6 +55,14 @@ def test_num_images_per_prompt_repeats_each_prompt_as_diffusers(pipe):
         pipe("0", num_images_per_prompt=0, **CALL)
 
 
+def test_sizes_default_to_what_the_model_draws(pipe):
+    """The bundled model draws 16x16 (it took FLUX's 1024x1024: a 4096-token run of a 16x16 model);
+    FLUX itself keeps diffusers' 1024x1024."""
+    out = pipe("4", num_inference_steps=2, progress=False)
+    assert out.images.shape == (1, 16, 16)
+    assert type(pipe).call_defaults()["height"] == type(pipe).call_defaults()["width"] == 1024
+
+
 def test_request_rejects_non_finite_numbers():
     with pytest.raises(ValueError, match="true_cfg_scale must be a finite number"):
         GenerationRequest(true_cfg_scale=float("nan")).check()

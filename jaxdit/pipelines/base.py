@@ -204,17 +204,26 @@ class DiffusionPipeline:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ the call
+    #: (height, width) of a call that gives neither, where ``__call__`` leaves them None (FLUX, as diffusers:
+    #: its default sample size); an object may narrow it (the bundled tiny-digits draws 16x16).
+    default_size: tuple[int, int] | None = None
+
     @classmethod
     def call_defaults(cls) -> dict[str, Any]:
         """The defaults of this pipeline's ``__call__`` (diffusers' for the model), by argument name."""
         parameters = inspect.signature(cls.__call__).parameters
-        return {
+        defaults = {
             n: p.default for n, p in parameters.items() if p.default not in (inspect.Parameter.empty, None)
         }
+        if cls.default_size is not None:
+            defaults["height"], defaults["width"] = cls.default_size
+        return defaults
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
         """``request`` with every field it left None set to this pipeline's call default."""
         defaults = self.call_defaults()
+        if self.default_size is not None:  # this object's, which may differ from its class's
+            defaults["height"], defaults["width"] = self.default_size
         unset = {
             f.name: defaults[f.name]
             for f in dataclasses.fields(request)

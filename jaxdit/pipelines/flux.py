@@ -78,6 +78,7 @@ class FluxPipeline(DiffusionPipeline):
     """
 
     cfg_hint = "pass a negative prompt and true_cfg_scale > 1"
+    default_size = (1024, 1024)  # diffusers: default_sample_size 128 x the VAE's 8
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionFlux
 
@@ -169,8 +170,8 @@ class FluxPipeline(DiffusionPipeline):
         negative_prompt: str | Sequence[str] | None = None,
         negative_prompt_embeds: np.ndarray | None = None,
         negative_pooled_prompt_embeds: np.ndarray | None = None,
-        height: int = 1024,
-        width: int = 1024,
+        height: int | None = None,
+        width: int | None = None,
         num_inference_steps: int = 28,
         guidance_scale: float = 3.5,
         true_cfg_scale: float = 1.0,
@@ -285,7 +286,7 @@ def tiny_digits(
     def encode(prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         return labels([label for p in prompts for label in tiny.parse_prompt(p)])
 
-    return FluxPipeline(
+    pipe = FluxPipeline(
         model,
         mesh,
         scheduler=euler.FlowMatchEulerConfig(shift=1.0),
@@ -296,3 +297,5 @@ def tiny_digits(
         kernel=kernel,
         compiler_options=compiler_options,
     )
+    pipe.default_size = (tiny.LATENT_SIZE, tiny.LATENT_SIZE)  # what it was trained on, not FLUX's 1024
+    return pipe
