@@ -205,12 +205,8 @@ class GenerateRequest:
 
 
 def call_defaults(pipeline_class: type) -> dict[str, Any]:
-    signature = inspect.signature(pipeline_class.__call__)
-    return {
-        name: p.default
-        for name, p in signature.parameters.items()
-        if p.default is not inspect.Parameter.empty and p.default is not None
-    }
+    """The defaults a call of ``pipeline_class`` takes (its own, so both ways of asking agree)."""
+    return pipeline_class.call_defaults()
 
 
 def takes(pipeline_class: type, argument: str) -> bool:
