@@ -53,7 +53,7 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     # Two-expert models only (checked): the other families' builders do not take it.
     options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
     if r.is_tiny:
-        pipe = tiny_digits(mesh, kernel=kernel)
+        pipe = tiny_digits(mesh, kernel=kernel, dtype=dtype)
     elif r.folder is not None:
         pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel, **options)
     else:

@@ -35,6 +35,11 @@ from jaxdit.pipelines.request import GenerationRequest
 
 __all__ = ["call_view", "check_memory", "check_request", "check_run", "model_config"]
 
+#: PipeFusion's own options given without a PipeFusion mesh (generate and serve refuse it alike).
+PIPEFUSION_OPTIONS_ALONE = (
+    "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
+)
+
 
 def check_request(r: GenerateRequest, *, output: bool = True) -> None:
     """Raise ValueError naming the problem; needs no devices. ``output=False``: the output path is not
@@ -52,9 +57,7 @@ def check_request(r: GenerateRequest, *, output: bool = True) -> None:
         )
     parallel = r.parallel()  # every degree >= 1
     if parallel.pipefusion == 1 and (r.num_pipeline_patch is not None or r.warmup_steps is not None):
-        raise ValueError(
-            "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
-        )
+        raise ValueError(PIPEFUSION_OPTIONS_ALONE)
     group = r.process_group  # the process flags, checked
     if not (math.isfinite(r.initialization_timeout) and r.initialization_timeout > 0):
         raise ValueError(f"--initialization_timeout must be > 0 seconds, got {r.initialization_timeout}")

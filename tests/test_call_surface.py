@@ -68,3 +68,15 @@ def test_request_rejects_non_finite_numbers():
         GenerationRequest(true_cfg_scale=float("nan")).check()
     with pytest.raises(ValueError, match="latents hold NaN or inf"):
         GenerationRequest(latents=np.full((1, 1, 2, 2), np.inf)).check()
+
+
+def test_generate_dtype_reaches_the_bundled_model():
+    """``jaxdit generate --dtype bfloat16`` on tiny-digits (it was silently float32)."""
+    import jax.numpy as jnp
+
+    from jaxdit.generate import GenerateRequest, build
+
+    pipe = build(GenerateRequest(dtype="bfloat16"), ParallelConfig().make_mesh(jax.devices()[:1]))
+    assert pipe.model.dtype == jnp.bfloat16
+    out = pipe("3", num_inference_steps=2, progress=False)
+    assert out.images.shape == (1, 16, 16) and np.isfinite(out.images).all()

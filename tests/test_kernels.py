@@ -256,6 +256,11 @@ def test_fallback_warns_once_per_reason_not_per_layer_dtype_or_shape():
     assert len(warned) == 2 and "splash attention runs on TPUs" in warned[1]
 
 
+#: These tests read this host's kernels as a CPU host's (cuDNN missing); on a GPU host they would not hold.
+ON_CPU = pytest.mark.skipif(jax.default_backend() != "cpu", reason="assumes a host without cuDNN")
+
+
+@ON_CPU
 def test_auto_is_quiet_about_its_design_and_warns_when_a_kernel_is_missing():
     # auto on a GPU: a head dim no fused kernel takes (the VAE's one 512-wide head) or float32 is XLA's by
     # design, no warning; cuDNN missing on the GPU (this host has none) is news: one warning, Triton used.
@@ -325,6 +330,7 @@ def test_load_transformer_checks_the_backend_before_reading_weights(tmp_path):
         load_transformer(tmp_path / "does-not-exist", attention_backend="cuda")
 
 
+@ON_CPU
 def test_generate_asking_for_cudnn_on_a_cpu_warns_once_and_matches_xla(tmp_path, monkeypatch):
     """``jaxdit generate --attention_backend cudnn`` where cuDNN cannot run: one warning for the whole run
     (every layer and step, both CFG branches), and the result of ``--attention_backend xla`` bit for bit.

@@ -313,10 +313,12 @@ def test_a_name_near_the_limit_is_written(tmp_path):
     checks and failed after the run."""
     from jaxdit.pipelines.output import save_image
 
-    path = tmp_path / ("c" * 250 + ".png")
-    check_request(GenerateRequest(output=str(path)))
-    save_image(path, np.zeros((2, 2), np.uint8))
-    assert listing(tmp_path) == [path.name]
+    for stem in ("c" * 250, "\U0001f600" * 62):  # 250 bytes; 248 bytes in 62 characters (cut by bytes)
+        path = tmp_path / (stem + ".png")
+        check_request(GenerateRequest(output=str(path)))
+        save_image(path, np.zeros((2, 2), np.uint8))
+        assert path.name in listing(tmp_path)
+    assert len(listing(tmp_path)) == 2
 
 
 @pytest.mark.parametrize(

@@ -78,7 +78,7 @@ class FluxPipeline(DiffusionPipeline):
     """
 
     cfg_hint = "pass a negative prompt and true_cfg_scale > 1"
-    default_size = (1024, 1024)  # diffusers: default_sample_size 128 x the VAE's 8
+    default_size = (1024, 1024)  # FLUX.1's, as diffusers computes it: default_sample_size 128 x the VAE's 8
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionFlux
 
@@ -276,11 +276,15 @@ def tiny_digits(
     folder: str | Path | None = None,
     compiler_options: dict[str, Any] | None = None,
     kernel: dict[str, Any] | None = None,
+    dtype: Any = None,
 ) -> FluxPipeline:
-    """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789")."""
+    """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789").
+    ``dtype``: its weights' and activations' type (default float32, as it was trained; bfloat16 runs the
+    fused GPU kernels)."""
     mesh = mesh_for(parallel)
     folder = folder or tiny.asset_dir()
-    model = load_model(Path(folder), mesh, jnp.float32, CHECKPOINTS, staged=PipeFusionFlux)
+    dtype = jnp.float32 if dtype is None else as_dtype(dtype)
+    model = load_model(Path(folder), mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
     labels = tiny.LabelEncoder.load(folder)
 
     def encode(prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -33,7 +33,11 @@ def _atomic(path: Path, write) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     # The temporary name is longer than the file's by the random part: a name near the file system's
     # limit (255 bytes) would fail here, after the whole run, so only the start of it is kept.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem[:64]}.", suffix=path.suffix[:16], dir=path.parent)
+    # Bytes, not characters: 64 four-byte characters are 256 bytes.
+    keep = lambda text, n: os.fsencode(text)[:n].decode(errors="ignore")
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{keep(path.stem, 64)}.", suffix=keep(path.suffix, 16), dir=path.parent
+    )
     os.close(fd)
     try:
         write(tmp)

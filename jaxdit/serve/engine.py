@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit import generate as cli_generate
-from jaxdit.generate_checks import takes_guidance_scale
+from jaxdit.generate_checks import PIPEFUSION_OPTIONS_ALONE, takes_guidance_scale
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
 from jaxdit.pipelines.output import save_video, to_uint8
@@ -188,9 +188,7 @@ class Engine:
         parallel = mesh_or_config if isinstance(mesh_or_config, ParallelConfig) else None
         parallel = parallel or ParallelConfig.from_mesh(mesh_or_config)
         if parallel.pipefusion == 1 and (warmup_steps is not None or num_pipeline_patch is not None):
-            raise ValueError(
-                "--num_pipeline_patch and --warmup_steps apply to PipeFusion (--pipefusion_parallel_degree > 1)"
-            )
+            raise ValueError(PIPEFUSION_OPTIONS_ALONE)
         template = cli_generate.GenerateRequest(
             weights=weights,
             dtype=dtype,

@@ -43,7 +43,7 @@ KEYWORD_ONLY = ("scale", "mask_type", "qkv_layout", "return_residual")
 
 def check_contract(module) -> None:
     """Raise RuntimeError unless ``module`` (jax's private cuDNN attention module) still has the function,
-    parameters and mask types the adapter calls. Checked before every use, so that a jax release that
+    parameters and mask types the adapter calls. Checked once per process, before the first use, so that a jax release that
     changed them falls back to another kernel with a warning instead of failing inside a trace; the test
     that pins them fails loudly, naming the jax version."""
     import inspect
