@@ -156,8 +156,8 @@ MUTATIONS = (
     Mutation(
         "cost-model-final-adaln",
         "the plan's FLOP model forgetting FLUX's final AdaLN (a small replicated matmul)",
-        "jaxdit/plan/cost.py",
-        "        + 2 * b * e * 2 * e  # final adaLN (replicated)\n",
+        "jaxdit/families/flux.py",
+        "            + 2 * b * e * 2 * e  # final adaLN (replicated)\n",
         "",
         ("tests/test_plan.py::test_compiled_step_matches_the_model",),
     ),
