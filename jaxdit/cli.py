@@ -16,6 +16,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from jaxdit.cli_help import RegistryHelp
+
 DTYPES = ("float32", "bfloat16", "float16")
 #: jaxdit.parallel.kernels.CHOICES, spelled out so that parsing flags does not import jax.
 ATTENTION_BACKENDS = ("auto", "xla", "cudnn", "triton", "splash")
@@ -47,13 +49,17 @@ def _flag(parser: argparse.ArgumentParser, name: str, **kwargs) -> None:
 
 
 def _add_generate(sub) -> None:
-    gen = sub.add_parser("generate", help="generate images with a model on a (possibly emulated) device mesh")
+    gen = sub.add_parser(
+        "generate",
+        help="generate images with a model on a (possibly emulated) device mesh",
+        formatter_class=RegistryHelp,
+    )
     _flag(
         gen,
         "model",
-        default="tiny-digits",
-        help="tiny-digits (bundled, default), flux-dev, flux-schnell, wan2.1-t2v-1.3b, wan2.1-t2v-14b, "
-        "wan2.1-i2v-14b, wan2.2-t2v-a14b, wan2.2-i2v-a14b or wan2.2-ti2v-5b (all but tiny-digits need --weights)",
+        default=None,
+        help="{bundled} (bundled; the first is the default without --weights) or, with --weights, one of "
+        "{presets} (optional with a pipeline folder: the folder says what it is)",
     )
     _flag(
         gen,
@@ -83,7 +89,7 @@ def _add_generate(sub) -> None:
         "height",
         type=int,
         default=None,
-        help="pixels (default: 16 for tiny-digits, 1024 for FLUX, 480 for Wan)",
+        help="pixels (default: the model's: 16 for tiny-digits, 1024 for FLUX, 480 for Wan)",
     )
     _flag(gen, "width", type=int, default=None, help="pixels (default: as --height; 832 for Wan)")
     _flag(gen, "num_frames", type=int, default=None, help="Wan: video frames, 4n + 1 (default 81)")
@@ -264,6 +270,7 @@ def _add_plan(sub) -> None:
     plan = sub.add_parser(
         "plan",
         help="model every parallel configuration's communication, memory and latency; --verify compiles them",
+        formatter_class=RegistryHelp,
     )
     add_arguments(plan)
     plan.set_defaults(func=_plan)
@@ -281,6 +288,7 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="an HTTP service (OpenAI-shaped images and video jobs) that keeps the model loaded and compiled",
+        formatter_class=RegistryHelp,
     )
     add_arguments(serve)
     serve.set_defaults(func=_serve)

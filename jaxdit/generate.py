@@ -3,7 +3,8 @@
 A request names what to run in one of three ways, each resolved to a model family through the registry
 (``jaxdit.families``), never by name here:
 
-- nothing (or ``--model tiny-digits``): the bundled tiny-digits model (a FLUX-architecture preset);
+- nothing (or ``--model tiny-digits``): a bundled model (the registry's ``bundled`` families; tiny-digits
+  is one, a FLUX-architecture model);
 - ``--weights FOLDER``, a whole downloaded pipeline (diffusers layout, or a family's own release
   layout): prompt -> pixels, with the folder's text encoders and VAE;
 - ``--model PRESET --weights CHECKPOINT --prompt_embeds FILE``: a transformer checkpoint alone, from
@@ -30,11 +31,10 @@ import numpy as np
 
 from jaxdit import distributed, runtime
 from jaxdit.generate_checks import check_memory, check_request, check_run
-from jaxdit.generate_request import TINY, TINY_SIZE, GenerateRequest, load_embeddings
+from jaxdit.generate_request import GenerateRequest, load_embeddings
 from jaxdit.mesh import ParallelConfig
-from jaxdit.pipelines import tiny_digits as tiny
 
-__all__ = ["GenerateRequest", "TINY", "build", "check_request", "generate", "run", "write"]
+__all__ = ["GenerateRequest", "build", "check_request", "generate", "run", "write"]
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -46,19 +46,18 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     """The pipeline of a checked request, on ``mesh``."""
     import jax.numpy as jnp
 
-    from jaxdit.pipelines.flux import tiny_digits
-
     dtype = jnp.dtype(r.dtype) if r.dtype else None
     pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
     # Two-expert models only (checked): the other families' builders do not take it.
     options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
-    if r.is_tiny:
-        pipe = tiny_digits(mesh, kernel=kernel, dtype=dtype)
-    elif r.folder is not None:
+    if r.source == "bundled":
+        pipe = r.family.bundled_pipeline(mesh, kernel=kernel, dtype=dtype)
+    elif r.source == "folder":
         pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel, **options)
     else:
-        preset = None if r.model == TINY else r.model
-        pipe = pipeline.from_checkpoint(r.weights, mesh, dtype, preset=preset, kernel=kernel, **options)
+        pipe = pipeline.from_checkpoint(
+            r.weights, mesh, dtype, preset=r.preset_name, kernel=kernel, **options
+        )
     if r.loras:
         pipe.load_lora(r.loras)
     if r.loras_2:  # checked: only two-expert pipelines take it
@@ -75,7 +74,7 @@ def generate(pipe: Any, r: GenerateRequest) -> Any:
         from PIL import Image
 
         call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
-    if r.folder is None and not r.is_tiny:
+    if r.source == "checkpoint":
         call = call.replace(output_type="latent")
     return pipe.generate(call)
 
@@ -90,9 +89,9 @@ def write(r: GenerateRequest, result: Any) -> Path:
     pixels = out.to_uint8(result.images)
     if r.family.makes_video:
         return out.save_video(path, list(pixels[0]), fps=r.family.video_fps(r.folder))
-    columns = 10 if r.is_tiny else 4
+    columns = r.family.grid_columns
     picture = out.grid(pixels, columns=min(columns, len(pixels))) if len(pixels) > 1 else pixels[0]
-    return out.save_image(path, picture, scale=8 if r.is_tiny else 1)
+    return out.save_image(path, picture, scale=r.family.grid_scale)
 
 
 def start_devices(r: GenerateRequest) -> None:
@@ -120,13 +119,10 @@ def run(r: GenerateRequest) -> int:
         )
     check_memory(r, parallel, devices[: parallel.num_devices])
     mesh = parallel.make_mesh(devices[: parallel.num_devices])
-    # A folder: its path; a checkpoint: the preset it was checked against, else its path.
-    label = r.model if r.is_tiny or (r.folder is None and r.model != TINY) else r.weights
-    if r.is_tiny and tiny.parse_prompt(r.tiny_prompt) == [tiny.NULL_LABEL]:  # "", "  ", ",,"
-        say(
-            "tiny-digits: the empty prompt asks for no digit: one unconditional sample (the judge does not apply)"
-        )
-    say(f"{label}: {parallel.describe()} on {parallel.num_devices} {devices[0].platform} device(s)")
+    note = r.family.describe_call(r.call())
+    if note:
+        say(note)
+    say(f"{r.label}: {parallel.describe()} on {parallel.num_devices} {devices[0].platform} device(s)")
     start = time.perf_counter()
     pipe = build(r, mesh)
     if r.folder is not None:
@@ -151,8 +147,7 @@ def run(r: GenerateRequest) -> int:
             say(f"cache decisions {'the same as' if same else 'DIFFERENT from'} the single-device run's")
     if not main:
         return 0
-    if r.is_tiny:
-        _judge(r, result)
+    r.family.report(r.call(), result, say)
     if r.loras:
         say(f"LoRAs fused: {', '.join(f'{p} x {s:g}' for p, s in r.loras)}")
     if r.loras_2:
@@ -172,21 +167,3 @@ def _single_device_degrees() -> dict[str, Any]:
         num_pipeline_patch=None,
         warmup_steps=None,
     )
-
-
-def _judge(r: GenerateRequest, result: Any) -> None:
-    """tiny-digits: how many pictures a held-out classifier reads as the digit asked for. The judge is
-    scikit-learn's (a test dependency): without it the run says so and writes its output all the same."""
-    from jaxdit.pipelines.digits import DigitJudge
-
-    labels = np.asarray(tiny.parse_prompt(r.tiny_prompt))
-    if result.images.shape[1:3] != (TINY_SIZE, TINY_SIZE):
-        print(f"the held-out digit judge reads {TINY_SIZE}x{TINY_SIZE} pictures: not run at this size")
-    elif (labels != tiny.NULL_LABEL).all():
-        try:
-            judge = DigitJudge()
-        except ImportError as e:
-            print(f"the held-out digit judge needs scikit-learn ({e}): not run")
-            return
-        judged = judge.predict(result.images)
-        print(f"held-out digit judge recognises {int((judged == labels).sum())} of {len(labels)} as asked")

@@ -18,10 +18,6 @@ from jaxdit.generate_request import (
     IMAGE_SUFFIXES,
     MAX_SEQUENCE_LENGTH,
     MAX_STEPS,
-    TINY,
-    TINY_MAX_DIGITS,
-    TINY_MAX_SIZE,
-    TINY_SIZE,
     VIDEO_SUFFIXES,
     GenerateRequest,
     takes,
@@ -29,7 +25,6 @@ from jaxdit.generate_request import (
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.kernels import check_backend
 from jaxdit.pipelines import preflight
-from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
 from jaxdit.pipelines.request import GenerationRequest
 
@@ -46,15 +41,18 @@ def check_request(r: GenerateRequest, *, output: bool = True) -> None:
     checked (``jaxdit serve``, which writes no file: its check must not depend on the working folder)."""
     check_backend(r.attention_backend)
     known = families.presets()
-    if r.weights is None and r.model != TINY:
+    if r.weights is None and families.bundled(r.model) is None:
         if r.model not in known:
+            shipped = " / ".join(families.bundled_names())
             raise ValueError(
-                f"unknown --model {r.model!r}; use tiny-digits (bundled, the default) or, with --weights, "
-                f"one of {', '.join(known)}"
+                f"unknown --model {r.model!r}; use {shipped} (bundled; the default is "
+                f"{families.bundled().name}) or, with --weights, one of {', '.join(known)}"
             )
         raise ValueError(
             f"--model {r.model} needs --weights (a {known[r.model][0].display} checkpoint or pipeline folder)"
         )
+    if r.weights is not None and r.model is not None and families.bundled(r.model) is not None:
+        raise ValueError(f"--model {r.model} is bundled with jaxdit: drop --weights {r.weights}")
     parallel = r.parallel()  # every degree >= 1
     if parallel.pipefusion == 1 and (r.num_pipeline_patch is not None or r.warmup_steps is not None):
         raise ValueError(PIPEFUSION_OPTIONS_ALONE)
@@ -78,10 +76,8 @@ def check_request(r: GenerateRequest, *, output: bool = True) -> None:
         raise ValueError(
             "--image and --max_sequence_length need a pipeline folder as --weights (text encoders)"
         )
-    elif not r.is_tiny:
+    elif r.source == "checkpoint":
         _check_checkpoint(r)
-    else:
-        _check_tiny(r)
     _check_call(r, parallel, output)
 
 
@@ -99,38 +95,11 @@ def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
         )
 
 
-def _check_tiny(r: GenerateRequest) -> None:
-    digits = tiny.parse_prompt(r.tiny_prompt)
-    if r.negative_prompt is not None:
-        try:
-            negative = tiny.parse_prompt(r.negative_prompt)
-        except ValueError:
-            negative = None
-        if negative is None or len(negative) > 1:
-            raise ValueError(
-                "tiny-digits' --negative_prompt is one digit or empty (the label every picture is guided "
-                f"away from), got {r.negative_prompt!r}"
-            )
-    if len(digits) > TINY_MAX_DIGITS:
-        raise ValueError(
-            f"tiny-digits draws at most {TINY_MAX_DIGITS} digits per run; the prompt has {len(digits)}"
-        )
-    if r.prompt_embeds is not None:
-        raise ValueError("tiny-digits takes digit prompts, not --prompt_embeds")
-    for name in ("height", "width"):
-        value = getattr(r, name)
-        if value is not None and value > TINY_MAX_SIZE:
-            raise ValueError(
-                f"tiny-digits was trained on {TINY_SIZE}x{TINY_SIZE} pictures; --{name} {value} is "
-                f"beyond the {TINY_MAX_SIZE} pixels it is allowed to try"
-            )
-
-
 def _check_folder(r: GenerateRequest) -> None:
     """``--model`` is optional with a folder (the folder says what it is); a preset given must be of the
     folder's family and kind (its exact architecture is not compared)."""
     folder, family = r.folder, r.family
-    if r.model != TINY:
+    if r.model is not None:
         owner, preset = families.preset(r.model) if r.model in families.presets() else (None, None)
         if owner is not family or preset.kind != folder.kind:
             raise ValueError(
@@ -186,7 +155,9 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = Tru
     for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
         if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
             owners = " / ".join(
-                f.display for f in families.FAMILIES.values() if takes(f.pipeline_class, flags[0])
+                f.display
+                for f in families.FAMILIES.values()
+                if f.variant_of is None and takes(f.pipeline_class, flags[0])
             )
             if flags[0] == "guidance_scale_2":
                 raise ValueError(f"--guidance_scale_2 applies to {owners} models with two experts")
@@ -216,7 +187,7 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = Tru
     # The family's own checks first: with a known model and embeddings they are the pipeline's, whose
     # messages name the nearest valid sizes and frame counts.
     family.check_generate(call_view(r, call), config, parallel)
-    multiple = 2 if r.is_tiny else family.size_multiple(r.folder)
+    multiple = family.size_multiple(r.folder)
     if call.height % multiple or call.width % multiple or min(call.height, call.width) < multiple:
         raise ValueError(
             f"{family.display}: height and width must be positive multiples of {multiple}; "
@@ -247,9 +218,8 @@ def check_run(r: GenerateRequest) -> None:
     parallel = r.parallel()
     _check_batch(r, parallel)
     if r.guidance_scale is not None and not takes_guidance_scale(r):
-        name = TINY if r.is_tiny else r.weights
         raise ValueError(
-            f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {name} has none (like "
+            f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
             "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
             "--true_cfg_scale and --negative_prompt"
         )
@@ -268,12 +238,10 @@ def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:
     """The pictures of one run split evenly over ``data`` (each data group draws its share)."""
     if parallel.data == 1:
         return
-    if r.is_tiny:
-        batch = len(tiny.parse_prompt(r.tiny_prompt))
-    elif r.folder is not None:
-        batch = 1  # one prompt, one picture or video
-    else:
+    if r.source == "checkpoint":
         batch = r.embeddings["prompt_embeds"][0]
+    else:
+        batch = r.family.prompt_batch(r.call().prompt)
     if batch % parallel.data:
         what = "video(s)" if r.family.makes_video else "picture(s)"
         raise ValueError(
@@ -293,8 +261,8 @@ def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:
 
 def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) -> None:
     """Refuse, before any weight is read, a request the planner's memory model says cannot fit
-    (``jaxdit.plan.fit``). tiny-digits is bounded by its own size limits instead."""
-    if r.is_tiny:
+    (``jaxdit.plan.fit``). A bundled model is bounded by its own size limits instead."""
+    if not r.family.checks_memory:
         return
     from jaxdit.plan.fit import check_fits
     from jaxdit.plan.workload import Workload
@@ -356,12 +324,12 @@ class _CallView:
 
 
 def model_config(r: GenerateRequest) -> Any:
-    if r.is_tiny:
-        return tiny.CONFIG
+    if r.source == "bundled":
+        return r.family.bundled_config()
     if r.folder is not None:
         return None  # the folder's transformer's, read only where a check needs it
-    if r.model != TINY:
-        return r.family.preset_config(r.model)
+    if r.preset_name is not None:
+        return r.family.preset_config(r.preset_name)
     return r.family.checkpoint_config(Path(r.weights))  # a checkpoint without --model: its own
 
 
@@ -369,7 +337,7 @@ def _check_output(r: GenerateRequest) -> None:
     output = r.output or r.default_output
     suffix = Path(output).suffix.lower()
     preflight.check_writable(output)
-    if r.folder is None and not r.is_tiny:
+    if r.source == "checkpoint":
         if suffix != ".npy":
             raise ValueError(
                 f"a transformer checkpoint alone makes latents: --output must end in .npy; got {output}"

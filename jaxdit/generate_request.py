@@ -21,37 +21,24 @@ from jaxdit.families.base import ModelFamily
 from jaxdit.lora import parse_lora
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import preflight
-from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.model_folder import ModelFolder
 from jaxdit.pipelines.request import GenerationRequest
 
-__all__ = ["GenerateRequest", "TINY", "call_defaults", "embedding_shapes", "load_embeddings", "takes"]
+__all__ = ["GenerateRequest", "call_defaults", "embedding_shapes", "load_embeddings", "takes"]
 
-TINY = tiny.NAME
 #: T5 / umT5 prompt length in FLUX's and Wan's pipelines (diffusers refuses more).
 MAX_SEQUENCE_LENGTH = 512
 #: Denoising steps of one run at most: the schedulers' training timesteps (more repeat them, and a typo
 #: like 1000000000 would run for weeks).
 MAX_STEPS = 1000
 IMAGE_SUFFIXES, VIDEO_SUFFIXES = (".png", ".npy"), (".mp4", ".gif", ".npy")
-#: The tiny model's training record fixes its sampling (pixel space, 16 x 16, CFG with the empty prompt).
-TINY_SIZE = 16
-TINY_DEFAULTS = dict(height=TINY_SIZE, width=TINY_SIZE, num_inference_steps=20, true_cfg_scale=3.0)
-#: Bounds on what the bundled model is asked for: it was trained on 16x16 single digits; larger sizes
-#: and prompts are allowed for experiments, not without limit (a 4000x4000 request wants ~20 GB).
-TINY_MAX_SIZE = 128
-TINY_MAX_DIGITS = 64
-#: tiny-digits' cache thresholds, measured (scripts/cache_digits.py, README "Feature caching"): with 20
-#: steps and 4 blocks First-Block-Cache skips nothing at FLUX.1-dev's 0.08; 0.2 is the smallest tried
-#: value that skips over 30% of block evaluations (the judge keeps 100%). TeaCache keeps FLUX's 0.4.
-TINY_CACHE_THRESHOLDS = {"fbcache": 0.2}
 
 
 @dataclasses.dataclass(frozen=True)
 class GenerateRequest:
     """The flags of ``jaxdit generate`` (xDiT's names); None means "the model's default"."""
 
-    model: str = TINY
+    model: str | None = None  # a preset or bundled model's name; None: the folder's, or the bundled default
     weights: str | None = None
     prompt: str | None = None
     negative_prompt: str | None = None
@@ -89,7 +76,7 @@ class GenerateRequest:
     initialization_timeout: float = 300.0
     use_fbcache: bool = False  # First-Block-Cache
     use_teacache: bool = False  # TeaCache
-    cache_threshold: float | None = None  # default: TINY_CACHE_THRESHOLDS, else the cache's own
+    cache_threshold: float | None = None  # default: the family's measured one, else the cache's own
     offload_idle_expert: bool = False  # Wan 2.2 A14B: the idle expert waits in host memory
 
     @classmethod
@@ -111,8 +98,12 @@ class GenerateRequest:
 
     # ------------------------------------------------------------------ what runs
     @property
-    def is_tiny(self) -> bool:
-        return self.model == TINY and self.weights is None
+    def source(self) -> str:
+        """What runs: "bundled" (a model shipped in jaxdit, no --weights), "folder" (a whole downloaded
+        pipeline) or "checkpoint" (a transformer alone: embeddings in, latents out)."""
+        if self.weights is None:
+            return "bundled"
+        return "folder" if self.folder is not None else "checkpoint"
 
     @functools.cached_property
     def folder(self) -> ModelFolder | None:
@@ -123,21 +114,34 @@ class GenerateRequest:
 
     @functools.cached_property
     def family(self) -> ModelFamily:
-        if self.is_tiny:
-            return families.FLUX
+        if self.weights is None:
+            family = families.bundled(self.model)
+            if family is None:
+                raise ValueError(f"--model {self.model} is not bundled with jaxdit: it needs --weights")
+            return family
         if self.folder is not None:
             return families.get(self.folder.family)
-        if self.model != TINY:
+        if self.model is not None:
             return families.preset(self.model)[0]
         return families.detect_family(self.weights)  # a checkpoint without --model: its headers say
 
     @property
+    def preset_name(self) -> str | None:
+        """The preset ``--model`` names (None: no --model, or a bundled model's name)."""
+        return None if self.model is None or families.bundled(self.model) else self.model
+
+    @property
+    def label(self) -> str:
+        """How a run names its model: the bundled model or the preset checked against, else the path."""
+        if self.source == "bundled":
+            return self.family.name
+        if self.source == "checkpoint" and self.preset_name is not None:
+            return self.preset_name
+        return self.weights
+
+    @property
     def default_output(self) -> str:
-        if self.is_tiny:
-            return "digits.png"
-        if self.folder is None:
-            return "latents.npy"
-        return "video.mp4" if self.family.makes_video else "image.png"
+        return self.family.default_output(makes_pixels=self.source != "checkpoint")
 
     @functools.cached_property
     def process_group(self) -> ProcessGroup | None:
@@ -161,8 +165,8 @@ class GenerateRequest:
         if kind is None:
             return None
         threshold = self.cache_threshold
-        if threshold is None and self.is_tiny:
-            threshold = TINY_CACHE_THRESHOLDS.get(kind.name)
+        if threshold is None:
+            threshold = self.family.cache_thresholds.get(kind.name)
         return kind() if threshold is None else kind(threshold=threshold)
 
     @functools.cached_property
@@ -170,24 +174,15 @@ class GenerateRequest:
         """Names and shapes of the arrays in the ``--prompt_embeds`` file (read without jax)."""
         return None if self.prompt_embeds is None else embedding_shapes(self.prompt_embeds)
 
-    @property
-    def tiny_prompt(self) -> str:
-        """tiny-digits' prompt: all ten digits when none is given; an empty one is the unconditional branch."""
-        return "0123456789" if self.prompt is None else self.prompt
-
     def call(self) -> GenerationRequest:
-        """The pipeline call: every unset flag takes the family pipeline's call default (tiny-digits: its
-        training record's), so ``jaxdit generate`` and ``pipe(...)`` agree."""
+        """The pipeline call: every unset flag takes the family pipeline's call default (a bundled model:
+        its training record's), so ``jaxdit generate`` and ``pipe(...)`` agree."""
         defaults = call_defaults(self.family.pipeline_class)
-        if self.is_tiny:
-            defaults.update(TINY_DEFAULTS)
+        defaults.update(self.family.generate_defaults(self))
         pick = lambda name, value: defaults.get(name) if value is None else value
-        negative = self.negative_prompt
-        if self.is_tiny and negative is None:
-            negative = ""  # the tiny model's empty prompt is its unconditional branch: CFG by default
         return GenerationRequest(
-            prompt=self.tiny_prompt if self.is_tiny else self.prompt,
-            negative_prompt=negative,
+            prompt=pick("prompt", self.prompt),
+            negative_prompt=pick("negative_prompt", self.negative_prompt),
             height=pick("height", self.height),
             width=pick("width", self.width),
             num_frames=pick("num_frames", self.num_frames),

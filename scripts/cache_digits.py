@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxdit.cache import FirstBlockCache, TeaCache
     from jaxdit.pipelines.digits import DigitJudge
-    from jaxdit.pipelines.flux import tiny_digits
+    from jaxdit.pipelines.tiny_digits import tiny_digits
     from jaxdit.plan.command import parse_config
 
     config = parse_config(args.mesh)

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxdit.pipelines import digits
     from jaxdit.pipelines import pipefusion_flux as pf
     from jaxdit.pipelines import tiny_digits as tiny
-    from jaxdit.pipelines.flux import tiny_digits as serial_pipeline
+    from jaxdit.pipelines.tiny_digits import tiny_digits as serial_pipeline
 
     def mesh(**degrees):
         config = ParallelConfig(**degrees)
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\ntiny-digits, {len(labels)} images, {steps} steps: serial judge accuracy {judge.accuracy(serial.images, labels):.0%}"
     )
     degrees = dict(cfg=2, pipefusion=2, ulysses=2)
-    pipe = pf.tiny_digits(mesh(**degrees))
+    pipe = serial_pipeline(mesh(**degrees))
 
     def psnr(a, b):
         mse = float(np.mean((np.clip(a, -1, 1) - np.clip(b, -1, 1)) ** 2))

@@ -40,6 +40,7 @@ LAYERS = {
     "jaxdit.generate_checks": 8,
     "jaxdit.serve": 8,
     "jaxdit.cli": 9,
+    "jaxdit.cli_help": 9,
 }
 #: The package facade (jaxdit/__init__.py) sits above everything.
 FACADE = 10
@@ -146,16 +147,53 @@ def test_no_import_cycles():
     assert not real, real
 
 
+def _registered_names() -> list[str]:
+    """Every registered family's name, its folder kinds and presets' stems: what code would branch on."""
+    from jaxdit import families
+
+    names = set()
+    for family in families.FAMILIES.values():
+        names.add(family.name)
+        names.update(c.kind for c in family.folder_classes.values())
+    return sorted(names, key=len, reverse=True)
+
+
+NAMES = _registered_names()
 #: How a family is named in code that branches on it.
+_ALTERNATIVES = "|".join(re.escape(n) for n in NAMES)
 FAMILY_BRANCH = re.compile(
-    r"""(==|!=|\bin\b)\s*\(?\s*["'](flux|wan|wan-t2v|wan-i2v)["']|["'](flux|wan)["']\s*(==|!=)"""
+    rf"""(==|!=|\bin\b)\s*\(?\s*["']({_ALTERNATIVES})["']|["']({_ALTERNATIVES})["']\s*(==|!=)"""
 )
+#: A file named after a family (its name as a Python identifier: "tiny-digits" -> tiny_digits).
+_FAMILY_STEM = re.compile("|".join(re.escape(n.replace("-", "_")) for n in NAMES))
 
 
 def _family_files(path: Path) -> bool:
     """A family's own files: named after it, or in jaxdit/families/ (its object)."""
     rel = path.relative_to(ROOT).as_posix()
-    return rel.startswith("jaxdit/families/") or re.search(r"(flux|wan|tiny_digits)", path.stem) is not None
+    return rel.startswith("jaxdit/families/") or _FAMILY_STEM.search(path.stem) is not None
+
+
+def test_family_names_come_from_the_registry():
+    from jaxdit import families
+
+    assert {"flux", "wan", "tiny-digits"} <= set(NAMES)
+    assert all(_family_files(MODULES[m]) for m in MODULES if m.startswith("jaxdit.families."))
+    assert not _family_files(MODULES["jaxdit.generate"]) and len(families.FAMILIES) >= 3
+
+
+def test_shared_code_imports_no_family_module():
+    """Shared code finds a family through the registry, never by importing the family's own files
+    (generate, serve, the CLI, caches, samplers, the loaders)."""
+    found = []
+    for module, path in MODULES.items():
+        if _family_files(path) or module == "jaxdit" or module.startswith("jaxdit.families"):
+            continue
+        for target in GRAPH[module]:
+            registry = target in ("jaxdit.families", "jaxdit.families.base")
+            if not registry and (target.startswith("jaxdit.families") or _family_files(MODULES[target])):
+                found.append(f"{module} imports {target}")
+    assert not found, "\n".join(sorted(found))
 
 
 def test_family_branches_stay_in_the_families_files():

@@ -29,7 +29,7 @@ from jaxdit.hlo_stats import walk as hlo_walk
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import digits
 from jaxdit.pipelines import tiny_digits as tiny
-from jaxdit.pipelines.flux import tiny_digits
+from jaxdit.pipelines.tiny_digits import tiny_digits
 
 FAST = {"xla_backend_optimization_level": 0}
 #: tiny-digits' measured thresholds: each gives a mix of full and skipped steps at 10 steps.

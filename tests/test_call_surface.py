@@ -8,8 +8,8 @@ from PIL import Image
 from jaxdit import ParallelConfig
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.base import to_pil
-from jaxdit.pipelines.flux import tiny_digits
 from jaxdit.pipelines.request import GenerationRequest
+from jaxdit.pipelines.tiny_digits import tiny_digits
 
 CALL = dict(height=16, width=16, num_inference_steps=3, progress=False)
 

@@ -39,7 +39,7 @@ from jaxdit.pipelines import digits
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines import pipefusion_flux as pf
 from jaxdit.pipelines import tiny_digits as tiny
-from jaxdit.pipelines.flux import tiny_digits as serial_pipeline
+from jaxdit.pipelines.tiny_digits import tiny_digits as serial_pipeline
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
 
@@ -56,7 +56,7 @@ PATCHES = 4  # 2 rows of 8 packed tokens and one text token each
 @functools.cache
 def _pipe(fast: bool, **degrees) -> pf.PipeFusionFluxPipeline:
     # Quick compiles (XLA -O0) for the short exactness runs; optimised code for the 20-step quality runs.
-    return pf.tiny_digits(make_mesh(**degrees), compiler_options=FAST if fast else None)
+    return serial_pipeline(make_mesh(**degrees), compiler_options=FAST if fast else None)
 
 
 @functools.cache

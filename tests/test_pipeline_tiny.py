@@ -9,7 +9,7 @@ from jaxdit.generate import GenerateRequest, check_request
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import digits
 from jaxdit.pipelines import tiny_digits as tiny
-from jaxdit.pipelines.flux import tiny_digits
+from jaxdit.pipelines.tiny_digits import tiny_digits
 
 # Quick CPU compiles: the programs are tiny, and compile time dominates these tests.
 FAST_COMPILE = {"xla_backend_optimization_level": 0}

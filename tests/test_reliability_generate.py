@@ -24,7 +24,7 @@ from jaxdit.generate import GenerateRequest, check_request
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import finite
 from jaxdit.pipelines.finite import NonFiniteError
-from jaxdit.pipelines.flux import tiny_digits
+from jaxdit.pipelines.tiny_digits import tiny_digits
 
 FAST = {"xla_backend_optimization_level": 0}
 CALL = dict(

@@ -454,7 +454,7 @@ def test_pipefusion_mesh_serves_generate_pictures_compiled_at_start_up(monkeypat
     compiled = compile_counts()
 
     def build(r, generate_mesh):
-        assert r.is_tiny and r.parallel() == PF_CONFIG and r.warmup_steps == 1
+        assert r.source == "bundled" and r.parallel() == PF_CONFIG and r.warmup_steps == 1
         return engine.pipe
 
     monkeypatch.setattr(cli_generate, "build", build)

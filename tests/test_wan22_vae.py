@@ -17,7 +17,7 @@ from flax import nnx
 
 from converters import vae_wan
 from converters.errors import CheckpointError, CheckpointKeyError
-from jaxdit.loading.vae import load_wan_vae
+from jaxdit.loading.wan import load_wan_vae
 from jaxdit.mesh import ParallelConfig
 from jaxdit.vae.wan_vae import WAN22_LATENTS_MEAN, WanVAEConfig, parameter_shapes
 

@@ -18,7 +18,7 @@ import torch
 from converters import vae_wan
 from converters.errors import CheckpointError, CheckpointKeyError
 from converters.safetensors_io import open_checkpoint, write_safetensors
-from jaxdit.loading.vae import load_wan_vae
+from jaxdit.loading.wan import load_wan_vae
 from jaxdit.mesh import ParallelConfig
 from jaxdit.vae.wan_vae import WanVAEConfig, parameter_shapes
 

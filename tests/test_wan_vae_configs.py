@@ -16,7 +16,7 @@ import pytest
 import tolerance as tol
 import torch
 
-from jaxdit.loading.vae import load_wan_vae
+from jaxdit.loading.wan import load_wan_vae
 from jaxdit.mesh import ParallelConfig
 from jaxdit.vae.wan_vae import WanVAE, WanVAEConfig, abstract_model
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from converters.lora import flux as flux_layouts
-from converters.lora import wan as wan_layouts
 from converters.lora.core import (
     DeltaUpdate,
     LoraError,
@@ -31,36 +29,23 @@ from converters.lora.core import (
     parse_keys,
     peft_metadata,
 )
+from converters.lora.family import LORA_FAMILIES, LoraFamily, register_lora_family
 from converters.safetensors_io import SafetensorsFile
-from jaxdit.models import flux, wan
 
-__all__ = ["DeltaUpdate", "LoraError", "LoraFile", "LowRankUpdate", "family_of", "read_lora"]
+__all__ = [
+    "DeltaUpdate",
+    "LoraError",
+    "LoraFamily",
+    "LoraFile",
+    "LowRankUpdate",
+    "family_of",
+    "read_lora",
+    "register_lora_family",
+]
 
 PathLike = str | os.PathLike[str]
 Update = LowRankUpdate | DeltaUpdate
 
-
-@dataclasses.dataclass(frozen=True)
-class _Family:
-    config_type: type
-    layouts: Callable[[Any], list[LoraLayout]]
-    looks_like: Callable[[Iterable[str]], bool]
-    describe: Callable[[Any], str]
-    parameter_shapes: Callable[[Any], dict[str, tuple[int, ...]]]
-
-
-_FAMILIES: dict[str, _Family] = {
-    "flux": _Family(
-        flux.FluxConfig,
-        flux_layouts.layouts,
-        flux_layouts.looks_like,
-        flux_layouts.describe,
-        flux.parameter_shapes,
-    ),
-    "wan": _Family(
-        wan.WanConfig, wan_layouts.layouts, wan_layouts.looks_like, wan_layouts.describe, wan.parameter_shapes
-    ),
-}
 
 #: Keys of weights this module does not fuse, and why.
 _UNSUPPORTED = (
@@ -101,20 +86,23 @@ class LoraFile:
 @functools.lru_cache(maxsize=16)
 def _layouts(family: str, config: Any) -> tuple[LoraLayout, ...]:
     """A config's layouts (key tables and their indexes), built once per config."""
-    return tuple(_FAMILIES[family].layouts(config))
+    return tuple(LORA_FAMILIES[family].layouts(config))
 
 
 @functools.lru_cache(maxsize=16)
 def _shapes(family: str, config: Any) -> Mapping[str, tuple[int, ...]]:
-    return _FAMILIES[family].parameter_shapes(config)
+    return LORA_FAMILIES[family].parameter_shapes(config)
 
 
 def family_of(config: Any) -> str:
-    """ "flux" or "wan" from a model config."""
-    for name, fam in _FAMILIES.items():
+    """The name of the family whose LoRA layouts read a model of this config ("flux", "wan", ...)."""
+    for name, fam in LORA_FAMILIES.items():
         if isinstance(config, fam.config_type):
             return name
-    raise TypeError(f"no LoRA layouts for a {type(config).__name__}; known: {', '.join(_FAMILIES)}")
+    raise TypeError(
+        f"no LoRA layouts for a {type(config).__name__}; registered: {', '.join(LORA_FAMILIES) or 'none'} "
+        "(a family's layouts register when jaxdit.families is imported)"
+    )
 
 
 def _open(path: Path) -> SafetensorsFile:
@@ -156,7 +144,7 @@ def _detect(family: str, config: Any, keys: list[str], path: Path) -> tuple[Lora
     assert best is not None
     read, layout, unknown = best
     if read == 0:
-        others = [name for name, fam in _FAMILIES.items() if name != family and fam.looks_like(keys)]
+        others = [name for name, fam in LORA_FAMILIES.items() if name != family and fam.looks_like(keys)]
         if others:
             raise LoraError(
                 f"{path}: a LoRA for {others[0].upper()} (keys like {keys[0]!r}), but the model is "
@@ -169,7 +157,7 @@ def _detect(family: str, config: Any, keys: list[str], path: Path) -> tuple[Lora
         )
     raise LoraError(
         f"{path}: key {unknown[0]!r} matches no parameter of this {family.upper()} model "
-        f"({_FAMILIES[family].describe(config)}) in the {layout.name} layout that its other {read} keys use "
+        f"({LORA_FAMILIES[family].describe(config)}) in the {layout.name} layout that its other {read} keys use "
         f"({len(unknown)} such keys: {_list(unknown)}); a LoRA for another model size or variant?"
     )
 

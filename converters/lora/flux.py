@@ -35,7 +35,8 @@ from converters.lora.core import (
     LoraLayout,
     Module,
 )
-from jaxdit.models.flux import FluxConfig
+from converters.lora.family import LoraFamily, register_lora_family
+from jaxdit.models.flux import FluxConfig, parameter_shapes
 
 __all__ = ["describe", "layouts", "looks_like"]
 
@@ -99,3 +100,6 @@ def looks_like(keys: Iterable[str]) -> bool:
 def describe(cfg: FluxConfig) -> str:
     """The model in a few words, for messages."""
     return f"{cfg.depth} double and {cfg.depth_single_blocks} single blocks of width {cfg.hidden_size}"
+
+
+LORA = register_lora_family(LoraFamily("flux", FluxConfig, layouts, looks_like, describe, parameter_shapes))

@@ -18,8 +18,9 @@ import re
 from collections.abc import Iterable
 
 from converters.lora.core import COMFY_PREFIXES, COMFY_SUFFIXES, KOHYA_SUFFIXES, PEFT_SUFFIXES, LoraLayout
+from converters.lora.family import LoraFamily, register_lora_family
 from converters.wan import diffusers_table, original_table
-from jaxdit.models.wan import WanConfig
+from jaxdit.models.wan import WanConfig, parameter_shapes
 
 __all__ = ["describe", "layouts", "looks_like"]
 
@@ -44,3 +45,6 @@ def looks_like(keys: Iterable[str]) -> bool:
 def describe(cfg: WanConfig) -> str:
     """The model in a few words, for messages."""
     return f"{'I2V' if cfg.is_i2v else 'T2V'}, {cfg.num_layers} blocks of width {cfg.dim}"
+
+
+LORA = register_lora_family(LoraFamily("wan", WanConfig, layouts, looks_like, describe, parameter_shapes))

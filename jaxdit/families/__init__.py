@@ -1,6 +1,7 @@
 """The model-family registry: everything outside a family's own files finds the family here.
 
-``FAMILIES`` holds every registered :class:`~jaxdit.families.base.ModelFamily` (FLUX.1, Wan). The
+``FAMILIES`` holds every registered :class:`~jaxdit.families.base.ModelFamily` (FLUX.1, Wan, the
+bundled tiny-digits). The
 functions below are the family-agnostic entry points built on it: which family a checkpoint, a folder
 or a preset name belongs to, :func:`load_transformer` (a checkpoint on a mesh, called like diffusers'
 model), :func:`load_params` and :func:`convert_checkpoint`.
@@ -21,6 +22,7 @@ from converters.safetensors_io import open_checkpoint
 from jaxdit import loading
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
+from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models.sharded_forward import validate_forward
@@ -33,6 +35,8 @@ __all__ = [
     "Preset",
     "convert_checkpoint",
     "detect_family",
+    "bundled",
+    "bundled_names",
     "for_config",
     "get",
     "load_params",
@@ -57,6 +61,7 @@ def register(family: ModelFamily) -> None:
 
 register(FLUX)
 register(WAN)
+register(TINY_DIGITS)
 
 
 def get(name: str) -> ModelFamily:
@@ -65,10 +70,23 @@ def get(name: str) -> ModelFamily:
     return FAMILIES[name]
 
 
+def bundled(name: str | None = None) -> ModelFamily | None:
+    """The family that ships a model of this name (None: the default one, the first registered), or None
+    when ``name`` names no bundled model."""
+    shipped = [f for f in FAMILIES.values() if f.bundled]
+    if name is None:
+        return shipped[0] if shipped else None
+    return next((f for f in shipped if f.name == name), None)
+
+
+def bundled_names() -> list[str]:
+    return [f.name for f in FAMILIES.values() if f.bundled]
+
+
 def for_config(config: Any) -> ModelFamily:
     """The family whose config class ``config`` is an instance of."""
     for family in FAMILIES.values():
-        if isinstance(config, family.checkpoints.config_class):
+        if family.variant_of is None and isinstance(config, family.checkpoints.config_class):
             return family
     raise ValueError(f"{type(config).__name__} is the config of no registered model family")
 
@@ -102,7 +120,7 @@ def detect_family(path: PathLike) -> ModelFamily:
             raise CheckpointError(f"{path}: checkpoint of unknown family {name!r}")
         return FAMILIES[name]
     for family in FAMILIES.values():
-        if family.checkpoints.detect(path):
+        if family.variant_of is None and family.checkpoints.detect(path):
             return family
     # Nothing recognised it. A damaged file is the likelier story: let the reader say what is wrong with
     # it (truncated, bad header), naming the file.

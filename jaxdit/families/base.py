@@ -89,6 +89,9 @@ class ModelFamily:
     display: ClassVar[str]
     #: How its checkpoints are recognised and read (``converters/<family>.py``).
     checkpoints: ClassVar[CheckpointFormat]
+    #: The LoRA key layouts people share for it (``converters/lora/<family>.py``, registered there); None:
+    #: no LoRA support.
+    lora: ClassVar[Any] = None
     #: Named full-size models.
     presets: ClassVar[Mapping[str, Preset]]
     #: diffusers pipeline ``_class_name`` -> what it is (``model_index.json`` recognition).
@@ -110,6 +113,61 @@ class ModelFamily:
     cfg_note: ClassVar[str] = ""
     #: Arrays a ``--prompt_embeds`` file may hold (the pipeline's call arguments of those names).
     embedding_names: ClassVar[tuple[str, ...]]
+    #: A prompt that shows what the model takes (start-up checks of ``jaxdit serve``, examples).
+    example_prompt: ClassVar[str] = "a photograph"
+    #: A regular expression every prompt of the service must match, and what it means in words (None:
+    #: any text); a negative prompt may also be empty.
+    prompt_pattern: ClassVar[tuple[str, str] | None] = None
+    #: Feature-cache thresholds where this family's measured ones differ from the cache's own default
+    #: (cache name -> threshold).
+    cache_thresholds: ClassVar[Mapping[str, float]] = {}
+    #: Several pictures of one run are written as a grid of this many columns, each pixel this many
+    #: times over (a tiny model's pictures are small).
+    grid_columns: ClassVar[int] = 4
+    grid_scale: ClassVar[int] = 1
+    #: Whether the service draws only the default size (a model trained at one size).
+    serves_default_size_only: ClassVar[bool] = False
+    #: Whether ``jaxdit generate`` prices a request with the planner's memory model before loading (a
+    #: bundled model bounds its requests by its own limits instead).
+    checks_memory: ClassVar[bool] = True
+
+    #: The family whose architecture, config class and checkpoints this one shares (None: its own).
+    #: Lookups by config or checkpoint find the base family; a variant is found by its name or folder.
+    variant_of: ClassVar[str | None] = None
+
+    # ------------------------------------------------------------------ a bundled model
+    #: Whether the family ships its model inside jaxdit: ``--model <name>`` without ``--weights`` runs it.
+    bundled: ClassVar[bool] = False
+
+    def bundled_pipeline(self, mesh: Mesh, **options: Any) -> Any:
+        """The bundled model's pipeline on ``mesh`` (``bundled`` families only)."""
+        raise NotImplementedError(f"{self.display} ships no model; pass --weights")
+
+    def bundled_config(self) -> Any:
+        """The bundled model's transformer config (``bundled`` families only)."""
+        raise NotImplementedError(f"{self.display} ships no model")
+
+    def generate_defaults(self, request: Any) -> dict[str, Any]:
+        """Call arguments a ``jaxdit generate`` request takes by default beyond the pipeline's own call
+        defaults (a bundled model's training record); ``request`` is the ``GenerateRequest``."""
+        return {}
+
+    def prompt_batch(self, prompt: str) -> int:
+        """Pictures one prompt asks for (what ``--data_parallel_degree`` must divide)."""
+        return 1
+
+    def default_output(self, makes_pixels: bool) -> str:
+        """The output file of a run without ``--output``."""
+        if not makes_pixels:
+            return "latents.npy"
+        return "video.mp4" if self.makes_video else "image.png"
+
+    def report(self, request: Any, result: Any, say: Callable[[str], None]) -> None:
+        """What the family says about a finished run beyond the shared lines (a bundled model's judge)."""
+
+    def describe_call(self, request: Any) -> str | None:
+        """A line said before a run starts, if the request means something the family should explain."""
+        return None
 
     def preset_config(self, name: str) -> Any:
         """The config of preset ``name`` (read when asked, so a test may register a tiny one)."""

@@ -17,6 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters import flux as flux_converters
+from converters.lora import flux as flux_lora
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.models import flux
@@ -100,6 +101,7 @@ class FluxFamily(ModelFamily):
     name = "flux"
     display = "FLUX.1"
     checkpoints = flux_converters.CHECKPOINTS
+    lora = flux_lora.LORA
     presets = {
         "flux-dev": Preset(steps=28, height=1024, width=1024, kind="flux"),
         "flux-schnell": Preset(steps=4, height=1024, width=1024, kind="flux"),

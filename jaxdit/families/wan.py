@@ -22,6 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters import wan as wan_converters
+from converters.lora import wan as wan_lora
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.models import wan
@@ -134,6 +135,7 @@ class WanFamily(ModelFamily):
     name = "wan"
     display = "Wan"
     checkpoints = wan_converters.CHECKPOINTS
+    lora = wan_lora.LORA
     presets = {
         "wan2.1-t2v-1.3b": _preset(50, 480, 832, "wan-t2v"),
         "wan2.1-t2v-14b": _preset(50, 720, 1280, "wan-t2v"),

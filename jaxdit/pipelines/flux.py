@@ -21,18 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from converters.flux import CHECKPOINTS
-from jaxdit.loading.encoders import load_flux_text_encoders
+from jaxdit.loading.flux import load_flux_text_encoders
 from jaxdit.loading.vae import load_flux_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models import flux
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
-from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
@@ -44,7 +42,7 @@ from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
 
-__all__ = ["DEFAULT_SCHEDULER", "FOLDER_CLASSES", "FluxPipeline", "GenerationOutput", "tiny_digits"]
+__all__ = ["DEFAULT_SCHEDULER", "FOLDER_CLASSES", "FluxPipeline", "GenerationOutput"]
 
 Encoder = Callable[[Sequence[str]], tuple[np.ndarray, np.ndarray]]
 Decoder = Callable[[np.ndarray], np.ndarray]
@@ -269,37 +267,3 @@ class FluxPipeline(DiffusionPipeline):
                 f"prompt embeddings {embeds.shape} and pooled {pooled.shape} do not match [B,T,C], [B,P]"
             )
         return embeds, pooled
-
-
-def tiny_digits(
-    parallel: ParallelConfig | Mesh | None = None,
-    folder: str | Path | None = None,
-    compiler_options: dict[str, Any] | None = None,
-    kernel: dict[str, Any] | None = None,
-    dtype: Any = None,
-) -> FluxPipeline:
-    """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789").
-    ``dtype``: its weights' and activations' type (default float32, as it was trained; bfloat16 runs the
-    fused GPU kernels)."""
-    mesh = mesh_for(parallel)
-    folder = folder or tiny.asset_dir()
-    dtype = jnp.float32 if dtype is None else as_dtype(dtype)
-    model = load_model(Path(folder), mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
-    labels = tiny.LabelEncoder.load(folder)
-
-    def encode(prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        return labels([label for p in prompts for label in tiny.parse_prompt(p)])
-
-    pipe = FluxPipeline(
-        model,
-        mesh,
-        scheduler=euler.FlowMatchEulerConfig(shift=1.0),
-        encode=encode,
-        decode=lambda z: z[:, 0],  # pixel space: the 1-channel latent is the image
-        latent_channels=tiny.LATENT_CHANNELS,
-        vae_scale_factor=1,
-        kernel=kernel,
-        compiler_options=compiler_options,
-    )
-    pipe.default_size = (tiny.LATENT_SIZE, tiny.LATENT_SIZE)  # what it was trained on, not FLUX's 1024
-    return pipe

@@ -8,13 +8,8 @@ rows, cost terms) under the names callers use.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from jax.sharding import Mesh
-
-from jaxdit.mesh import ParallelConfig
-from jaxdit.pipelines import flux as flux_pipeline
 from jaxdit.pipelines.flux import FluxPipeline
 from jaxdit.pipelines.pipefusion.flux import (
     PASSES,
@@ -40,7 +35,6 @@ __all__ = [
     "lower",
     "make_programs",
     "padded_config",
-    "tiny_digits",
     "validate_patches",
 ]
 
@@ -50,10 +44,3 @@ class PipeFusionFluxPipeline(FluxPipeline):
 
     def __init__(self, model: PipeFusionFlux, **options: Any) -> None:
         super().__init__(model, model.mesh, **options)
-
-
-def tiny_digits(
-    parallel: ParallelConfig | Mesh, folder: str | Path | None = None, **options: Any
-) -> FluxPipeline:
-    """The bundled ``tiny-digits`` model on a PipeFusion mesh (``jaxdit.pipelines.flux.tiny_digits``)."""
-    return flux_pipeline.tiny_digits(parallel, folder, **options)

@@ -16,12 +16,22 @@ field, since diffusers' ``FluxTransformer2DModel`` fixes the ratio at 4),
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
+from converters.flux import CHECKPOINTS
+from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models.flux import FluxConfig
+from jaxdit.pipelines.assemble import as_dtype, load_model
+from jaxdit.pipelines.flux import FluxPipeline
+from jaxdit.pipelines.pipefusion.flux import PipeFusionFlux
+from jaxdit.samplers import flow_match_euler as euler
 
 NAME = "tiny-digits"
 NUM_CLASSES = 10
@@ -112,3 +122,37 @@ def parse_prompt(prompt: str) -> list[int]:
 def training_record(folder: str | Path | None = None) -> dict:
     path = Path(folder or asset_dir()) / "training.json"
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+def tiny_digits(
+    parallel: ParallelConfig | Mesh | None = None,
+    folder: str | Path | None = None,
+    compiler_options: dict[str, Any] | None = None,
+    kernel: dict[str, Any] | None = None,
+    dtype: Any = None,
+) -> FluxPipeline:
+    """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789").
+    ``dtype``: its weights' and activations' type (default float32, as it was trained; bfloat16 runs the
+    fused GPU kernels). A PipeFusion mesh gets the PipeFusion pipeline, as every family's does."""
+    mesh = mesh_for(parallel)
+    folder = Path(folder or asset_dir())
+    dtype = jnp.float32 if dtype is None else as_dtype(dtype)
+    model = load_model(folder, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
+    labels = LabelEncoder.load(folder)
+
+    def encode(prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        return labels([label for p in prompts for label in parse_prompt(p)])
+
+    pipe = FluxPipeline(
+        model,
+        mesh,
+        scheduler=euler.FlowMatchEulerConfig(shift=1.0),
+        encode=encode,
+        decode=lambda z: z[:, 0],  # pixel space: the 1-channel latent is the image
+        latent_channels=LATENT_CHANNELS,
+        vae_scale_factor=1,
+        kernel=kernel,
+        compiler_options=compiler_options,
+    )
+    pipe.default_size = (LATENT_SIZE, LATENT_SIZE)  # what it was trained on, not FLUX's 1024
+    return pipe

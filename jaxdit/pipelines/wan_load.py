@@ -22,8 +22,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
-from jaxdit.loading.encoders import load_wan_image_encoder, load_wan_text_encoder
-from jaxdit.loading.vae import load_wan_vae
+from jaxdit.loading.wan import load_wan_image_encoder, load_wan_text_encoder, load_wan_vae
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models.wan_config import WanConfig
 from jaxdit.parallel.kernels import check_kernel_options, with_backend

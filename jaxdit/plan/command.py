@@ -42,9 +42,7 @@ def parse_config(text: str):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="flux-dev", help="flux-dev (default), flux-schnell, wan2.1-t2v-1.3b, "
-                   "wan2.1-t2v-14b (wan-14b), wan2.1-i2v-14b, wan2.2-t2v-a14b, wan2.2-i2v-a14b, "
-                   "wan2.2-ti2v-5b")  # fmt: skip
+    p.add_argument("--model", default="flux-dev", help="a preset: {presets} (default flux-dev)")
     p.add_argument("--height", type=int, default=None, help="pixels (default: the model's)")
     p.add_argument("--width", type=int, default=None)
     p.add_argument("--frames", type=int, default=None, help="video frames, 4n+1 (Wan; default 81)")

@@ -36,10 +36,10 @@ def _flag(parser, name: str, **kwargs) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    _flag(p, "weights", default=None, help="a FLUX.1 or Wan 2.1 text-to-video pipeline folder (diffusers "
-          "layout, or Wan's original release); default: the bundled tiny-digits")  # fmt: skip
-    _flag(p, "model_name", default=None, help="the name clients send as `model` (default: tiny-digits or "
-          "the folder's name)")  # fmt: skip
+    _flag(p, "weights", default=None, help="a pipeline folder of a registered family (diffusers layout, "
+          "or the family's own release layout); default: the bundled {bundled}")  # fmt: skip
+    _flag(p, "model_name", default=None, help="the name clients send as `model` (default: the bundled "
+          "model's or the folder's name)")  # fmt: skip
     _flag(p, "dtype", choices=("float32", "bfloat16", "float16"), default=None)
     _flag(p, "host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     _flag(p, "port", type=int, default=8000)
@@ -157,7 +157,7 @@ def check(args: argparse.Namespace) -> _Plan:
         num_pipeline_patch=args.num_pipeline_patch,
     )
     if frames is not None and not template.family.makes_video:
-        raise ValueError(f"--frames applies to video models; {args.weights or 'tiny-digits'} makes images")
+        raise ValueError(f"--frames applies to video models; {template.label} makes images")
     if template.family.makes_video and importlib.util.find_spec("av") is None:
         raise ValueError("serving videos (MP4) needs PyAV: pip install 'jaxdit[video]'")
     _check_shapes(template, sizes, frames, step_counts)
@@ -169,7 +169,7 @@ def _check_shapes(template, sizes, frames, step_counts) -> None:
     mesh: PipeFusion's patches and warm-up steps among them), before anything loads."""
     from jaxdit.generate_checks import check_request
 
-    probe = dataclasses.replace(template, prompt="0" if template.is_tiny else "a photograph")
+    probe = dataclasses.replace(template, prompt=template.family.example_prompt)
     for width, height in sizes or ((None, None),):
         for num_frames in frames or (None,):
             for steps in step_counts or (None,):

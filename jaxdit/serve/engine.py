@@ -1,7 +1,7 @@
 """The device side of the service: the one module that calls the pipelines.
 
-An :class:`Engine` holds one pipeline on its mesh for the life of the server: the bundled tiny-digits
-model, or a downloaded pipeline folder of any registered model family (``jaxdit.families``: FLUX.1 makes
+An :class:`Engine` holds one pipeline on its mesh for the life of the server: a bundled model
+(tiny-digits), or a downloaded pipeline folder of any registered model family (``jaxdit.families``: FLUX.1 makes
 images, Wan videos). It says what it accepts (a :class:`~jaxdit.serve.schema.ModelCard`), which compiled
 program a request needs (:meth:`Engine.shape_key`), compiles the served shapes up front
 (:meth:`Engine.warm_up`) and runs one generation at a time (:meth:`Engine.generate`), calling back after
@@ -130,33 +130,32 @@ class Engine:
         warmup_steps: int | None = None,
         num_pipeline_patch: int | None = None,
     ) -> Engine:
-        """The pipeline for ``weights`` (None: tiny-digits, bundled; else a pipeline folder) on ``mesh``;
+        """The pipeline for ``weights`` (None: the bundled model; else a pipeline folder) on ``mesh``;
         jax must be started (devices, processes). ``compiler_options``: XLA's, for the compiled steps.
         ``warmup_steps`` and ``num_pipeline_patch``: PipeFusion's (a mesh with pipefusion > 1), as
         `jaxdit generate`'s flags, for every request."""
         import jax.numpy as jnp
 
-        from jaxdit.pipelines.flux import tiny_digits
-
         template = cls.template_for(
             weights, mesh, dtype, warmup_steps=warmup_steps, num_pipeline_patch=num_pipeline_patch
         )
         family, folder = template.family, template.folder
-        if template.is_tiny:
-            pipe = tiny_digits(mesh, compiler_options=compiler_options)
+        dtype = jnp.dtype(dtype) if dtype else None
+        if template.source == "bundled":
+            pipe = family.bundled_pipeline(mesh, compiler_options=compiler_options, dtype=dtype)
         else:
-            dtype = jnp.dtype(dtype) if dtype else None
             pipe = family.pipeline_class.from_pretrained(
                 folder.root, mesh, dtype, compiler_options=compiler_options
             )
-        defaults = dataclasses.replace(template, prompt="0" if template.is_tiny else "x").call()
+        defaults = dataclasses.replace(template, prompt=family.example_prompt).call()
         takes = "true_cfg_scale" in inspect.signature(family.pipeline_class.__call__).parameters
+        default_size = (defaults.width, defaults.height)
         card = ModelCard(
-            name=name or (cli_generate.TINY if template.is_tiny else folder.root.name),
+            name=name or (family.name if folder is None else folder.root.name),
             kind=VIDEO if family.makes_video else IMAGE,
-            default_size=(defaults.width, defaults.height),
-            size_multiple=2 if template.is_tiny else family.size_multiple(folder),
-            fixed_sizes=((defaults.width, defaults.height),) if template.is_tiny else None,
+            default_size=default_size,
+            size_multiple=family.size_multiple(folder),
+            fixed_sizes=(default_size,) if family.serves_default_size_only else None,
             default_steps=defaults.num_inference_steps,
             default_guidance=defaults.guidance_scale,
             default_true_cfg=defaults.true_cfg_scale if takes else None,
@@ -164,7 +163,8 @@ class Engine:
             default_frames=defaults.num_frames if family.makes_video else None,
             frame_multiple=getattr(pipe, "vae_scale_factor_temporal", 4),
             fps=family.fps,
-            digit_prompts=template.is_tiny,
+            prompt_pattern=family.prompt_pattern,
+            example_prompt=family.example_prompt,
             takes_guidance=takes_guidance_scale(template),
             max_steps=limits.max_steps,
             max_batch=limits.max_batch,
@@ -205,7 +205,7 @@ class Engine:
             if template.folder is None:
                 raise ValueError(
                     f"--weights {weights}: jaxdit serve needs a whole pipeline folder (model_index.json, text "
-                    "encoders, VAE) to go from a prompt to pixels; omit --weights to serve tiny-digits"
+                    "encoders, VAE) to go from a prompt to pixels; omit --weights to serve the bundled model"
                 )
             if template.folder.takes_image:
                 raise ValueError(f"{weights} is image-to-video; jaxdit serve makes text-to-video and images")
@@ -288,7 +288,7 @@ class Engine:
         c = self.card
         return Generation(
             kind=c.kind,
-            prompt="0" if c.digit_prompts else "a photograph",
+            prompt=c.example_prompt,
             width=width,
             height=height,
             n=n,

@@ -61,7 +61,11 @@ class ModelCard:
     fps: int = 16
     #: The only sizes the model draws (tiny-digits: its training size); None: any multiple up to max_pixels.
     fixed_sizes: tuple[tuple[int, int], ...] | None = None
-    digit_prompts: bool = False  # tiny-digits: a prompt is one digit (a negative prompt may be empty)
+    #: A regular expression each prompt must match and its meaning in words (tiny-digits: one digit); a
+    #: negative prompt may also be empty. None: any text.
+    prompt_pattern: tuple[str, str] | None = None
+    #: A prompt the model takes (warm-up requests).
+    example_prompt: str = "a photograph"
     max_pixels: int = 2048 * 2048
     max_frames: int = 129
     max_steps: int = 100
@@ -160,12 +164,13 @@ def _text(body: dict, name: str, card: ModelCard, default: str | None, required:
         )
     if "\x00" in value:
         raise RequestError(f"{name} contains a NUL character", name)
-    if card.digit_prompts and not (re.fullmatch(r"\s*\d\s*", value) or (name != "prompt" and value == "")):
-        allowed = "a single digit 0-9" + ("" if name == "prompt" else ", or empty (the unconditional branch)")
-        raise RequestError(
-            f"{card.name} draws one digit: {name} must be {allowed}, got {json.dumps(value)[:40]}", name
-        )
-    return value.strip() if card.digit_prompts else value
+    if card.prompt_pattern is None:
+        return value
+    pattern, meaning = card.prompt_pattern
+    if not (re.fullmatch(pattern, value) or (name != "prompt" and value == "")):
+        allowed = meaning + ("" if name == "prompt" else ", or empty (the unconditional branch)")
+        raise RequestError(f"{card.name}: {name} must be {allowed}, got {json.dumps(value)[:40]}", name)
+    return value.strip()
 
 
 def _size(body: dict, card: ModelCard) -> tuple[int, int]:

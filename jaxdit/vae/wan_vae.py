@@ -8,9 +8,9 @@ diffusers' ``AutoencoderKLWan`` (``models/autoencoders/autoencoder_kl_wan.py``) 
 
 Constructing and loading::
 
-    vae = jaxdit.loading.vae.load_wan_vae("Wan2.2-TI2V-5B-Diffusers/vae")   # or the pipeline folder
-    vae = jaxdit.loading.vae.load_wan_vae("Wan2.2-TI2V-5B")                 # Wan-AI's release: Wan2.2_VAE.pth
-    vae = jaxdit.loading.vae.load_wan_vae("Wan2.1_VAE.pth")                 # Wan 2.1, original layout
+    vae = jaxdit.loading.wan.load_wan_vae("Wan2.2-TI2V-5B-Diffusers/vae")   # or the pipeline folder
+    vae = jaxdit.loading.wan.load_wan_vae("Wan2.2-TI2V-5B")                 # Wan-AI's release: Wan2.2_VAE.pth
+    vae = jaxdit.loading.wan.load_wan_vae("Wan2.1_VAE.pth")                 # Wan 2.1, original layout
     vae = WanVAE(abstract_model(WanVAEConfig.preset("wan2.2-vae")))  # no weights: compile / memory
 
 A ``.pth`` carries no config: the preset of its generation (residual blocks present: ``wan2.2-vae``,
