@@ -164,7 +164,7 @@ MUTATIONS = (
     Mutation(
         "demo-cfg-scale",
         "jaxdit generate's default CFG scale for tiny-digits drifting from the trained 3.0 to 2.5",
-        "jaxdit/generate_request.py",
+        "jaxdit/families/tiny_digits.py",
         "num_inference_steps=20, true_cfg_scale=3.0)",
         "num_inference_steps=20, true_cfg_scale=2.5)",
         ("tests/test_main_job.py::test_make_demo",),

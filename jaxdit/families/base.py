@@ -19,6 +19,7 @@ Adding a family is adding those files and one ``register`` call (docs/architectu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,9 +28,10 @@ from jax.sharding import Mesh
 
 from converters.checkpoints import CheckpointFormat
 from jaxdit.loading import checkpoint_config
+from jaxdit.models.partitioning import logical_axes
 from jaxdit.pipelines.model_folder import FolderClass, ModelFolder
 
-__all__ = ["ModelFamily", "Preset", "Reduction", "StepTerms"]
+__all__ = ["ModelDimensions", "ModelFamily", "Preset", "Reduction", "StepTerms", "model_dimensions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +80,48 @@ class StepTerms:
     param_block_bytes: tuple[int, ...]
     reductions: tuple[Reduction, ...] = ()
     context_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDimensions:
+    """What ``jaxdit plan`` needs of a transformer's widths, read off its abstract parameters' logical
+    axes (so a family states them nowhere twice)."""
+
+    hidden: int
+    mlp_hidden: int
+    stack_depths: tuple[int, ...]
+
+
+def model_dimensions(checkpoints: CheckpointFormat, config: Any) -> ModelDimensions:
+    """The "embed" and "mlp" axes' sizes and each of ``STACKS``' "layers" axis, from the abstract model
+    (shapes only, nothing allocated); a model whose axes disagree is an error, not a guess."""
+    return _dimensions(checkpoints.name, config, checkpoints.abstract_model)
+
+
+@functools.lru_cache(maxsize=64)
+def _dimensions(name: str, config: Any, abstract_model: Callable[..., Any]) -> ModelDimensions:
+    import jax.numpy as jnp
+    from flax import nnx
+
+    model = abstract_model(config, jnp.float32)
+
+    def sizes(module: Any) -> dict[str | None, set[int]]:
+        found: dict[str | None, set[int]] = {}
+        for _, variable in nnx.to_flat_state(nnx.state(module, nnx.Param)):
+            for axis, size in zip(logical_axes(variable), variable.shape, strict=True):
+                found.setdefault(axis, set()).add(size)
+        return found
+
+    def one(found: dict[str | None, set[int]], axis: str, where: str) -> int:
+        values = found.get(axis, set())
+        if len(values) != 1:
+            raise ValueError(f"{where}: the {axis!r} axis has sizes {sorted(values)}; expected one")
+        return next(iter(values))
+
+    everything = sizes(model)
+    name = type(model).__name__  # for messages
+    depths = tuple(one(sizes(getattr(model, s)), "layers", f"{name}.{s}") for s in model.STACKS)
+    return ModelDimensions(one(everything, "embed", name), one(everything, "mlp", name), depths)
 
 
 class ModelFamily:
@@ -231,18 +275,21 @@ class ModelFamily:
         raise NotImplementedError
 
     def hidden(self, config: Any) -> int:
-        raise NotImplementedError
+        """The residual stream's width: the size of the model's "embed" logical axis."""
+        return model_dimensions(self.checkpoints, config).hidden
 
     def mlp_hidden(self, config: Any) -> int:
-        raise NotImplementedError
+        """The MLP's inner width: the size of the model's "mlp" logical axis."""
+        return model_dimensions(self.checkpoints, config).mlp_hidden
 
     def output_features(self, config: Any) -> int:
         """Features of each predicted token (what CFG exchanges and PipeFusion hands back per token)."""
         raise NotImplementedError
 
     def stack_depths(self, config: Any) -> tuple[int, ...]:
-        """Blocks per stack, in the model's ``STACKS`` order (PipeFusion makes one pass per stack)."""
-        raise NotImplementedError
+        """Blocks per stack, in the model's ``STACKS`` order (PipeFusion makes one pass per stack): each
+        stack's leading "layers" axis."""
+        return model_dimensions(self.checkpoints, config).stack_depths
 
     def pipefusion_unsupported(self, workload: Any) -> str | None:
         """Why the family's PipeFusion runner cannot run ``workload`` (None: it can)."""

@@ -200,17 +200,8 @@ class FluxFamily(ModelFamily):
     def wrap(self, model: nnx.Module, mesh: Mesh, **options: Any) -> FluxForward:
         return FluxForward(model, mesh, **options)
 
-    def hidden(self, config: flux.FluxConfig) -> int:
-        return config.hidden_size
-
-    def mlp_hidden(self, config: flux.FluxConfig) -> int:
-        return config.mlp_hidden
-
     def output_features(self, config: flux.FluxConfig) -> int:
         return config.out_channels
-
-    def stack_depths(self, config: flux.FluxConfig) -> tuple[int, ...]:
-        return (config.depth, config.depth_single_blocks)
 
     def step_terms(self, w: Any, parallel: Any, sh: Any) -> StepTerms:
         """FLUX's blocks (``models/flux.py``): double blocks run q/k/v/out and the MLP on both streams with

@@ -277,17 +277,8 @@ class WanFamily(ModelFamily):
     def wrap(self, model: nnx.Module, mesh: Mesh, **options: Any) -> WanForward:
         return WanForward(model, mesh, **options)
 
-    def hidden(self, config: wan.WanConfig) -> int:
-        return config.dim
-
-    def mlp_hidden(self, config: wan.WanConfig) -> int:
-        return config.ffn_dim
-
     def output_features(self, config: wan.WanConfig) -> int:
         return config.out_features
-
-    def stack_depths(self, config: wan.WanConfig) -> tuple[int, ...]:
-        return (config.num_layers,)
 
     def prediction_dtype(self, dtype: str) -> str:
         return "float32"  # Wan's head returns fp32 whatever the model's dtype
