@@ -55,7 +55,7 @@ def loss_fn(params, graphdef, tables, x0, labels, noise, sigma):
 
 def sample(model, tables, labels, *, steps, cfg_scale, seed):
     """Plain unsharded Euler sampling with true CFG (the reference loop the pipeline must equal)."""
-    schedule = euler.set_timesteps(euler.FlowMatchEulerConfig(shift=1.0), sigmas=euler.flux_sigmas(steps))
+    schedule = euler.set_timesteps(euler.FlowMatchEulerConfig(shift=1.0), sigmas=euler.linear_sigmas(steps))
     n = len(labels)
     x = jnp.asarray(
         latents.pack(

@@ -316,7 +316,7 @@ def _reference(prompt: str, steps: int, warmup: int) -> np.ndarray:
     size = tiny.LATENT_SIZE
     x = jnp.asarray(latent_ops.pack(latent_ops.initial_noise(CALL["seed"], (len(ids), 1, size, size))))
     sigmas = euler.set_timesteps(
-        euler.FlowMatchEulerConfig(shift=1.0), sigmas=euler.flux_sigmas(steps)
+        euler.FlowMatchEulerConfig(shift=1.0), sigmas=euler.linear_sigmas(steps)
     ).sigmas
     t_len, n_img = tokens.shape[1], x.shape[1]
     assert t_len % PATCHES == 0

@@ -19,9 +19,9 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from jaxdit.samplers import (
     FlowMatchEulerConfig,
     UniPCConfig,
+    dynamic_shift_mu,
     flow_match_euler,
-    flux_mu,
-    flux_sigmas,
+    linear_sigmas,
     unipc,
 )
 
@@ -84,8 +84,8 @@ def test_flow_match_euler_matches_diffusers(case: str, num_steps: int) -> None:
     kwargs, pass_sigmas, seq_len = EULER_CASES[case]
     ref = FlowMatchEulerDiscreteScheduler(**kwargs)
     config = FlowMatchEulerConfig(**kwargs)
-    sigmas = flux_sigmas(num_steps) if pass_sigmas else None
-    mu = flux_mu(seq_len) if seq_len is not None else None
+    sigmas = linear_sigmas(num_steps) if pass_sigmas else None
+    mu = dynamic_shift_mu(seq_len) if seq_len is not None else None
     if sigmas is None:
         ref.set_timesteps(num_steps, mu=calculate_shift(seq_len) if seq_len else None)
         schedule = flow_match_euler.set_timesteps(config, num_steps, mu=mu)
@@ -108,8 +108,8 @@ def test_flow_match_euler_matches_diffusers(case: str, num_steps: int) -> None:
 
 @pytest.mark.parametrize("seq_len", [256, 1024, 4096, 4080, 75600])
 def test_flux_mu_matches_calculate_shift(seq_len: int) -> None:
-    assert flux_mu(seq_len) == calculate_shift(seq_len)
-    assert flux_mu(seq_len, 128, 2048, 0.3, 1.2) == calculate_shift(seq_len, 128, 2048, 0.3, 1.2)
+    assert dynamic_shift_mu(seq_len) == calculate_shift(seq_len)
+    assert dynamic_shift_mu(seq_len, 128, 2048, 0.3, 1.2) == calculate_shift(seq_len, 128, 2048, 0.3, 1.2)
 
 
 def test_flow_match_euler_from_diffusers_config() -> None:

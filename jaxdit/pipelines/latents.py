@@ -1,6 +1,7 @@
-"""Latent tensors between the sampler and the transformer: FLUX packing, positions, initial noise.
+"""Latent tensors between the sampler and the transformer: 2x2 packing, positions, initial noise.
 
-FLUX packs a latent [B, C, H, W] into tokens [B, (H/2)(W/2), 4C] with channel index c*4 + ph*2 + pw
+The 2x2 packing is shared by the families whose transformer takes packed latents (FLUX.1 and its
+variants; Qwen-Image packs the same way): it packs a latent [B, C, H, W] into tokens [B, (H/2)(W/2), 4C] with channel index c*4 + ph*2 + pw
 (latent channel slowest) and gives image token (i, j) the RoPE position (0, i, j); text tokens sit at
 (0, 0, 0). The initial noise is drawn on the host from the seed alone, so the same seed gives the same
 picture on every mesh.

@@ -12,8 +12,8 @@ from jaxdit.samplers import flow_match_euler, unipc
 from jaxdit.samplers.flow_match_euler import (
     FlowMatchEulerConfig,
     FlowMatchEulerSchedule,
-    flux_mu,
-    flux_sigmas,
+    dynamic_shift_mu,
+    linear_sigmas,
 )
 from jaxdit.samplers.sampler import EulerSampler, Sampler, UniPCSampler
 from jaxdit.samplers.unipc import UniPCConfig, UniPCSchedule, UniPCState
@@ -28,7 +28,7 @@ __all__ = [
     "UniPCSchedule",
     "UniPCState",
     "flow_match_euler",
-    "flux_mu",
-    "flux_sigmas",
+    "dynamic_shift_mu",
+    "linear_sigmas",
     "unipc",
 ]

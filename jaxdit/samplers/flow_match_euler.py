@@ -27,8 +27,8 @@ import numpy as np
 __all__ = [
     "FlowMatchEulerConfig",
     "FlowMatchEulerSchedule",
-    "flux_mu",
-    "flux_sigmas",
+    "dynamic_shift_mu",
+    "linear_sigmas",
     "set_timesteps",
     "step",
 ]
@@ -96,22 +96,24 @@ class FlowMatchEulerSchedule(NamedTuple):
     timesteps: np.ndarray
 
 
-def flux_mu(
+def dynamic_shift_mu(
     image_seq_len: int,
     base_seq_len: int = 256,
     max_seq_len: int = 4096,
     base_shift: float = 0.5,
     max_shift: float = 1.15,
 ) -> float:
-    """FLUX's dynamic-shift ``mu``: linear in the packed image token count, base_shift at base_seq_len and
-    max_shift at max_seq_len (diffusers ``calculate_shift``). 1024x1024 (4096 tokens) gives 1.15."""
+    """The dynamic-shift ``mu`` of FLUX.1 and the flow-matching families after it (diffusers'
+    ``calculate_shift``): linear in the image token count, base_shift at base_seq_len and max_shift at
+    max_seq_len; a family passes its scheduler config's values. FLUX.1 at 1024x1024 (4096 tokens): 1.15."""
     slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
     intercept = base_shift - slope * base_seq_len
     return image_seq_len * slope + intercept
 
 
-def flux_sigmas(num_steps: int) -> np.ndarray:
-    """The unshifted sigmas the FLUX pipeline passes in: ``linspace(1, 1/N, N)`` (float64)."""
+def linear_sigmas(num_steps: int) -> np.ndarray:
+    """The unshifted sigmas flow-matching pipelines (FLUX.1's among them) pass in: ``linspace(1, 1/N, N)``
+    (float64)."""
     if num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, got {num_steps}")
     return np.linspace(1.0, 1.0 / num_steps, num_steps)
@@ -138,12 +140,12 @@ def set_timesteps(
     Args:
       config: the sampler config.
       num_steps: number of denoising steps; may be omitted when ``sigmas`` is given.
-      sigmas: unshifted sigmas, one per step (the FLUX pipeline passes ``flux_sigmas(N)``). Cast to float32
+      sigmas: unshifted sigmas, one per step (the FLUX pipeline passes ``linear_sigmas(N)``). Cast to float32
         before shifting. When omitted, N points are spaced linearly between the ends of the training grid.
-      mu: the dynamic-shift parameter (see ``flux_mu``); required iff ``config.use_dynamic_shifting``.
+      mu: the dynamic-shift parameter (see ``dynamic_shift_mu``); required iff ``config.use_dynamic_shifting``.
     """
     if config.use_dynamic_shifting and mu is None:
-        raise ValueError("config.use_dynamic_shifting is set, so `mu` must be given (see flux_mu)")
+        raise ValueError("config.use_dynamic_shifting is set, so `mu` must be given (see dynamic_shift_mu)")
     if sigmas is not None:
         sigmas = np.asarray(sigmas).astype(np.float32)
         if sigmas.ndim != 1 or sigmas.size == 0:

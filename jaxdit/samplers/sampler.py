@@ -47,15 +47,17 @@ class EulerSampler:
     config: euler.FlowMatchEulerConfig
 
     def schedule(self, num_steps: int, *, image_seq_len: int) -> euler.FlowMatchEulerSchedule:
-        """FLUX's schedule: ``flux_sigmas(N)`` shifted, dynamically by the image token count if the
+        """FLUX's schedule: ``linear_sigmas(N)`` shifted, dynamically by the image token count if the
         config says so (mu from the config's base/max sequence lengths and shifts)."""
         c = self.config
         mu = (
-            euler.flux_mu(image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift)
+            euler.dynamic_shift_mu(
+                image_seq_len, c.base_image_seq_len, c.max_image_seq_len, c.base_shift, c.max_shift
+            )
             if c.use_dynamic_shifting
             else None
         )
-        return euler.set_timesteps(c, sigmas=euler.flux_sigmas(num_steps), mu=mu)
+        return euler.set_timesteps(c, sigmas=euler.linear_sigmas(num_steps), mu=mu)
 
     def init_state(self, x: jax.Array) -> tuple[jax.Array, ...]:
         return ()
