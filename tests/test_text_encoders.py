@@ -23,15 +23,10 @@ from converters.clip import TEXT_PREFIX, open_clip_text, open_clip_vision, text_
 from converters.errors import CheckpointError
 from converters.keymap import invert
 from converters.t5 import WAN_T5_FILE, hf_table, hf_to_params, open_t5, write_wan_original
-from jaxdit.loading import encoders as encoders_module
-from jaxdit.loading.encoders import (
-    load_clip_text,
-    load_clip_vision,
-    load_flux_text_encoders,
-    load_t5,
-    load_wan_image_encoder,
-    load_wan_text_encoder,
-)
+from jaxdit.loading import wan as wan_loading
+from jaxdit.loading.encoders import load_clip_text, load_clip_vision, load_t5
+from jaxdit.loading.flux import load_flux_text_encoders
+from jaxdit.loading.wan import load_wan_image_encoder, load_wan_text_encoder
 from jaxdit.text_encoders import (
     CLIPTextConfig,
     CLIPVisionConfig,
@@ -534,4 +529,4 @@ def test_folder_errors(tmp_path):
         load_wan_text_encoder(tmp_path)
     with pytest.raises(CheckpointError, match="no such file"):
         load_flux_text_encoders(tmp_path / "nowhere")
-    assert encoders_module.WAN_T5_FILE == WAN_T5_FILE
+    assert wan_loading.WAN_T5_FILE == WAN_T5_FILE
