@@ -51,12 +51,14 @@ import contextlib
 import dataclasses
 import ipaddress
 import json
+import math
 import os
 import select
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -246,7 +248,12 @@ class _Lines:
         return message if isinstance(message, dict) else None
 
 
-def _lead_roll_call(group: ProcessGroup, timeout: float, say: Callable[[str], None]) -> None:
+def _lead_roll_call(
+    group: ProcessGroup,
+    timeout: float,
+    say: Callable[[str], None],
+    agreement: Mapping[str, Any] | None = None,
+) -> None:
     """Process 0: listen at the coordinator's port until every other process has said who it is."""
     host, port = _split_address(group.coordinator_address)
     n = group.num_processes
@@ -292,7 +299,7 @@ def _lead_roll_call(group: ProcessGroup, timeout: float, say: Callable[[str], No
                     continue
                 pending.remove((conn, lines))
                 message = lines.read(0.5)
-                error = _admit(message, n, joined)
+                error = _admit(message, n, joined) or _disagreement(message, agreement)
                 if error is not None:
                     fatal = message is not None and message.get("jaxdit_roll_call")
                     if fatal:  # a jaxdit process that disagrees: everyone stops (anything else: dropped)
@@ -337,7 +344,29 @@ def _admit(message: dict | None, n: int, joined: dict) -> str | None:
     return None
 
 
-def _follow_roll_call(group: ProcessGroup, timeout: float, say: Callable[[str], None]) -> None:
+def _disagreement(message: dict, agreement: Mapping[str, Any] | None) -> str | None:
+    """Why a process started with other settings than process 0 is refused (None: they agree). Every
+    process must run the same request on the same mesh: one that differs would block in a collective
+    at the first step, or compute something else, so the flags are compared before any device work."""
+    theirs = message.get("agreement")
+    if agreement is None or theirs is None:
+        return None
+    ours = json.loads(json.dumps(dict(agreement), default=str))  # as it travelled
+    differ = [k for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+    if not differ:
+        return None
+    pid = message.get("process_id")
+    shown = ", ".join(f"--{k} ({theirs.get(k)!r} there, {ours.get(k)!r} on process 0)" for k in differ[:4])
+    more = f" and {len(differ) - 4} more" if len(differ) > 4 else ""
+    return f"process {pid} was started with other settings than process 0: {shown}{more}; start every process with the same flags"
+
+
+def _follow_roll_call(
+    group: ProcessGroup,
+    timeout: float,
+    say: Callable[[str], None],
+    agreement: Mapping[str, Any] | None = None,
+) -> None:
     """Processes 1..N-1: reach process 0 at the coordinator's address, say who we are, wait for "go"."""
     host, port = _split_address(group.coordinator_address)
     i, n = group.process_id, group.num_processes
@@ -373,6 +402,8 @@ def _follow_roll_call(group: ProcessGroup, timeout: float, say: Callable[[str], 
                 continue
             lines = _Lines(conn)
             hello = dict(jaxdit_roll_call=1, process_id=i, num_processes=n, pid=os.getpid())
+            if agreement is not None:
+                hello["agreement"] = json.loads(json.dumps(dict(agreement), default=str))
             _send(conn, host=socket.gethostname(), **hello)
         message = lines.read(min(1.0, deadline - time.monotonic()))
         if message is None:  # process 0 went away (or the port is not ours): start over
@@ -405,15 +436,22 @@ def join(
     initialization_timeout_seconds: float = 300,
     heartbeat_timeout_seconds: int = 60,
     say: Callable[[str], None] = _say,
+    agreement: Mapping[str, Any] | None = None,
 ) -> None:
     """The roll call, then ``jax.distributed.initialize``; afterwards ``jax.devices()`` lists every
     process's devices. Raises :class:`StartupError` naming the missing processes after
-    ``initialization_timeout_seconds``. Call before any other jax computation."""
+    ``initialization_timeout_seconds``, or (``agreement``: the settings every process must share, flag
+    name -> value) naming the flags a process was started with differently. Call before any other jax
+    computation."""
+    if not (math.isfinite(initialization_timeout_seconds) and initialization_timeout_seconds > 0):
+        raise StartupError(
+            f"--initialization_timeout must be a finite number of seconds > 0, got {initialization_timeout_seconds}"
+        )
     if group.coordinator_address is not None and group.num_processes and group.num_processes > 1:
         if group.process_id == 0:
-            _lead_roll_call(group, initialization_timeout_seconds, say)
+            _lead_roll_call(group, initialization_timeout_seconds, say, agreement)
         else:
-            _follow_roll_call(group, initialization_timeout_seconds, say)
+            _follow_roll_call(group, initialization_timeout_seconds, say, agreement)
     # gloo is jax's default CPU collective library; set it explicitly so a CPU run never falls back
     # to a backend that cannot cross processes.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -99,7 +99,9 @@ def start_devices(r: GenerateRequest) -> None:
     if r.emulate_devices:
         runtime.emulate_cpu_devices(r.emulate_devices)
     if r.process_group is not None:
-        distributed.join(r.process_group, initialization_timeout_seconds=r.initialization_timeout)
+        distributed.join(
+            r.process_group, initialization_timeout_seconds=r.initialization_timeout, agreement=r.agreement()
+        )
 
 
 def run(r: GenerateRequest) -> int:

@@ -148,6 +148,12 @@ class GenerateRequest:
         """The processes to join (``jaxdit.distributed.resolve``), or None for one process."""
         return resolve(self.coordinator, self.num_processes, self.process_id)
 
+    def agreement(self) -> dict[str, Any]:
+        """The flags every process of one run must share (all but who it is, where it joins and how long
+        it waits): compared at the roll call, before any device work (``jaxdit.distributed.join``)."""
+        own = {"coordinator", "num_processes", "process_id", "initialization_timeout", "output"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in own}
+
     def parallel(self) -> ParallelConfig:
         return ParallelConfig(
             data=self.data_parallel_degree,

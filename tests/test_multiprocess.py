@@ -423,15 +423,18 @@ def test_serve_across_two_processes(tmp_path):
 # --------------------------------------------------------------------------------------------------------
 
 
-def _roll_call(groups: list[distributed.ProcessGroup], timeout: float = 10.0) -> list[tuple[str, list[str]]]:
+def _roll_call(
+    groups: list[distributed.ProcessGroup], timeout: float = 10.0, agreements: list | None = None
+) -> list[tuple[str, list[str]]]:
     """Run each group's side of the roll call in a thread: (outcome, lines said) per group."""
     results: list = [None] * len(groups)
+    agreements = agreements or [None] * len(groups)
 
     def side(i: int, group: distributed.ProcessGroup) -> None:
         said: list[str] = []
         run = distributed._lead_roll_call if group.process_id == 0 else distributed._follow_roll_call
         try:
-            run(group, timeout, said.append)
+            run(group, timeout, said.append, agreements[i])
             results[i] = ("joined", said)
         except distributed.StartupError as e:
             results[i] = (str(e), said)
@@ -464,6 +467,59 @@ def test_roll_call_refuses_a_wrong_count_and_a_taken_id():
     results = _roll_call(groups)
     assert "process id 1 was claimed twice" in results[0][0], results
     assert all("claimed twice" in r[0] for r in results), results
+
+
+def test_roll_call_refuses_a_process_started_with_other_flags():
+    """Processes that differ in mesh or request would block in a collective at step 1 (or compute
+    something else): the roll call compares their flags and every process stops, naming the flag."""
+    address = f"127.0.0.1:{_free_port()}"
+    ours = {"ulysses_degree": 2, "ring_degree": 1, "seed": 0, "prompt": "7"}
+    theirs = dict(ours, ulysses_degree=1, ring_degree=2)
+    groups = [distributed.ProcessGroup(address, 2, i) for i in (0, 1)]
+    results = _roll_call(groups, agreements=[ours, theirs])
+    reason = (
+        "process 1 was started with other settings than process 0: --ring_degree (2 there, 1 on process 0), "
+        "--ulysses_degree (1 there, 2 on process 0); start every process with the same flags"
+    )
+    assert [r[0] for r in results] == [reason, reason], results
+    address = f"127.0.0.1:{_free_port()}"
+    results = _roll_call(
+        [distributed.ProcessGroup(address, 2, i) for i in (0, 1)], agreements=[ours, dict(ours)]
+    )
+    assert [r[0] for r in results] == ["joined", "joined"], results
+
+
+def test_generate_processes_with_different_meshes_end_with_one_line_each(tmp_path):
+    """Before: both blocked in a collective at step 1 and ignored SIGTERM. Now the roll call refuses them
+    before any device work, within seconds."""
+    port = _free_port()
+    common = [
+        "--emulate_devices",
+        "2",
+        "--prompt",
+        "7",
+        "--output",
+        "digit.png",
+        "--initialization_timeout",
+        "60",
+    ]
+    meshes = (["--ulysses_degree", "2", "--ring_degree", "2"], ["--ring_degree", "4"])
+    start = time.monotonic()
+    workers = [
+        _start(_jaxdit("generate", port, i, 2, *common, *meshes[i]), tmp_path / f"p{i}", "log")
+        for i in (0, 1)
+    ]
+    _wait(workers, 60)
+    assert time.monotonic() - start < 45
+    for w in workers:
+        assert w.returncode == 2, w.describe()
+        last = w.stderr.strip().splitlines()[-1]
+        assert last.startswith("jaxdit generate: error: process 1 was started with other settings"), (
+            w.describe()
+        )
+        assert "--ring_degree (4 there, 2 on process 0)" in last and "--ulysses_degree" in last, last
+        assert "Traceback" not in w.stderr, w.describe()
+    assert not list(tmp_path.rglob("*.png"))
 
 
 def test_process_flags_checked_before_anything_starts(monkeypatch):

@@ -96,10 +96,10 @@ def engine() -> Engine:
 class Server:
     """A scheduler + HTTP server around the shared engine; stopped when the test ends."""
 
-    def __init__(self, engine: Engine, **options) -> None:
+    def __init__(self, engine: Engine, body_timeout: float = 30.0, **options) -> None:
         self.metrics = Metrics()
         self.scheduler = Scheduler(engine, self.metrics, **options)
-        self.service = Service(self.scheduler)
+        self.service = Service(self.scheduler, body_timeout=body_timeout)
         self.url = f"http://127.0.0.1:{self.service.port}"
 
     def post(self, body, path="/v1/images/generations", content_type="application/json", timeout=120):
@@ -268,6 +268,98 @@ def test_bad_requests_name_the_field_and_never_reach_the_devices(server, monkeyp
     assert s.post({"prompt": "7", "seed": SEED})[0] == 200
 
 
+def _raw(port: int, data: bytes, pause: float = 0.0, read_timeout: float = 10.0) -> tuple[bytes, float]:
+    """Send ``data`` over a raw socket (``pause`` s between its two halves); the answer and its seconds."""
+    import socket
+
+    start = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=read_timeout) as conn:
+        half = len(data) // 2
+        conn.sendall(data[:half])
+        time.sleep(pause)
+        conn.sendall(data[half:])
+        answer = b""
+        while True:  # until the server closes the connection
+            chunk = conn.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    return answer, time.monotonic() - start
+
+
+def test_slow_or_short_bodies_and_unknown_routes_get_json_errors(server):
+    """Before: a body shorter than its Content-Length (or trickled) was never answered nor closed, and
+    unknown routes answered plain text. Now: a 408 within the body timeout, connection closed; 404/405 in
+    the service's error shape; the server keeps serving."""
+    s = server(body_timeout=1.0)
+    body = json.dumps({"prompt": "7"}).encode()
+    head = (
+        f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body) + 40}\r\n\r\n"
+    ).encode()
+    answer, seconds = _raw(s.service.port, head + body)  # 40 bytes never come
+    assert answer.startswith(b"HTTP/1.1 408") and seconds < 5, (answer[:200], seconds)
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert error["param"] == "body" and "did not arrive within 1 s" in error["message"]
+    code, raw = s.get("/v1/nothing")
+    assert code == 404 and json.loads(raw)["error"]["message"] == "no route /v1/nothing"
+    request = urllib.request.Request(s.url + "/healthz", data=b"{}", method="POST")
+    try:
+        urllib.request.urlopen(request, timeout=10)
+        raise AssertionError("POST /healthz was accepted")
+    except urllib.error.HTTPError as e:
+        assert e.code == 405 and "POST is not allowed on /healthz" in json.loads(e.read())["error"]["message"]
+    assert s.post({"prompt": "7", "seed": SEED})[0] == 200
+
+
+def _fuzz_bodies(count: int, seed: int = 0) -> list[bytes]:
+    """Random and malformed bodies: wrong types, absurd numbers, nesting, bad JSON, bad UTF-8."""
+    rng = np.random.default_rng(seed)
+    values = [
+        None, True, -1, 0, 1, 3, 1e308, -1e308, 2**63, 1.5, "", "7", "x" * 5000, "\u0000", [], [1], {}, {"a": {"b": []}},
+        "1e308", "nan", "16x16", "0x0", "99999x99999", [[[[[]]]]],
+    ]  # fmt: skip
+    fields = ["prompt", "negative_prompt", "size", "n", "seed", "steps", "guidance_scale", "true_cfg_scale",
+              "response_format", "model", "num_frames", "seconds", "unknown"]  # fmt: skip
+    bodies = []
+    for i in range(count):
+        kind = i % 4
+        if kind == 3:
+            bodies.append(bytes(rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8)))
+            continue
+        body = {
+            f: values[int(rng.integers(len(values)))] for f in rng.choice(fields, int(rng.integers(1, 5)))
+        }
+        if kind == 0:
+            body["prompt"] = "7"
+            body["steps"] = int(rng.integers(1, 3))  # some of these are valid: they must be answered 200
+        text = json.dumps(body)
+        if kind == 2:  # cut short or doubled
+            text = text[: int(rng.integers(1, len(text) + 1))] + ("}" * int(rng.integers(0, 3)))
+        bodies.append(text.encode())
+    return bodies
+
+
+def test_fuzzed_bodies_get_json_answers_and_the_server_stays_healthy(server):
+    s = server()
+    statuses = []
+    for body in _fuzz_bodies(48):
+        code, answer, _ = s.post(body)
+        statuses.append(code)
+        if code == 200:
+            assert answer["data"] and all("b64_json" in d for d in answer["data"]), answer
+        else:
+            assert code in (400, 404, 413, 415) and set(answer["error"]) == {
+                "message",
+                "type",
+                "param",
+                "code",
+            }
+    assert 500 not in statuses and 200 in statuses and 400 in statuses, statuses
+    code, health = s.get("/healthz")
+    assert code == 200 and json.loads(health)["status"] == "ok"
+
+
 def test_full_queue_answers_429_with_retry_after(server, slow):
     s = server(max_queue=1, request_timeout=60, shutdown_grace=0)
     answers = {}
@@ -393,6 +485,12 @@ def test_serve_flags_checked_before_anything_loads():
         check(*PF_FLAGS, "--num_pipeline_patch", "3")
     with pytest.raises(ValueError, match="start-up shapes: warmup_steps=5 exceeds the 4 denoising steps"):
         check(*PF_FLAGS[:-1], "5", "--step_counts", "20,4")
+    # Before: nan answered every request 504 "after nan s", inf was accepted, and a nan initialization
+    # timeout waited for ever.
+    for flag in ("--request_timeout", "--initialization_timeout", "--shutdown_grace"):
+        for value in ("nan", "inf", "-1"):
+            with pytest.raises(ValueError, match=f"{flag} must be a finite number of seconds"):
+                check(flag, value, "--ulysses_degree", "2", "--ring_degree", "4")
 
 
 def test_video_requests_checked_against_the_card():
@@ -421,6 +519,7 @@ def test_video_requests_checked_against_the_card():
     for body, param, word in [
         ({"prompt": "a", "num_frames": 6}, "num_frames", "4k + 1"),
         ({"prompt": "a", "seconds": 100}, "seconds", "at most 129"),
+        ({"prompt": "a", "seconds": "1e308"}, "seconds", "at most 129"),  # was an OverflowError (500)
         ({"prompt": "a", "seconds": "soon"}, "seconds", "positive number"),
         ({"prompt": "a", "seconds": 2, "num_frames": 5}, "seconds", "not both"),
         ({"prompt": "a", "size": "100x48"}, "size", "multiples of 16"),

@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -41,6 +42,10 @@ MAX_BODY_BYTES = 1 << 20
 #: A body over the limit but under this is read and discarded before the 413, so that the client, still
 #: sending, reads the answer instead of a connection reset; a larger one is answered at once.
 DRAIN_BYTES = 64 << 20
+#: Seconds a client may take to send its whole body. The request timeout starts once the body is read,
+#: so without this bound a body trickled byte by byte, or shorter than its Content-Length, would hold a
+#: connection (and a worker) for ever.
+BODY_TIMEOUT_S = 30.0
 
 
 def _error(e: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -70,22 +75,43 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def create_app(scheduler: Scheduler) -> Starlette:
-    """The application over ``scheduler`` (whose owner starts and closes it: :mod:`jaxdit.serve.command`)."""
+async def _read_body_in_time(request: Request, seconds: float) -> dict[str, Any]:
+    try:
+        return await asyncio.wait_for(_read_json(request), seconds)
+    except TimeoutError:
+        raise RequestError(
+            f"the body did not arrive within {seconds:g} s (all of its Content-Length)", "body", status=408
+        ) from None
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Unknown routes and wrong methods, in the same error shape as every other answer."""
+    messages = {
+        404: f"no route {request.url.path}",
+        405: f"{request.method} is not allowed on {request.url.path}",
+    }
+    error = RequestError(messages.get(exc.status_code, str(exc.detail)), None, exc.status_code)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+def create_app(scheduler: Scheduler, *, body_timeout: float = BODY_TIMEOUT_S) -> Starlette:
+    """The application over ``scheduler`` (whose owner starts and closes it: :mod:`jaxdit.serve.command`).
+    ``body_timeout``: seconds a client may take to send its body (then 408 and the connection closes)."""
     card, metrics = scheduler.engine.card, scheduler.metrics
 
     async def submit(request: Request, parse) -> Any:
         """Read, check and queue a request: the job, or the error response (nothing reached the devices)."""
         kind = card.kind
         try:
-            g = parse(await _read_json(request), card)
+            g = parse(await _read_body_in_time(request, body_timeout), card)
             scheduler.check(g)
             return scheduler.submit(g)
         except RequestError as e:
             metrics.outcome(
                 kind, "rejected_shape" if isinstance(e, ShapeNotServed) else "rejected_bad_request"
             )
-            return _error(e)
+            # A body that never arrived whole leaves the connection in an unknown state: close it.
+            return _error(e, {"Connection": "close"} if e.status == 408 else None)
         except QueueFull as e:
             metrics.outcome(kind, "rejected_queue_full")
             error = RequestError(str(e), None, 429, "rate_limit_error")
@@ -179,7 +205,7 @@ def create_app(scheduler: Scheduler) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
 
 
 def _settle(future: asyncio.Future) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import re
 import signal
 import sys
@@ -136,10 +137,13 @@ def check(args: argparse.Namespace) -> _Plan:
     for name in ("port", "max_steps", "max_batch", "max_prompt_chars"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.max_queue < 0 or args.request_timeout <= 0 or args.shutdown_grace < 0:
-        raise ValueError("--max_queue and --shutdown_grace must be >= 0, --request_timeout > 0")
-    if args.initialization_timeout <= 0:
-        raise ValueError(f"--initialization_timeout must be > 0 seconds, got {args.initialization_timeout}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max_queue must be >= 0, got {args.max_queue}")
+    for name, low in (("request_timeout", 0.0), ("initialization_timeout", 0.0), ("shutdown_grace", None)):
+        value = getattr(args, name)
+        if not math.isfinite(value) or (value <= low if low is not None else value < 0):
+            bound = "> 0" if low is not None else ">= 0"
+            raise ValueError(f"--{name} must be a finite number of seconds {bound}, got {value}")
     batch_sizes = _numbers(args.batch_sizes, "batch_sizes")
     if max(batch_sizes) > args.max_batch:
         raise ValueError(f"--batch_sizes {args.batch_sizes} exceeds --max_batch {args.max_batch}")
@@ -193,7 +197,13 @@ def start_devices(args: argparse.Namespace, plan: _Plan) -> None:
     if args.emulate_devices:
         runtime.emulate_cpu_devices(args.emulate_devices)
     if plan.group is not None:
-        distributed.join(plan.group, initialization_timeout_seconds=args.initialization_timeout)
+        # Every process serves the same model on the same mesh; only who it is, where it listens and how
+        # long it waits may differ.
+        own = {"coordinator", "num_processes", "process_id", "initialization_timeout", "host", "port", "func"}
+        agreement = {k: v for k, v in sorted(vars(args).items()) if k not in own}
+        distributed.join(
+            plan.group, initialization_timeout_seconds=args.initialization_timeout, agreement=agreement
+        )
 
 
 def load(args: argparse.Namespace, plan: _Plan):
@@ -263,14 +273,16 @@ class Service:
     """A running HTTP server over a scheduler, in a thread (tests, notebooks); :meth:`stop` shuts it down
     as a signal would."""
 
-    def __init__(self, scheduler, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(
+        self, scheduler, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", **app_options
+    ) -> None:
         import uvicorn
 
         from jaxdit.serve.app import create_app
 
         self.scheduler = scheduler
         config = uvicorn.Config(
-            create_app(scheduler), host=host, port=port, log_level=log_level, lifespan="off"
+            create_app(scheduler, **app_options), host=host, port=port, log_level=log_level, lifespan="off"
         )
         self.server = _server(config, scheduler)
         scheduler.start()

@@ -282,8 +282,11 @@ def video_request(body: dict[str, Any], card: ModelCard) -> Generation:
     step = card.frame_multiple
     if "seconds" in body:
         seconds = _seconds(body["seconds"])
-        frames = step * max(1, round(seconds * card.fps / step)) + 1
-        if frames > card.max_frames:
+        longest = card.max_frames / card.fps
+        # Compared before any rounding: 1e308 seconds would overflow the frame count.
+        frames = step * max(1, round(seconds * card.fps / step)) + 1 if seconds <= 2 * longest else None
+        if frames is None or frames > card.max_frames:
+            frames = "more" if frames is None else frames
             raise RequestError(
                 f"seconds {seconds:g} is {frames} frames at {card.fps} fps; this server makes at most "
                 f"{card.max_frames} frames",
