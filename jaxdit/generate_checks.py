@@ -217,11 +217,32 @@ def check_run(r: GenerateRequest) -> None:
     check_request, but batches ``n`` pictures per prompt and sets every request's guidance scale)."""
     parallel = r.parallel()
     _check_batch(r, parallel)
+    _check_cfg_flags_matter(r)
     if r.guidance_scale is not None and not takes_guidance_scale(r):
         raise ValueError(
             f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
             "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
             "--true_cfg_scale and --negative_prompt"
+        )
+
+
+def _check_cfg_flags_matter(r: GenerateRequest) -> None:
+    """True CFG needs both a scale above 1 and a negative prompt: either alone runs one branch and gives
+    the picture the run without it gives, so a flag that would change nothing is refused."""
+    family = r.family
+    if family.cfg_scale_argument != "true_cfg_scale":
+        return
+    call = r.call()
+    negative = call.negative_prompt is not None or "negative_prompt_embeds" in (r.embeddings or {})
+    if r.true_cfg_scale is not None and r.true_cfg_scale > 1 and not negative:
+        raise ValueError(
+            f"--true_cfg_scale {r.true_cfg_scale:g} needs a negative prompt (--negative_prompt, or "
+            "negative_prompt_embeds in --prompt_embeds): without one no guidance runs and it changes nothing"
+        )
+    if r.negative_prompt is not None and call.true_cfg_scale <= 1:
+        raise ValueError(
+            f"--negative_prompt is used by classifier-free guidance, which --true_cfg_scale {call.true_cfg_scale:g} "
+            "turns off: give --true_cfg_scale > 1 (e.g. 4), or drop --negative_prompt"
         )
 
 
@@ -334,6 +355,8 @@ def model_config(r: GenerateRequest) -> Any:
 
 
 def _check_output(r: GenerateRequest) -> None:
+    if r.output is not None and not r.output.strip():
+        raise ValueError("--output is empty; give a file name (or leave the flag out for the default)")
     output = r.output or r.default_output
     suffix = Path(output).suffix.lower()
     preflight.check_writable(output)

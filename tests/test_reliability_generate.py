@@ -289,6 +289,8 @@ def test_emulated_device_counts_are_bounded(count):
         (dict(initialization_timeout=float("inf")), "--initialization_timeout must be > 0"),
         (dict(negative_prompt="345"), "--negative_prompt is one digit or empty"),  # was a late shape error
         (dict(negative_prompt="abc"), "--negative_prompt is one digit or empty"),  # was "its prompt ..."
+        (dict(output=""), "--output is empty"),  # wrote digits.png
+        (dict(output="  "), "--output is empty"),
     ],
 )
 def test_probed_tiny_requests_refused_before_any_work(kwargs, message):
@@ -341,6 +343,8 @@ def test_control_characters_in_a_prompt(flux_folder, prompt, message):
         (["--data_parallel_degree", "3", "--emulate_devices", "3"], "this run makes 10 picture"),
         (["--prompt", "", "--data_parallel_degree", "2", "--emulate_devices", "2"], "makes 1 picture"),
         (["--guidance_scale", "3"], "tiny-digits has none"),  # was silently ignored
+        # Each ran one branch and wrote the picture of the run without it:
+        (["--negative_prompt", "3", "--true_cfg_scale", "1"], "--true_cfg_scale 1 turns off"),
     ],
 )
 def test_probed_cli_runs_refused_before_devices_start(argv, message, tmp_path, capsys, monkeypatch):
@@ -350,6 +354,22 @@ def test_probed_cli_runs_refused_before_devices_start(argv, message, tmp_path, c
     out = tmp_path / "d.png"
     assert cli.main(["generate", *argv, "--steps", "1", "--output", str(out)]) == 2
     assert message in capsys.readouterr().err and listing(tmp_path) == []
+
+
+def test_true_cfg_without_a_negative_is_refused(flux_folder, tmp_path, capsys, monkeypatch):
+    """A FLUX folder with --true_cfg_scale 4 and no negative prompt ran one branch (the same picture)."""
+    import jaxdit.generate
+
+    monkeypatch.setattr(jaxdit.generate, "start_devices", _no_devices)
+    argv = ["generate", "--weights", str(flux_folder), "--prompt", "a cube", "--true_cfg_scale", "4"]
+    assert cli.main([*argv, "--output", str(tmp_path / "x.png")]) == 2
+    assert "--true_cfg_scale 4 needs a negative prompt" in capsys.readouterr().err
+    assert listing(tmp_path) == []
+
+
+def test_plan_configs_without_verify_is_refused(capsys):
+    assert cli.main(["plan", "--model", "flux-dev", "--devices", "8", "--configs", "ulysses8"]) == 2
+    assert "--configs chooses the configurations --verify compiles" in capsys.readouterr().err
 
 
 def test_folder_data_degree_refused_before_loading(flux_folder, tmp_path, capsys, monkeypatch):

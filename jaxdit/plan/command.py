@@ -117,6 +117,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxdit.plan.search import plan
     from jaxdit.plan.workload import Workload
 
+    if args.configs and not args.verify:  # it would change nothing: say so rather than ignore it
+        raise ValueError("--configs chooses the configurations --verify compiles; add --verify")
     workload = Workload.create(
         args.model,
         height=args.height,
