@@ -475,7 +475,7 @@ def test_serve_flags_checked_before_anything_loads():
     def check(*flags: str):
         parser = argparse.ArgumentParser()
         command.add_arguments(parser)
-        return command.check(parser.parse_args(["--emulate_devices", "8", *flags]))
+        return command.check(parser.parse_args(["--emulate_devices", "8", "--port", "0", *flags]))
 
     plan = check(*PF_FLAGS)
     assert plan.config == PF_CONFIG
@@ -485,6 +485,17 @@ def test_serve_flags_checked_before_anything_loads():
         check(*PF_FLAGS, "--num_pipeline_patch", "3")
     with pytest.raises(ValueError, match="start-up shapes: warmup_steps=5 exceeds the 4 denoising steps"):
         check(*PF_FLAGS[:-1], "5", "--step_counts", "20,4")
+    # Before: a bad host, or a port in use, failed only after the model had loaded and compiled.
+    import socket
+
+    with pytest.raises(ValueError, match=r"--host '999.1.1.1' is not an address to listen at"):
+        check("--host", "999.1.1.1", "--ulysses_degree", "2", "--ring_degree", "4")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = str(taken.getsockname()[1])
+        with pytest.raises(ValueError, match=f"--port {port} is in use at 127.0.0.1"):
+            check("--port", port, "--ulysses_degree", "2", "--ring_degree", "4")
     # Before: nan answered every request 504 "after nan s", inf was accepted, and a nan initialization
     # timeout waited for ever.
     for flag in ("--request_timeout", "--initialization_timeout", "--shutdown_grace"):

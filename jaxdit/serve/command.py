@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib.util
 import math
 import re
@@ -125,6 +126,10 @@ def check(args: argparse.Namespace) -> _Plan:
     if args.emulate_devices is not None:
         runtime.check_emulated_devices(args.emulate_devices)
         config.validate_devices(args.emulate_devices * ((group.num_processes or 1) if group else 1))
+    if not 0 <= args.port <= 65535:  # 0: any free port
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if group is None or group.process_id == 0:  # process 0 alone listens
+        check_listen(args.host, args.port)
     sizes = None
     if args.sizes is not None:
         sizes = []
@@ -134,7 +139,7 @@ def check(args: argparse.Namespace) -> _Plan:
                 raise ValueError(f"--sizes takes WIDTHxHEIGHT[,...] (e.g. 1024x768), got {text!r}")
             sizes.append((int(m[1]), int(m[2])))
         sizes = tuple(sizes)
-    for name in ("port", "max_steps", "max_batch", "max_prompt_chars"):
+    for name in ("max_steps", "max_batch", "max_prompt_chars"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if args.max_queue < 0:
@@ -184,6 +189,26 @@ def _check_shapes(template, sizes, frames, step_counts) -> None:
                     check_request(shape, output=False)
                 except ValueError as e:
                     raise ValueError(f"cannot serve the start-up shapes: {e}") from None
+
+
+def check_listen(host: str, port: int) -> None:
+    """The address can be listened at, found before the model loads and compiles (minutes), not after:
+    a host that is not this machine's, or a port in use, is named with its flag."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} is not an address to listen at ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port} is in use at {host}; give another --port") from None
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
 
 
 def start_devices(args: argparse.Namespace, plan: _Plan) -> None:
