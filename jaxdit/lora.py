@@ -51,6 +51,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from converters.lora import DeltaUpdate, LoraError, LoraFile, LowRankUpdate, read_lora
+from jaxdit.distributed import fetch
 
 __all__ = [
     "FuseCost",
@@ -173,7 +174,31 @@ def fuse_loras(
     terms = read_loras(loras, config)
     options = tuple(sorted((compiler_options or {}).items()))
     _apply(state, terms, stack_orders, donate, options)
+    check_fused_finite(state, terms)
     return FusedLoras(tuple(terms), stack_orders, options)
+
+
+def check_fused_finite(state: nnx.State | nnx.Module, terms: Sequence[tuple[LoraFile, float]]) -> None:
+    """Raise ValueError naming the LoRA files (and scales) whose fused weights overflowed the weights'
+    dtype (a finite file can still overflow once scaled: alpha 1e38, values x 1e18, a scale of 1e30, or
+    float16 weights), rather than let the run stop at its first step blaming the checkpoint."""
+    flat = _flat(state)
+    owners: dict[str, list[tuple[LoraFile, float]]] = {}
+    for lora, scale in terms:
+        for update in lora.updates:
+            owners.setdefault(update.target, []).append((lora, scale))
+    finite = jax.jit(lambda x: jnp.isfinite(x).all())
+    broken = [t for t in sorted(owners) if t in flat and not bool(fetch(finite(_value(flat[t]))))]
+    if not broken:
+        return
+    culprits = {(str(lora.path), scale) for t in broken for lora, scale in owners[t]}
+    named = ", ".join(f"{path} x {scale:g}" for path, scale in sorted(culprits))
+    dtype = jnp.dtype(_value(flat[broken[0]]).dtype).name
+    raise ValueError(
+        f"fusing the LoRA {named} made {len(broken)} weight(s) non-finite in {dtype} (first: {broken[0]}): "
+        "its values, alpha or scale overflow the weights; lower the scale or check the file. The weights "
+        "now hold those values: load the model again before using it"
+    )
 
 
 def unfuse_loras(state: nnx.State | nnx.Module, fused: FusedLoras, *, donate: bool = True) -> None:

@@ -179,3 +179,23 @@ def test_failed_load_leaves_the_base_untouched():
         np.testing.assert_array_equal(np.asarray(var.get_value()), before[path])
     with pytest.raises(ValueError, match="not finite"):
         fuse_loras(state, FLUX, [(_good(), float("nan"))])
+
+
+def test_overflowing_fused_weights_name_the_lora_and_convert_writes_nothing(tmp_path, capsys):
+    """A finite file overflows once fused (x 1e300 in float32, x 1e30 in float16). Before: the run stopped at step 1 advising a
+    "damaged checkpoint" without naming the LoRA, and `jaxdit convert --dtype float16` wrote a checkpoint
+    with all-inf parameters and exited 0."""
+    from jaxdit import cli
+
+    folder = flux_tiny.diffusers_folder(lora_tiny.GUIDANCE)
+    _, model = load_params(folder, ParallelConfig().make_mesh(jax.devices()[:1]))
+    with pytest.raises(
+        ValueError, match=rf"fusing the LoRA {_good()} x 1e\+300 made \d+ weight\(s\) non-finite"
+    ):
+        fuse_loras(model, FLUX, [(_good(), 1e300)])
+    dst = tmp_path / "converted"
+    argv = ["convert", str(folder), str(dst), "--lora", f"{_good()}:1e30", "--dtype", "float16"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "non-finite in float16" in err and _good() in err, err
+    assert not dst.exists() and list(tmp_path.iterdir()) == []
