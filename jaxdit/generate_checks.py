@@ -144,7 +144,10 @@ def _check_folder(r: GenerateRequest) -> None:
     if takes_image == "required" and r.image is None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
     if takes_image == "none" and r.image is not None:
-        raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
+        raise ValueError(
+            f"--image is for image-to-video and image-editing models (Wan I2V/TI2V, FLUX.1 Kontext); "
+            f"{r.weights} is {folder.kind}, which takes no picture"
+        )
     if r.image is not None:
         preflight.check_image_file(r.image)
     for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
@@ -183,7 +186,9 @@ def _check_checkpoint(r: GenerateRequest) -> None:
 def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = True) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
-    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
+    if r.no_auto_resize and not takes(pipeline, "auto_resize"):
+        raise ValueError(f"--no_auto_resize is FLUX.1 Kontext's; {family.display} takes no reference image")
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",), ("max_area",)):
         if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
             owners = " / ".join(
                 f.display for f in families.FAMILIES.values() if takes(f.pipeline_class, flags[0])

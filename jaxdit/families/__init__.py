@@ -21,6 +21,7 @@ from converters.safetensors_io import open_checkpoint
 from jaxdit import loading
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
+from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.wan import WAN
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models.sharded_forward import validate_forward
@@ -57,6 +58,7 @@ def register(family: ModelFamily) -> None:
 
 register(FLUX)
 register(WAN)
+register(FLUX_KONTEXT)  # after FLUX: a bare FLUX.1-shaped checkpoint is FLUX's until a folder says Kontext
 
 
 def get(name: str) -> ModelFamily:
