@@ -145,7 +145,7 @@ def _check_folder(r: GenerateRequest) -> None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
     if takes_image == "none" and r.image is not None:
         raise ValueError(
-            f"--image is for image-to-video and image-editing models (Wan I2V/TI2V, FLUX.1 Kontext); "
+            f"--image is for image-to-video models and image editing (Wan I2V/TI2V, FLUX.1 Kontext); "
             f"{r.weights} is {folder.kind}, which takes no picture"
         )
     if r.image is not None:

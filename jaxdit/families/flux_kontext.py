@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxdit.families.base import Preset
-from jaxdit.families.flux import FluxFamily
+from jaxdit.families.flux import PIXELS_PER_TOKEN, FluxFamily
 from jaxdit.models import flux
 from jaxdit.pipelines import flux_kontext as kontext
 from jaxdit.pipelines.model_folder import ModelFolder
@@ -62,6 +62,14 @@ class FluxKontextFamily(FluxFamily):
                 kontext.reference_size(height, width, multiple // 2, auto)
             except ValueError as e:
                 raise ValueError(f"--image {path}: {e}") from None
+
+    def workload_shape(self, config, height, width, frames, text_tokens):
+        """FLUX.1's groups with the image stream grown by a reference picture of the output's aspect at
+        its preferred resolution (what an edit reads by default); the reference's tokens run through the
+        image stream's weights, so they are priced as image-stream tokens."""
+        (text, image), context = super().workload_shape(config, height, width, frames, text_tokens)
+        h, w = kontext.reference_size(height, width, PIXELS_PER_TOKEN // 2)
+        return (text, image + (h // PIXELS_PER_TOKEN) * (w // PIXELS_PER_TOKEN)), context
 
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
         h, w = self._size(request, multiple)
