@@ -10,6 +10,7 @@ resolutions are ~1 megapixel: 65k tokens at this VAE factor).
 """
 
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,3 +138,88 @@ def test_kontext_folder_without_its_vae(tmp_path, case):
     broken = shutil.copytree(case[0], tmp_path / "kontext", ignore=shutil.ignore_patterns("vae"))
     with pytest.raises(ValueError, match="missing: vae/"):
         check_request(GenerateRequest(weights=str(broken), prompt="a", image=case[1]))
+
+
+# ------------------------------------------------------------------ checkpoint layouts, LoRA, caches
+
+
+def test_bfl_and_comfyui_transformers_kohya_lora_and_caches(case, tmp_path):
+    """The folder's transformer rewritten in BFL's and ComfyUI's layouts loads to the same model; a
+    kohya LoRA (BFL module names) fused on the mesh matches diffusers' ``load_lora_weights`` on the
+    reloaded folder; First-Block-Cache and TeaCache run on the joined sequence and skip a step."""
+    import lora_tiny
+    from safetensors.numpy import load_file
+
+    from converters.flux import bfl_table, diffusers_to_params
+    from converters.keymap import invert
+    from converters.safetensors_io import write_safetensors
+    from jaxdit import ParallelConfig
+    from jaxdit.cache import FirstBlockCache, TeaCache
+    from jaxdit.models.flux import FluxConfig
+
+    folder, picture = case[0], Image.open(case[1])
+    cfg = FluxConfig.from_diffusers(f"{folder}/transformer/config.json")
+    weights = {}
+    for f in sorted((Path(folder) / "transformer").glob("*.safetensors")):
+        weights.update(load_file(f))
+    bfl = {k: np.asarray(v) for k, v in invert(bfl_table(cfg), diffusers_to_params(cfg, weights)).items()}
+    write_safetensors(tmp_path / "bfl.safetensors", bfl)
+    write_safetensors(
+        tmp_path / "comfy.safetensors", {"model.diffusion_model." + k: v for k, v in bfl.items()}
+    )
+    modules = ["double_blocks.0.img_attn.proj", "double_blocks.0.txt_mlp.0", "single_blocks.0.linear2"]
+    shapes = {k: v.shape for k, v in bfl.items()}
+    lora = lora_tiny.write_kohya_style(
+        tmp_path / "kohya.safetensors", shapes, modules, prefix="lora_unet_", underscore=True
+    )
+
+    noise = latent_ops.initial_noise(0, (1, 4, H // 2, W // 2))
+    call = dict(height=H, width=W, max_area=H * W, num_inference_steps=2, max_sequence_length=16)
+    ref = diffusers.FluxKontextPipeline.from_pretrained(folder)
+    ref.load_lora_weights(str(lora))
+    with torch.no_grad():
+        packed = ref(
+            image=picture,
+            prompt=PROMPT,
+            _auto_resize=False,
+            latents=torch.from_numpy(latent_ops.pack(noise)),
+            output_type="latent",
+            **call,
+        ).images
+    want = latent_ops.unpack(packed.numpy(), H // 2, W // 2)
+
+    def run(pipe, steps=2, **kw):
+        return pipe(
+            picture,
+            PROMPT,
+            auto_resize=False,
+            output_type="latent",
+            progress=False,
+            seed=0,
+            **{**call, "num_inference_steps": steps},
+            **kw,
+        )
+
+    fast = {"xla_backend_optimization_level": 0}
+    plain = None
+    for name in ("bfl", "comfy"):
+        pipe = kontext.FluxKontextPipeline.from_pretrained(
+            folder,
+            ParallelConfig(ulysses=2),
+            transformer=tmp_path / f"{name}.safetensors",
+            transformer_config=cfg,
+            compiler_options=fast,
+        )
+        out = run(pipe).latents
+        plain = out if plain is None else plain
+        np.testing.assert_array_equal(out, plain)  # both layouts: the same weights
+    without = np.linalg.norm(plain - want) / np.linalg.norm(want)
+    pipe.load_lora(str(lora))
+    fused = run(pipe).latents
+    rel = np.linalg.norm(fused - want) / np.linalg.norm(want)
+    print(f"kohya LoRA vs diffusers: {rel:.2e} relative (without the LoRA: {without:.2e})")
+    assert rel < LATENT_REL < without
+    for cache in (FirstBlockCache(threshold=10.0), TeaCache(threshold=10.0)):
+        out = run(pipe, cache=cache, steps=3)
+        assert not out.cache.ran.all(), out.cache  # a step reused the residual (TeaCache runs the last one)
+        assert np.isfinite(out.latents).all() and not np.array_equal(out.latents, fused)

@@ -154,6 +154,7 @@ class FluxKontextPipeline(FluxPipeline):
         dtype: Any = None,
         *,
         transformer: str | os.PathLike[str] | None = None,
+        transformer_config: Any = None,
         encoder_device: jax.Device | None = None,
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
@@ -162,19 +163,22 @@ class FluxKontextPipeline(FluxPipeline):
         """A downloaded ``FluxKontextPipeline`` folder on the mesh of ``parallel`` (see
         :meth:`FluxPipeline.from_pretrained`). ``transformer``: the Kontext transformer from another
         checkpoint instead of the folder's ``transformer/``: BFL's ``flux1-kontext-dev.safetensors``, a
-        ComfyUI file (``model.diffusion_model.`` keys) or a diffusers folder."""
+        ComfyUI file (``model.diffusion_model.`` keys) or a diffusers folder; ``transformer_config``: its
+        ``FluxConfig`` where the weights cannot say it (a BFL file whose head_dim is not 128)."""
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
         mesh = mesh_for(parallel)
         weights = Path(transformer) if transformer is not None else folder["transformer"]
-        check_transformer(weights, mesh, CHECKPOINTS)
+        check_transformer(weights, mesh, CHECKPOINTS, config=transformer_config)
         dtype = as_dtype(dtype)
         encoders = load_flux_text_encoders(
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(weights, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
+        model = load_model(
+            weights, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, config=transformer_config
+        )
         c = vae.config
 
         def encode_image(pixels: np.ndarray) -> np.ndarray:
