@@ -18,7 +18,6 @@ resolution of nearest aspect ratio (``PREFERRED_RESOLUTIONS``, Black Forest Labs
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -263,8 +262,3 @@ class FluxKontextPipeline(FluxPipeline):
             reference_ids=reference_positions(*latent.shape[2:]),
         )
         return Prepared(dataclasses.replace(inputs, context=context), prepared.to_latents)
-
-
-def tokens_of(height: int, width: int, multiple: int) -> int:
-    """Packed tokens of a height x width picture (``multiple`` pixels per token side)."""
-    return math.prod((height // multiple, width // multiple))
