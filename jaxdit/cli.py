@@ -97,7 +97,15 @@ def _add_generate(sub) -> None:
         gen,
         "image",
         default=None,
-        help="Wan I2V / TI2V (pipeline folder): the first frame, a picture file (TI2V without it: text only)",
+        help="a picture file: Wan I2V / TI2V's first frame (TI2V without it: text only), FLUX.1 Kontext's "
+        "reference image to edit (pipeline folders)",
+    )
+    _flag(gen, "max_area", type=int, default=None, help="FLUX.1 Kontext: output pixels (default 1048576)")
+    _flag(
+        gen,
+        "no_auto_resize",
+        action="store_true",
+        help="FLUX.1 Kontext: keep the reference image's size instead of its preferred resolutions",
     )
     _flag(
         gen,

@@ -113,7 +113,10 @@ def _check_folder(r: GenerateRequest) -> None:
     if takes_image == "required" and r.image is None:
         raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
     if takes_image == "none" and r.image is not None:
-        raise ValueError(f"--image is for image-to-video models; {r.weights} is {folder.kind}")
+        raise ValueError(
+            f"--image is for models that take a picture (image-to-video, image editing); {r.weights} is "
+            f"{folder.kind}, which takes none"
+        )
     if r.image is not None:
         preflight.check_image_file(r.image)
     for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
@@ -149,16 +152,24 @@ def _check_checkpoint(r: GenerateRequest) -> None:
         )
 
 
+def _owners(argument: str) -> str:
+    """The families whose pipelines take a call argument, for messages (a bundled model is not listed:
+    it is one of them)."""
+    return " / ".join(
+        f.display for f in families.FAMILIES.values() if not f.bundled and takes(f.pipeline_class, argument)
+    )
+
+
 def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = True) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
-    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
+    if r.no_auto_resize and not takes(pipeline, "auto_resize"):
+        raise ValueError(
+            f"--no_auto_resize is {_owners('auto_resize')}'s; {family.display} takes no reference image"
+        )
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",), ("max_area",)):
         if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
-            owners = " / ".join(
-                f.display
-                for f in families.FAMILIES.values()
-                if f.variant_of is None and takes(f.pipeline_class, flags[0])
-            )
+            owners = _owners(flags[0])
             if flags[0] == "guidance_scale_2":
                 raise ValueError(f"--guidance_scale_2 applies to {owners} models with two experts")
             if flags[0] == "true_cfg_scale":

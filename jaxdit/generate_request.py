@@ -66,6 +66,8 @@ class GenerateRequest:
     flow_shift: float | None = None  # Wan
     image: str | None = None  # image-to-video (pipeline folders): the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
+    max_area: int | None = None  # FLUX.1 Kontext: output pixels (default 1024^2, as diffusers)
+    no_auto_resize: bool = False  # FLUX.1 Kontext: keep the reference's size (diffusers' _auto_resize=False)
     lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
     lora_2: tuple[str, ...] = ()  # Wan 2.2 A14B: LoRA files for the low-noise expert (transformer_2)
     attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
@@ -199,6 +201,8 @@ class GenerateRequest:
             flow_shift=self.flow_shift,
             seed=self.seed,
             max_sequence_length=self.max_sequence_length,
+            max_area=self.max_area,
+            auto_resize=False if self.no_auto_resize else None,
             warmup_steps=self.warmup_steps,
             num_pipeline_patch=self.num_pipeline_patch,
             cache=self.cache(),

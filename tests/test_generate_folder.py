@@ -40,7 +40,7 @@ def wan_folder():
         (dict(prompt="a", output="x.mp4"), r"must end in \.png"),
         (dict(prompt="a", num_frames=9), "apply to Wan models"),
         (dict(prompt="a", use_cfg_parallel=True), "needs classifier-free guidance"),
-        (dict(prompt="a", image="x.png"), "for image-to-video models"),
+        (dict(prompt="a", image="x.png"), "for models that take a picture"),
         (dict(prompt="a", max_sequence_length=0), r"must be in 1\.\.512"),
         (dict(prompt="a", max_sequence_length=513), r"must be in 1\.\.512 .*, got 513"),
     ],

@@ -83,6 +83,9 @@ class _Layout:
     def split_local(self, x, axis=1):
         return jnp.split(x, [self.text], axis=axis)
 
+    def split_after(self, x, group, axis=1):  # two groups: [text] and [image]
+        return self.split_local(x, axis)
+
 
 # --------------------------------------------------------------------------------------------------------
 # Stages and schedule (no devices)

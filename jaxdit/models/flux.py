@@ -10,8 +10,9 @@ shard inside ``shard_map``), H heads, D head_dim, E hidden, F MLP hidden.
 
 Parallel plan (model code never names a mesh axis; it calls the :class:`ShardContext`):
 
-- Text and image tokens are two token groups of the :class:`SequenceLayout`, sequence-sharded over
-  (ring, ulysses) and padded when the degrees do not divide them. Shard r holds ``[text_r; image_r]``: the
+- Text and image tokens are two token groups of the :class:`SequenceLayout` (reference images, FLUX.1
+  Kontext's, a third one that rides in the image stream), sequence-sharded over (ring, ulysses) and
+  padded when the degrees do not divide them. Shard r holds ``[text_r; image_r]``: the
   double blocks join the two streams' q/k/v per shard for joint attention, the single blocks carry the
   joined ``[text_r; image_r]`` sequence. Nothing is concatenated globally.
 - Every op but attention is per token, RoPE included (each token brings its own (index, row, col) id,
@@ -49,7 +50,7 @@ from jaxdit.models.flux_blocks import (
     _modulate,
     _stack,
 )
-from jaxdit.models.flux_config import FluxConfig
+from jaxdit.models.flux_config import IMAGE, REFERENCE, TEXT, FluxConfig
 from jaxdit.models.layers import (
     Linear,
     rope_angles,
@@ -64,8 +65,6 @@ from jaxdit.parallel.layout import SequenceLayout
 TIME_FREQ_DIM = 256
 #: Both models multiply sigma in [0, 1] (and the guidance scale) by this before embedding it.
 TIME_SCALE = 1000.0
-#: Token groups of the joint sequence, in the order every shard holds them.
-TEXT, IMAGE = 0, 1
 
 
 class FluxCond(NamedTuple):
@@ -127,14 +126,21 @@ class FluxTransformer(nnx.Module):
         vec = self.conditioning(
             inputs["timestep"].astype(jnp.float32), inputs["pooled_projections"], inputs.get("guidance")
         )
-        ids = ctx.layout.join_local([inputs["txt_ids"], inputs["img_ids"]], axis=0)
-        angles = rope_angles(ids, cfg.axes_dim, cfg.theta)[None]  # [1, T+N, D/2], shared by the batch
-        return self.embed_tokens(inputs["hidden_states"], inputs["encoder_hidden_states"]), FluxCond(
-            vec, angles
+        ids = [inputs.get(name) for name in ("txt_ids", "img_ids", "reference_ids")]
+        angles = rope_angles(
+            ctx.layout.join_local([i for i in ids if i is not None], axis=0), cfg.axes_dim, cfg.theta
         )
+        streams = self.embed_tokens(
+            inputs["hidden_states"], inputs["encoder_hidden_states"], inputs.get("reference_hidden_states")
+        )
+        return streams, FluxCond(vec, angles[None])  # angles [1, T+N(+R), D/2], shared by the batch
 
-    def embed_tokens(self, img: jax.Array, txt: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """Packed latents [B, N, C] and T5 tokens [B, T, C'] -> the fp32 (text, image) residual streams."""
+    def embed_tokens(
+        self, img: jax.Array, txt: jax.Array, ref: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Packed latents [B, N, C], T5 tokens [B, T, C'] and packed reference latents [B, R, C] (or None)
+        -> the fp32 (text, image) residual streams; the image stream is this shard's [image; reference]."""
+        img = img if ref is None else jnp.concatenate([img, ref.astype(img.dtype)], axis=1)
         return self.txt_in(txt).astype(jnp.float32), self.img_in(img).astype(jnp.float32)
 
     def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
@@ -157,7 +163,7 @@ class FluxTransformer(nnx.Module):
     # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
     def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
         """First-Block-Cache compares the image stream (as diffusers' hook does): (it, its real tokens)."""
-        return streams[IMAGE], ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+        return streams[IMAGE], ctx.layout.split_after(ctx.token_valid(), TEXT, axis=0)[1]
 
     def teacache_input(
         self, block: DoubleStreamBlock, streams: Any, cond: FluxCond, ctx: ShardContext
@@ -229,6 +235,9 @@ FORWARD_INPUTS: dict[str, Arg] = {
     "img_ids": Arg(("seq", None), IMAGE),
     "txt_ids": Arg(("seq", None), TEXT),
     "guidance": Arg(("batch",)),
+    # Kontext's reference image: clean packed latents and their ids, never denoised (absent for FLUX.1).
+    "reference_hidden_states": Arg(("batch", "seq", None), REFERENCE, model_dtype=True),
+    "reference_ids": Arg(("seq", None), REFERENCE),
 }
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxdit.models.flux_config import FluxConfig
+from jaxdit.models.flux_config import TEXT, FluxConfig
 from jaxdit.models.layers import (
     Linear,
     apply_rope,
@@ -136,7 +136,7 @@ class DoubleStreamBlock(nnx.Module):
             qkv[name] = getattr(self, f"{name}_attn")(_modulate(x, shift, scale).astype(dtype))
         # Joint attention over [text; image], joined per shard only (the layout's group order).
         q, k, v = (ctx.layout.join_local([qkv["txt"][i], qkv["img"][i]]) for i in range(3))
-        attn_txt, attn_img = ctx.layout.split_local(_attend(q, k, v, angles, ctx))
+        attn_txt, attn_img = ctx.layout.split_after(_attend(q, k, v, angles, ctx), TEXT)
         out = {}
         for name, attn in (("txt", attn_txt), ("img", attn_img)):
             shift1, scale1, gate1, shift2, scale2, gate2 = mods[name]

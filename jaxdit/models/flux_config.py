@@ -9,6 +9,10 @@ import os
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+#: Token groups of the joint sequence, in the order every shard holds them. The image stream carries
+#: every group after the text: the denoised image, then (Kontext) the clean reference tokens.
+TEXT, IMAGE, REFERENCE = 0, 1, 2
+
 # --------------------------------------------------------------------------------------------------------
 # Configuration
 # --------------------------------------------------------------------------------------------------------

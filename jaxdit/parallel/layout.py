@@ -1,6 +1,6 @@
 """Shard-major token layout: how token groups of any length live on S = ring x ulysses sequence shards.
 
-Each token group (FLUX's text and image tokens; Wan's video tokens) is padded to a multiple of S and split
+Each token group (FLUX's text and image tokens, Kontext's reference-image tokens; Wan's video tokens) is padded to a multiple of S and split
 into S equal pieces. Shard s holds ``[group0_s; group1_s; ...]``: the groups are joined per shard and
 never concatenated globally (a global concatenation of two sharded arrays makes XLA move data). Every
 token carries its own RoPE position, so every op except attention is per-token; attention masks the
@@ -75,6 +75,11 @@ class SequenceLayout:
         """A shard's joined tokens -> one piece per group."""
         bounds = np.cumsum(self.local_lengths)[:-1].tolist()
         return jnp.split(x, bounds, axis=axis)
+
+    def split_after(self, x: jax.Array, group: int, axis: int = 1) -> list[jax.Array]:
+        """A shard's joined tokens -> [groups 0..group joined, the later groups joined]: two streams
+        that each carry several groups (FLUX's image stream: the image, then reference images)."""
+        return jnp.split(x, [sum(self.local_lengths[: group + 1])], axis=axis)
 
     def join_local(self, pieces, axis: int = 1) -> jax.Array:
         return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=axis)

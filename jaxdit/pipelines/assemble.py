@@ -40,14 +40,19 @@ def as_dtype(dtype: Any) -> Any:
 
 
 def check_transformer(
-    path: Path, mesh: Mesh, checkpoints: CheckpointFormat, check: Callable[[Any], None] | None = None
+    path: Path,
+    mesh: Mesh,
+    checkpoints: CheckpointFormat,
+    check: Callable[[Any], None] | None = None,
+    config: Any = None,
 ) -> Any:
     """The transformer's config, checked against the mesh (and ``check``), and its key table checked
     against the checkpoint's tensor names and shapes -- from the config and file headers only, so a broken
     transformer checkpoint is reported before the (large) text encoders are read. (A ``jaxdit convert``
-    folder's names and shapes were checked when it was written, and are again when it is restored.)"""
+    folder's names and shapes were checked when it was written, and are again when it is restored.)
+    ``config``: for a checkpoint whose config cannot be inferred (a BFL file of another RoPE split)."""
     path = Path(path)
-    source = None if orbax_io.is_orbax_checkpoint(path) else checkpoints.open(path, None)
+    source = None if orbax_io.is_orbax_checkpoint(path) else checkpoints.open(path, config)
     config = checkpoint_config(path, checkpoints) if source is None else source.config
     if check is not None:
         check(config)
@@ -68,6 +73,7 @@ def load_model(
     checkpoints: CheckpointFormat,
     check: Callable[[Any], None] | None = None,
     staged: Any = None,
+    config: Any = None,
 ) -> Any:
     """The transformer's parameters on ``mesh``: on a mesh with ``pipefusion > 1`` the family's PipeFusion
     stage layout (``staged``, a ``StagedModel`` class: each device reads only its own stages' blocks),
@@ -85,8 +91,10 @@ def load_model(
     if parallel.pipefusion > 1:
         if staged is None:
             raise ValueError(f"pipefusion={parallel.pipefusion}: this family has no PipeFusion stage layout")
+        if config is not None:
+            raise ValueError("a transformer config override loads on plain meshes only (not pipefusion)")
         return staged._load(path, mesh, as_dtype(dtype), checks)
-    return load_params(path, mesh, as_dtype(dtype), checkpoints=checkpoints, check=checks)
+    return load_params(path, mesh, as_dtype(dtype), checkpoints=checkpoints, check=checks, config=config)
 
 
 def preset_check(

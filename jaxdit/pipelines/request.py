@@ -71,6 +71,8 @@ class GenerationRequest:
     seed: int = 0
     latents: Any = None  # initial noise instead of the seed's, shaped like the family's latents
     max_sequence_length: int | None = None
+    max_area: int | None = None  # FLUX.1 Kontext: output pixels the size is rescaled to
+    auto_resize: bool | None = None  # FLUX.1 Kontext: snap the reference to its preferred resolutions
     num_images_per_prompt: int = 1
     output_type: str = "np"
     progress: bool = True

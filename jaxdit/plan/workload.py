@@ -180,6 +180,7 @@ class Workload:
             dtype=dtype,
             experts=preset.experts,
             offload_idle_expert=offload_idle_expert,
+            family=family,  # the preset's: variants sharing a config class (Kontext) are not told by it
         )
 
     @classmethod
@@ -198,9 +199,11 @@ class Workload:
         dtype: str = "bfloat16",
         experts: int = 1,
         offload_idle_expert: bool = False,
+        family: Any = None,
     ) -> Workload:
-        """Any architecture of a registered family at an output size (pixels; frames for video)."""
-        family = families.for_config(config)
+        """Any architecture of a registered family at an output size (pixels; frames for video);
+        ``family``: the registered family (default: the one whose config class ``config`` is)."""
+        family = family or families.for_config(config)
         factor = family.size_multiple(None)
         if height % factor or width % factor or height < factor or width < factor:
             raise ValueError(f"height and width must be positive multiples of {factor}; got {height}x{width}")

@@ -151,7 +151,9 @@ def padded_config(config: flux.FluxConfig, stages: int) -> flux.FluxConfig:
 class Geometry(PatchGeometry):
     """Static sizes of one generation: T text tokens, rows x cols packed image tokens, M patches, S
     sequence shards (ring x ulysses), the model batch (both CFG branches) and the latent batch. A patch
-    holds [text chunk; image rows]."""
+    holds [text chunk; image rows], and with R > 0 reference tokens (FLUX.1 Kontext) a reference chunk
+    after them: reference tokens are context like the text, split over the patches the same way (each
+    computed once per step, in its patch's micro-step), never latents the sampler steps."""
 
     text: int
     rows: int
@@ -161,12 +163,16 @@ class Geometry(PatchGeometry):
     ulysses: int
     batch: int
     requests: int
+    reference: int = 0
+
+    def chunk(self, length: int) -> int:
+        """Context tokens (text, reference) per patch: a group of ``length`` is padded to M chunks
+        (independent of the sequence degree, so that every mesh sees the same patches and stale K/V)."""
+        return -(-length // self.patches)
 
     @property
     def text_patch(self) -> int:
-        """Text tokens per patch: the text is padded to M of them (independent of the sequence degree,
-        so that every mesh sees the same patches and the same stale K/V)."""
-        return -(-self.text // self.patches)
+        return self.chunk(self.text)
 
     @property
     def text_piece(self) -> int:
@@ -174,36 +180,44 @@ class Geometry(PatchGeometry):
         return -(-self.text_patch // self.seq)
 
     @property
+    def reference_piece(self) -> int:
+        return -(-self.chunk(self.reference) // self.seq)
+
+    @property
     def image_piece(self) -> int:
         return self.rows * self.cols // (self.patches * self.seq)
 
     @property
-    def pieces(self) -> tuple[int, int]:
-        return (self.text_piece, self.image_piece)
+    def pieces(self) -> tuple[int, ...]:
+        return (self.text_piece, self.image_piece) + ((self.reference_piece,) if self.reference else ())
 
     @property
     def latent_piece(self) -> int:
         return self.image_piece
 
-    def text_valid(self) -> np.ndarray:
-        """[M, S, t] bool: which padded text tokens are real (patch m, shard s, token i holds text token
-        m * T/M + s * t + i)."""
-        m, s, t, tp = self.patches, self.seq, self.text_piece, self.text_patch
+    def text_valid(self, length: int | None = None) -> np.ndarray:
+        """[M, S, t] bool: which padded text tokens (or of a context group of ``length``) are real
+        (patch m, shard s, token i holds token m * T/M + s * t + i)."""
+        length = self.text if length is None else length
+        m, s, tp = self.patches, self.seq, self.chunk(length)
+        t = -(-tp // s)
         j = np.arange(s * t).reshape(s, t)
-        return (j < tp)[None] & (np.arange(m)[:, None, None] * tp + j[None] < self.text)
+        return (j < tp)[None] & (np.arange(m)[:, None, None] * tp + j[None] < length)
 
-    def piece_valid(self) -> tuple[np.ndarray | None, None]:
-        text = self.text_valid()
-        return (None if text.all() else text, None)
+    def piece_valid(self) -> tuple[np.ndarray | None, ...]:
+        groups = [self.text_valid(), None] + ([self.text_valid(self.reference)] if self.reference else [])
+        return tuple(None if v is None or v.all() else v for v in groups)
 
-    def pad_text(self, x: np.ndarray, axis: int) -> np.ndarray:
-        """[..., T, ...] -> [..., M, S*t, ...] along ``axis``: per-patch chunks, each padded for S shards."""
-        m, tp = self.patches, self.text_patch
+    def pad_text(self, x: np.ndarray, axis: int, length: int | None = None) -> np.ndarray:
+        """[..., T, ...] -> [..., M, S*t, ...] along ``axis``: per-patch chunks, each padded for S shards
+        (the text, or a context group of ``length`` tokens: Kontext's reference)."""
+        length = self.text if length is None else length
+        m, tp = self.patches, self.chunk(length)
         widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, m * tp - self.text)
+        widths[axis] = (0, m * tp - length)
         x = np.pad(x, widths).reshape(*x.shape[:axis], m, tp, *x.shape[axis + 1 :])
         widths = [(0, 0)] * x.ndim
-        widths[axis + 1] = (0, self.seq * self.text_piece - tp)
+        widths[axis + 1] = (0, self.seq * -(-tp // self.seq) - tp)
         return np.pad(x, widths)
 
     def to_patches(self, x: np.ndarray, axis: int) -> np.ndarray:
@@ -256,24 +270,27 @@ class _Pieces:
     def __init__(self, model: flux.FluxTransformer, context: dict, g: Geometry, full: bool, batch: Callable):
         self.model, self.batch = model, batch
         self.pooled, self.guidance = context["pooled_projections"], context["guidance"]
-        text, txt_ids, img_ids = context["encoder_hidden_states"], context["txt_ids"], context["img_ids"]
+        text, ref = context["encoder_hidden_states"], context.get("reference_hidden_states")
+        ids = [context[n] for n in ("txt_ids", "img_ids", "reference_ids") if context.get(n) is not None]
         rope = lambda ids: rope_angles(ids, model.config.axes_dim, model.config.theta)
-        if full:  # every patch: [text of every patch; image of every patch] on this device
-            self.text = text.reshape(text.shape[0], -1, text.shape[-1])
-            ids = g.full_layout().join_local([txt_ids.reshape(-1, 3), img_ids.reshape(-1, 3)], axis=0)
-            self.angles = rope(ids)[None]  # [1, L, D/2]
+        flat = lambda x: None if x is None else x.reshape(x.shape[0], -1, x.shape[-1])
+        if full:  # every patch: [text of every patch; image of every patch(; reference)] on this device
+            self.text, self.ref = flat(text), flat(ref)
+            self.angles = rope(g.full_layout().join_local([i.reshape(-1, 3) for i in ids], axis=0))[None]
         else:
-            self.text = text  # [B, M, t, C']: patch m's text chunk
-            join = lambda a, b: g.patch_layout().join_local([a, b], axis=0)
-            self.angles = rope(jax.vmap(join)(txt_ids, img_ids))  # [M, t+n, D/2]
+            self.text, self.ref = text, ref  # [B, M, t, C']: patch m's text (and reference) chunk
+            join = lambda *groups: g.patch_layout().join_local(list(groups), axis=0)
+            self.angles = rope(jax.vmap(join)(*ids))  # [M, t+n(+r), D/2]
 
     def step_cond(self, sigma: jax.Array) -> jax.Array:
         t = jnp.full((self.pooled.shape[0],), sigma, jnp.float32)
         return self.model.conditioning(t, self.pooled, self.guidance)
 
     def embed(self, x: jax.Array, patch: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        text = self.text if patch is None else lax.dynamic_index_in_dim(self.text, patch, 1, keepdims=False)
-        return self.model.embed_tokens(self.batch(x).astype(self.model.dtype), text)
+        chunk = lambda c: c if c is None or patch is None else lax.dynamic_index_in_dim(c, patch, 1, False)
+        return self.model.embed_tokens(
+            self.batch(x).astype(self.model.dtype), chunk(self.text), chunk(self.ref)
+        )
 
     def cond(self, vec: jax.Array, patch: jax.Array | None) -> flux.FluxCond:
         return flux.FluxCond(vec, self.angles if patch is None else self.angles[patch][None])
@@ -299,6 +316,8 @@ class FluxPatches:
         "guidance": ("batch",),
         "txt_ids": (None, "seq", None),
         "img_ids": (None, "seq", None),
+        "reference_hidden_states": ("batch", None, "seq", None),  # Kontext: chunks like the text's
+        "reference_ids": (None, "seq", None),
     }
 
     @property
@@ -319,27 +338,33 @@ class FluxPatches:
         self, grid: tuple[int, int], patches: int, parallel: ParallelConfig, requests: int, context: Mapping
     ) -> Geometry:
         batch, text = np.shape(context["encoder_hidden_states"])[:2]
-        return Geometry(text, *grid, patches, parallel.ring, parallel.ulysses, batch, requests)
+        ref = np.shape(context["reference_hidden_states"])[1] if "reference_hidden_states" in context else 0
+        return Geometry(text, *grid, patches, parallel.ring, parallel.ulysses, batch, requests, ref)
 
     def program_context(self, context: Mapping, g: Geometry, dtype: Any) -> dict[str, tuple | None]:
         f32 = lambda name: np.asarray(context[name], np.float32)
         guidance = context.get("guidance")
+        ref, r = "reference_hidden_states" in context or None, g.reference
         return {
             "encoder_hidden_states": (g.pad_text(f32("encoder_hidden_states"), 1), dtype),
             "pooled_projections": (f32("pooled_projections"), dtype),
             "guidance": None if guidance is None else (f32("guidance"), jnp.float32),
             "txt_ids": (g.pad_text(f32("txt_ids"), 0), jnp.float32),
             "img_ids": (g.to_patches(f32("img_ids"), 0), jnp.float32),
+            "reference_hidden_states": ref and (g.pad_text(f32("reference_hidden_states"), 1, r), dtype),
+            "reference_ids": ref and (g.pad_text(f32("reference_ids"), 0, r), jnp.float32),
         }
 
     def abstract_context(self, g: Geometry, dtype: Any) -> dict[str, tuple | None]:
-        c, m, s = self.config, g.patches, g.seq
+        c, m, s, r = self.config, g.patches, g.seq, g.reference_piece
         return {
             "encoder_hidden_states": ((g.batch, m, s * g.text_piece, c.context_in_dim), dtype),
             "pooled_projections": ((g.batch, c.vec_in_dim), dtype),
             "guidance": ((g.batch,), jnp.float32) if c.guidance_embed else None,
             "txt_ids": ((m, s * g.text_piece, 3), jnp.float32),
             "img_ids": ((m, s * g.image_piece, 3), jnp.float32),
+            "reference_hidden_states": g.reference and ((g.batch, m, s * r, c.in_channels), dtype) or None,
+            "reference_ids": g.reference and ((m, s * r, 3), jnp.float32) or None,
         }
 
     def pieces(
