@@ -366,6 +366,8 @@ def model_config(r: GenerateRequest) -> Any:
 
 
 def _check_output(r: GenerateRequest) -> None:
+    if r.output is not None and not r.output.strip():
+        raise ValueError("--output is empty; give a file name (or leave the flag out for the default)")
     output = r.output or r.default_output
     suffix = Path(output).suffix.lower()
     preflight.check_writable(output)

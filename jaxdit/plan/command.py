@@ -119,6 +119,8 @@ def run(args: argparse.Namespace) -> int:
     from jaxdit.plan.search import plan
     from jaxdit.plan.workload import Workload
 
+    if args.configs and not args.verify:
+        raise ValueError("--configs chooses what --verify compiles; add --verify (the plan ranks every one)")
     workload = Workload.create(
         args.model,
         height=args.height,

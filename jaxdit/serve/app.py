@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -179,7 +180,15 @@ def create_app(scheduler: Scheduler) -> Starlette:
         Route("/healthz", healthz, methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    """Unknown routes (404) and wrong methods (405) in the same JSON shape as every other error."""
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    error = RequestError(message, None, exc.status_code, kind)
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
 def _settle(future: asyncio.Future) -> None:

@@ -15,8 +15,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -136,10 +138,15 @@ def check(args: argparse.Namespace) -> _Plan:
     for name in ("port", "max_steps", "max_batch", "max_prompt_chars"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if args.max_queue < 0 or args.request_timeout <= 0 or args.shutdown_grace < 0:
-        raise ValueError("--max_queue and --shutdown_grace must be >= 0, --request_timeout > 0")
-    if args.initialization_timeout <= 0:
-        raise ValueError(f"--initialization_timeout must be > 0 seconds, got {args.initialization_timeout}")
+    if args.max_queue < 0:
+        raise ValueError(f"--max_queue must be >= 0, got {args.max_queue}")
+    for name, low in (("request_timeout", 0.0), ("shutdown_grace", -1.0), ("initialization_timeout", 0.0)):
+        value = getattr(args, name)  # nan and inf would wait for ever (or answer every request 504)
+        if not (math.isfinite(value) and value > low):
+            bound = "> 0" if low == 0 else ">= 0"
+            raise ValueError(f"--{name} must be a finite number of seconds {bound}, got {value}")
+    if group is None or not group.process_id:  # process 0 alone listens
+        _check_listen(args.host, args.port)
     batch_sizes = _numbers(args.batch_sizes, "batch_sizes")
     if max(batch_sizes) > args.max_batch:
         raise ValueError(f"--batch_sizes {args.batch_sizes} exceeds --max_batch {args.max_batch}")
@@ -162,6 +169,24 @@ def check(args: argparse.Namespace) -> _Plan:
         raise ValueError("serving videos (MP4) needs PyAV: pip install 'jaxdit[video]'")
     _check_shapes(template, sizes, frames, step_counts)
     return _Plan(config, group, sizes, batch_sizes, frames, step_counts)
+
+
+def _check_listen(host: str, port: int) -> None:
+    """The address serve will listen on, bound once and released now: a bad --host or a port in use is
+    found before the model loads and compiles (minutes), not after."""
+    if port > 65535:
+        raise ValueError(f"--port must be <= 65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on ({e})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
 
 
 def _check_shapes(template, sizes, frames, step_counts) -> None:

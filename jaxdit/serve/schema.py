@@ -229,14 +229,20 @@ def _common(body: dict, card: ModelCard, allowed: set[str]) -> dict[str, Any]:
     )
 
 
+#: Far above any clip a card serves (its frame limit refuses it by name); keeps ``seconds x fps`` finite.
+MAX_SECONDS = 3600.0
+
+
 def _seconds(value: Any) -> float:
     """OpenAI sends ``seconds`` as a string ("4"); a number is taken too."""
     try:
         seconds = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else -1
     except ValueError:
         seconds = -1
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise RequestError(f"seconds must be a positive number, got {json.dumps(value)}", "seconds")
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
+        raise RequestError(
+            f"seconds must be a number in (0, {MAX_SECONDS}], got {json.dumps(value)}", "seconds"
+        )
     return seconds
 
 
