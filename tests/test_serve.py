@@ -493,3 +493,60 @@ def test_pipefusion_mesh_serves_generate_pictures_compiled_at_start_up(monkeypat
         engine.generate(g, lambda done, total: seen.append((done, total)) is not None)
     assert seen == [(1, 20)], "the run went on after the warm-up step said stop"
     assert compile_counts() == compiled, "a request compiled a program after start-up"
+
+
+def _fuzz_bodies(rng: np.random.Generator, count: int):
+    """Random and malformed bodies: bytes, truncated or deep JSON, wrong types and absurd numbers."""
+    fields = ["prompt", "size", "seed", "steps", "guidance", "negative_prompt", "model", "n", "extra"]
+    values = [None, True, -1, 0, 1e308, -1e308, 2**70, "1e308", "", "x" * 5000, [], {}, [1, [2]], "nan", 3.5]
+    yield b"[" * 100_000  # nesting far past the parser's recursion limit
+    yield b'{"prompt": "7", "seed": ' + b"9" * 5000 + b"}"
+    for _ in range(count):
+        kind = rng.integers(4)
+        if kind == 0:
+            yield rng.bytes(int(rng.integers(0, 200)))
+        elif kind == 1:
+            text = json.dumps({"prompt": "7", "steps": 1, "seed": int(rng.integers(100))}).encode()
+            yield text[: int(rng.integers(len(text)))]
+        else:
+            body = {"prompt": "7", "steps": 1}
+            for _ in range(int(rng.integers(1, 4))):
+                body[fields[rng.integers(len(fields))]] = values[rng.integers(len(values))]
+            yield json.dumps(body).encode()
+
+
+def test_fuzzed_bodies_get_json_answers_and_the_server_stays_healthy(server):
+    """Every answer to a random or malformed body is a JSON error (4xx) or a picture; the server still
+    serves after them. Bounded: 60 bodies, loopback, at most 1 denoising step each."""
+    s = server()
+    rng = np.random.default_rng(33)
+    start = time.monotonic()
+    for body in _fuzz_bodies(rng, 60):
+        code, answer, _ = s.post(body, timeout=60)  # a non-JSON answer fails in json.loads
+        if code == 200:
+            assert answer["data"], answer
+        else:
+            assert 400 <= code < 500 and answer["error"]["message"], (body[:80], code, answer)
+    assert time.monotonic() - start < 120
+    assert s.get("/healthz")[0] == 200
+    assert s.post({"prompt": "7", "seed": SEED})[0] == 200
+
+
+def test_a_body_that_stops_short_is_answered_408(server, monkeypatch):
+    """A client that announces more bytes than it sends is answered (not held open for ever)."""
+    import urllib.parse
+
+    from jaxdit.serve import app
+
+    monkeypatch.setattr(app, "BODY_SECONDS", 0.5)
+    s = server()
+    url = urllib.parse.urlsplit(s.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as c:
+        c.sendall(
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"prompt": '
+        )
+        answer = c.recv(65536).decode()
+    assert answer.startswith("HTTP/1.1 408"), answer[:200]
+    assert '"param":"body"' in answer.replace(" ", ""), answer
+    assert s.get("/healthz")[0] == 200

@@ -12,8 +12,8 @@
 =======================================  ==================================================================
 
 Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
-field, 404 unknown job, 409 content not ready, 413 body too large, 415 not JSON, 429 queue full (with
-``Retry-After``), 500 the generation failed, 503 shutting down, 504 timed out. A client that disconnects
+field, 404 unknown job or route, 405 wrong method, 408 body not sent in time, 409 content not ready, 413
+body too large, 415 not JSON, 429 queue full (with ``Retry-After``), 500 the generation failed, 503 shutting down, 504 timed out. A client that disconnects
 while its image is being made stops the generation after the current step.
 """
 
@@ -42,6 +42,8 @@ MAX_BODY_BYTES = 1 << 20
 #: A body over the limit but under this is read and discarded before the 413, so that the client, still
 #: sending, reads the answer instead of a connection reset; a larger one is answered at once.
 DRAIN_BYTES = 64 << 20
+#: Seconds a client has to send its whole body (1 MiB at a slow 35 KiB/s).
+BODY_SECONDS = 30.0
 
 
 def _error(e: RequestError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -49,6 +51,18 @@ def _error(e: RequestError, headers: dict[str, str] | None = None) -> JSONRespon
 
 
 async def _read_json(request: Request) -> dict[str, Any]:
+    """The body, read within :data:`BODY_SECONDS`: a client that trickles its body, or stops short of its
+    Content-Length, is answered 408 instead of holding the connection for ever (the request's own timeout
+    starts only once the body is read)."""
+    try:
+        return await asyncio.wait_for(_read_body(request), BODY_SECONDS)
+    except TimeoutError:
+        raise RequestError(
+            f"the body was not received within {BODY_SECONDS:g} s", "body", status=408
+        ) from None
+
+
+async def _read_body(request: Request) -> dict[str, Any]:
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
         if int(size) <= DRAIN_BYTES:

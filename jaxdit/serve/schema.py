@@ -116,6 +116,10 @@ def parse_json(raw: bytes, content_type: str | None) -> dict[str, Any]:
         raise RequestError(f"the body is not UTF-8 text (byte {e.start})", "body") from None
     except json.JSONDecodeError as e:
         raise RequestError(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", "body") from None
+    except RecursionError:
+        raise RequestError("the JSON is nested too deeply", "body") from None
+    except ValueError as e:  # an integer past Python's digit limit (4300)
+        raise RequestError(f"malformed JSON: {e}", "body") from None
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {type(body).__name__}", "body")
     return body
