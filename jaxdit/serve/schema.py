@@ -245,7 +245,7 @@ def _seconds(value: Any) -> float:
         seconds = -1
     if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
         raise RequestError(
-            f"seconds must be a number in (0, {MAX_SECONDS}], got {json.dumps(value)}", "seconds"
+            f"seconds must be a positive number, at most {MAX_SECONDS:g}, got {json.dumps(value)}", "seconds"
         )
     return seconds
 
