@@ -12,8 +12,8 @@
 =======================================  ==================================================================
 
 Errors come back in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``: 400 naming the
-field, 404 unknown job, 409 content not ready, 413 body too large, 415 not JSON, 429 queue full (with
-``Retry-After``), 500 the generation failed, 503 shutting down, 504 timed out. A client that disconnects
+field, 404 unknown job or route, 405 wrong method, 408 body not sent in time, 409 content not ready, 413
+body too large, 415 not JSON, 429 queue full (with ``Retry-After``), 500 the generation failed, 503 shutting down, 504 timed out. A client that disconnects
 while its image is being made stops the generation after the current step.
 """
 

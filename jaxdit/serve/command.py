@@ -19,6 +19,7 @@ import importlib.util
 import math
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -194,7 +195,6 @@ def _check_shapes(template, sizes, frames, step_counts) -> None:
 def check_listen(host: str, port: int) -> None:
     """The address can be listened at, found before the model loads and compiles (minutes), not after:
     a host that is not this machine's, or a port in use, is named with its flag."""
-    import socket
 
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)

@@ -120,6 +120,10 @@ def parse_json(raw: bytes, content_type: str | None) -> dict[str, Any]:
         raise RequestError(f"the body is not UTF-8 text (byte {e.start})", "body") from None
     except json.JSONDecodeError as e:
         raise RequestError(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}", "body") from None
+    except RecursionError:
+        raise RequestError("the JSON is nested too deeply", "body") from None
+    except ValueError as e:  # an integer past Python's digit limit (4300)
+        raise RequestError(f"malformed JSON: {e}", "body") from None
     if not isinstance(body, dict):
         raise RequestError(f"the body must be a JSON object, got {type(body).__name__}", "body")
     return body
@@ -234,14 +238,20 @@ def _common(body: dict, card: ModelCard, allowed: set[str]) -> dict[str, Any]:
     )
 
 
+#: Far above any clip a card serves (its frame limit refuses it by name); keeps ``seconds x fps`` finite.
+MAX_SECONDS = 3600.0
+
+
 def _seconds(value: Any) -> float:
     """OpenAI sends ``seconds`` as a string ("4"); a number is taken too."""
     try:
         seconds = float(value) if isinstance(value, str | int | float) and not isinstance(value, bool) else -1
     except ValueError:
         seconds = -1
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise RequestError(f"seconds must be a positive number, got {json.dumps(value)}", "seconds")
+    if not math.isfinite(seconds) or not 0 < seconds <= MAX_SECONDS:
+        raise RequestError(
+            f"seconds must be a positive number, at most {MAX_SECONDS:g}, got {json.dumps(value)}", "seconds"
+        )
     return seconds
 
 
