@@ -166,6 +166,12 @@ def _resolve(
     refusals = []
     while (refusal := _refusal(backend, platform, dtype, head_dim, interpret, assume_present)) is not None:
         refusals.append((refusal[0], f"{backend}: {refusal[1]}"))
+        if backend == "cudnn" and jnp.dtype(dtype) == jnp.float32:
+            # The Triton kernel's fp32 matmuls run in TF32 on NVIDIA GPUs: an fp32 request for a fused
+            # kernel gets exact fp32 (XLA), not a lower precision under the fp32 label.
+            refusals.append((LIMIT, "triton: skipped for float32 (its matmuls would run in TF32)"))
+            backend = "xla"
+            continue
         backend = _FALLBACK[backend]
     return backend, refusals
 
