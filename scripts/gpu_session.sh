@@ -14,7 +14,7 @@
 # output) and table.txt (also printed last).
 #
 # GPU_SESSION_DRY_RUN=1: tiny shapes, whatever platform jax has (a CPU in CI), the same files and table.
-# PYTHON=... picks the interpreter (default python3); SESSION_BUDGET (default 450 s) bounds part 3.
+# PYTHON=... picks the interpreter (default python3); SESSION_BUDGET (default 400 s) bounds part 3.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$PWD/gpu_session_out}"
@@ -22,7 +22,7 @@ mkdir -p "$OUT" && OUT="$(cd "$OUT" && pwd)"
 cd "$ROOT" || exit 1
 PYTHON="${PYTHON:-python3}"
 DRY="${GPU_SESSION_DRY_RUN:-0}"
-SESSION_BUDGET="${SESSION_BUDGET:-450}"
+SESSION_BUDGET="${SESSION_BUDGET:-400}"
 WANT_flax="${WANT_flax:-0.12.0}"
 export GPU_SESSION_DRY_RUN="$DRY"
 # A CUDA plugin that fails to start must stop the run, not leave it on the CPU at full-size shapes.

@@ -16,6 +16,9 @@ import jax
 
 from gpubench import attention, ceilings, report, step
 
+#: The kernels' share of the session: a case not started by then is recorded as skipped.
+ATTENTION_SECONDS = 150.0
+
 
 def _targets(rows: list[dict]) -> list[str]:
     hits = [r for r in rows if r.get("target_tflops")]
@@ -47,8 +50,9 @@ def main(argv: list[str]) -> int:
     data["ceilings"] = ceilings.measure(dry)
     report.write(out_dir, data)
     ceiling = data["ceilings"]["matmul_tflops"]
+    kernels_end = min(time.monotonic() + ATTENTION_SECONDS, deadline - (10 if dry else 200))
     for case in attention.DRY_CASES if dry else attention.CASES:
-        if time.monotonic() > deadline - (10 if dry else 200):
+        if time.monotonic() > kernels_end:
             emit({"part": "attention", "case": case.name, "backend": "-", "status": "skipped (time)"})
             continue
         attention.run_case(case, platform, ceiling, dry, emit)
