@@ -58,3 +58,23 @@ def test_fp32_cudnn_request_is_fp32_xla_not_tf32_triton():
     assert choice.backend == "xla" and "TF32" in choice.reason
     # Triton asked for by name in fp32 is the caller's choice, and stays Triton.
     assert kernels.backend_for("cuda", jnp.float32, SHAPE, requested="triton").backend == "triton"
+
+
+def test_the_real_probe_runs_inside_another_trace(monkeypatch):
+    # The probe fires while a model is traced: its ahead-of-time compile and run on host arrays must not
+    # join that trace. Here cuDNN is the stand-in, compiled for this CPU; on a GPU host it is cuDNN itself.
+    import jax
+
+    monkeypatch.setattr(cudnn, "load", lambda: STAND_IN)
+    monkeypatch.setattr(cudnn, "_local_gpu", lambda: True)
+    cudnn.probe_failure.cache_clear()
+    chosen = []
+
+    @jax.jit
+    def traced(x):
+        chosen.append(kernels.choose("auto", "cuda", jnp.bfloat16, SHAPE))
+        return x + 1
+
+    traced(jnp.zeros(3))
+    assert chosen == ["cudnn"] and cudnn.probe_failure() is None
+    cudnn.probe_failure.cache_clear()
