@@ -43,14 +43,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import datetime
 import importlib.metadata
 import importlib.util
 import json
-import math
 import os
-import platform
 import queue
 import statistics
 import subprocess
@@ -68,8 +64,8 @@ import bench_gpu  # noqa: E402  (sibling script: workloads, inputs, timing, peak
 
 MODELS = tuple(bench_gpu.MODELS)  # flux-dev, wan2.1-t2v-1.3b
 #: Targets the fused kernels are meant to meet on an H200 (the GPU issue's acceptance figures).
-TARGET_CUDNN_TFLOPS = 500.0
-TARGET_FLUX_MFU = 0.50
+from gpucheck.report import TARGET_CUDNN_TFLOPS, TARGET_FLUX_MFU  # noqa: E402,F401
+
 #: Share of the remaining budget each part gets when it starts, and the most one row may take (compile
 #: included) before it is stopped and recorded as an error.
 PART_SHARE = {"attention": 1.0, "step": 1.5}
@@ -81,57 +77,9 @@ MAX_RESTARTS = 3
 FAIL_ENV, CRASH_ENV = "GPU_CHECK_FAIL", "GPU_CHECK_CRASH"
 Emit = Callable[[dict], None]
 
-
-@dataclasses.dataclass(frozen=True)
-class AttentionCase:
-    """The attention one device computes after Ulysses' all-to-all over ``degree`` sequence shards."""
-
-    name: str
-    lengths: tuple[int, ...]  # global token groups (FLUX: text, image)
-    degree: int  # ulysses (x ring) shards the layout pads for
-    heads: int  # heads on the device (H / U)
-    head_dim: int = 128
-    batch: int = 1
-
-    def key_valid(self):
-        """[T] bool in the order the device holds the tokens: shard by shard, each shard's groups joined,
-        each group padded to a multiple of the degree (``jaxdit.parallel.layout``)."""
-        import numpy as np
-
-        local = [math.ceil(n / self.degree) for n in self.lengths]
-        parts = [
-            s * n_local + np.arange(n_local) < n
-            for s in range(self.degree)
-            for n, n_local in zip(self.lengths, local, strict=True)
-        ]
-        return np.concatenate(parts)
-
-    def flops(self) -> float:
-        t = len(self.key_valid())
-        return 4.0 * self.batch * self.heads * t * t * self.head_dim
-
-
-CASES = (
-    AttentionCase("flux-dev 1024px, ulysses6", (512, 4096), 6, 4),
-    AttentionCase("wan2.1-1.3b 480p x 81, cfg2 x ulysses4", (32_760,), 4, 3),
-    AttentionCase("wan2.1-14b 720p x 81, ulysses8", (75_600,), 8, 5),
-)
-TINY_CASES = (
-    AttentionCase("flux-tiny, ulysses3", (5, 30), 3, 2, head_dim=16),
-    AttentionCase("wan-tiny, ulysses2", (60,), 2, 2, head_dim=16),
-    AttentionCase("wan-tiny, ulysses4", (75,), 4, 1, head_dim=16),
-)
-
-
-def row_key(part: str, name: str, backend: str) -> str:
-    """One row's identity: part (attention / step), case or model, backend."""
-    return f"{part}|{name}|{backend}"
-
-
-def _row_fields(key: str) -> dict:
-    part, name, backend = key.split("|")
-    return {"part": part, ("case" if part == "attention" else "model"): name, "backend": backend, "key": key}
-
+from gpucheck.cases import CASES, TINY_CASES, AttentionCase, _row_fields, row_key  # noqa: E402,F401
+from gpucheck.report import _fmt, _targets, format_report  # noqa: E402,F401
+from gpucheck.results import Results  # noqa: E402,F401
 
 # ----------------------------------------------------------------------------------------------------
 # The kernel layer, in one place.
@@ -464,65 +412,6 @@ def _step_row(setup: dict, model_name: str, backend: str, tiny: bool, steps: int
 
 
 # ----------------------------------------------------------------------------------------------------
-# Results, written after every row
-
-
-class Results:
-    """Every record so far, and the ``--out`` file rewritten (atomically) after each."""
-
-    def __init__(self, out: str | None, tiny: bool) -> None:
-        self.out, self.tiny = (Path(out) if out else None), tiny
-        self.records: list[dict] = []
-        self.notes: list[str] = []
-        self.started = time.monotonic()
-
-    def add(self, record: dict) -> None:
-        if record.get("part") == "device" and any(r.get("part") == "device" for r in self.records):
-            return  # every worker reports the device; one is enough
-        self.records.append(record)
-        self.write()
-
-    def note(self, text: str) -> None:
-        self.notes.append(text)
-        print(f"gpu_check: {text}", file=sys.stderr, flush=True)
-        self.write()
-
-    def part(self, name: str) -> list[dict]:
-        return [r for r in self.records if r.get("part") == name]
-
-    def data(self, complete: bool = False) -> dict:
-        device = next(iter(self.part("device")), {"device": "unknown", "platform": "unknown", "backends": []})
-        meta = {k: v for k, v in device.items() if k != "part"}
-        meta.setdefault("jax", None)
-        meta.setdefault("jaxlib", None)
-        meta.update(
-            date=datetime.date.today().isoformat(),
-            host=platform.node(),
-            python=platform.python_version(),
-            tiny=self.tiny,
-            notes=list(self.notes),
-            elapsed_seconds=round(time.monotonic() - self.started, 1),
-        )
-        attention, steps = self.part("attention"), self.part("step")
-        return {
-            "meta": meta,
-            "complete": complete,
-            "attention": attention,
-            "steps": steps,
-            "diffusers": self.part("diffusers"),
-            "errors": [r for r in attention + steps if "error" in r],
-            "targets": _targets(attention, steps, self.tiny),
-        }
-
-    def write(self, complete: bool = False) -> None:
-        if self.out is None:
-            return
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text(json.dumps(self.data(complete), indent=1))
-        tmp.replace(self.out)  # atomic: a reader never sees half a file
-
-
-# ----------------------------------------------------------------------------------------------------
 # The parent: workers within the budget
 
 
@@ -615,78 +504,6 @@ def _configure_runtime(no_cache: bool) -> None:
     except (ValueError, OSError) as e:
         print(f"gpu_check: compilation cache off: {e}", file=sys.stderr)
         runtime.configure(no_cache=True)
-
-
-def _fmt(value, spec: str, width: int) -> str:
-    return f"{value:>{width}{spec}}" if isinstance(value, int | float) else f"{'n/a':>{width}}"
-
-
-def format_report(data: dict) -> str:
-    meta = data["meta"]
-    lines = [
-        f"gpu_check {meta['date']}: {meta['device']} ({meta['platform']}); jax {meta['jax']}, "
-        f"jaxlib {meta['jaxlib']}; backends: {', '.join(meta['backends'])}"
-        + (" [tiny]" if meta["tiny"] else "")
-        + ("" if data.get("complete", True) else " [INCOMPLETE]")
-    ]
-    head = f"{'attention case':<40} {'backend':<8} {'tokens':>7} {'TFLOP/s':>8} {'out-xla':>9} {'lse-xla':>9} {'out-fp32':>9} {'lse-fp32':>9}"
-    lines += ["", head, "-" * len(head)]
-    for r in data["attention"]:
-        name = r["backend"] + ("*" if r.get("interpret") else "")
-        if "error" in r:
-            lines.append(f"{r['case']:<40} {name:<8} error: {r['error'][:200]}")
-            continue
-        errors = (r["err_out_vs_xla"], r["err_lse_vs_xla"], r["err_out_vs_fp32"], r["err_lse_vs_fp32"])
-        lines.append(
-            f"{r['case']:<40} {name:<8} {r['shape']['tokens']:>7} {r['tflops']:>8.3g} "
-            + " ".join(_fmt(e, ".2e", 9) for e in errors)
-        )
-    head = f"{'step':<18} {'runs':<24} {'compile':>9} {'median step':>12} {'TFLOP/s':>8} {'MFU':>7}"
-    lines += ["", head, "-" * len(head)]
-    for r in data["steps"]:
-        if "error" in r:
-            lines.append(f"{r['model']:<18} {'jaxdit ' + r['backend']:<24} error: {r['error'][:200]}")
-            continue
-        mfu = f"{r['mfu']:.1%}" if r.get("mfu") else "n/a"
-        lines.append(
-            f"{r['model']:<18} {'jaxdit ' + r['backend']:<24} {r['compile_seconds']:>8.1f}s "
-            f"{r['seconds'] * 1e3:>10.1f}ms {r['tflops']:>8.3g} {mfu:>7}"
-        )
-    for r in data["diffusers"]:
-        step = next((s for s in data["steps"] if s["model"] == r["model"] and "flops" in s), None)
-        rate = step["flops"] / r["median_seconds"] / 1e12 if step else float("nan")
-        lines.append(
-            f"{r['model']:<18} {'diffusers ' + r['mode']:<24} {r['first_call_seconds']:>8.1f}s "
-            f"{r['median_seconds'] * 1e3:>10.1f}ms {rate:>8.3g} {'':>7}"
-        )
-    lines += ["", *(f"target: {t}" for t in data["targets"]), *(f"note: {n}" for n in meta["notes"])]
-    lines.append(
-        "out/lse-xla: max |error| against the xla backend on the same bf16 inputs; -fp32: against the XLA "
-        "kernel on those inputs in fp32 (real query rows only); *: in Pallas' interpreter. TFLOP/s: 4 B H "
-        "T^2 D over the padded length (attention), the cost model's FLOPs (steps; diffusers: the same FLOPs "
-        "over its time). compile: jaxdit's lower + compile, diffusers' first call."
-    )
-    return "\n".join(lines)
-
-
-def _targets(attention: list[dict], steps: list[dict], tiny: bool) -> list[str]:
-    if tiny:
-        return ["not judged at tiny sizes"]
-    out = []
-    flux_att = [
-        r for r in attention if r["backend"] == "cudnn" and r["case"].startswith("flux") and r.get("tflops")
-    ]
-    out.append(
-        f"cuDNN attention >= {TARGET_CUDNN_TFLOPS:.0f} TFLOP/s at FLUX's shape: "
-        + (f"{flux_att[0]['tflops']:.0f}" if flux_att else "cudnn did not run")
-    )
-    flux_steps = [r for r in steps if r["model"] == "flux-dev" and r.get("mfu")]
-    best = max(flux_steps, key=lambda r: r["mfu"], default=None)
-    out.append(
-        f"FLUX-dev step MFU >= {TARGET_FLUX_MFU:.0%}: "
-        + (f"{best['mfu']:.1%} ({best['backend']})" if best else "no FLUX step with a known peak")
-    )
-    return out
 
 
 def _device_record(device, interpret: bool = False) -> dict:

@@ -30,8 +30,9 @@ def test_kernel_choice_follows_dtype_and_head_dim():
     assert hw.attention_kernel("float16", 264).backend == "xla"
     assert Hardware(attention_backend="triton").attention_kernel("bfloat16", 264).backend == "xla"
     asked = Hardware(attention_backend="cudnn").attention_kernel("float32", 128)
-    assert asked.backend == "triton" and "takes float16/bfloat16, not float32" in asked.why
-    assert asked.why.startswith("cudnn asked;") and asked.why.endswith(": triton instead")
+    # fp32 asked of cuDNN is fp32 XLA, not the Triton kernel's TF32 matmuls.
+    assert asked.backend == "xla" and "takes float16/bfloat16, not float32" in asked.why
+    assert asked.why.startswith("cudnn asked;") and asked.why.endswith(": xla instead")
     assert Hardware(attention_backend="triton").attention_kernel("bfloat16", 128).tflops == 390.0
     measured = Hardware(attention_backend="xla", attention_tflops=75.0).attention_kernel("bfloat16", 128)
     assert (measured.tflops, measured.source) == (75.0, "--attention_tflops")

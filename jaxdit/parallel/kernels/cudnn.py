@@ -121,11 +121,52 @@ def limits(dtype, head_dim: int, max_head: int | None = None) -> str | None:
 
 
 def missing() -> str | None:
-    """Why cuDNN cannot run on this host (not detected, or jax's private entry point moved), or None."""
+    """Why cuDNN cannot run on this host (not detected, jax's private entry point moved, or a tiny fused
+    call failed to compile or run on the local GPU: :func:`probe_failure`), or None."""
     try:
         load()
     except RuntimeError as e:
         return str(e)
+    return probe_failure()
+
+
+def _local_gpu() -> bool:
+    """Whether this process has an NVIDIA GPU to compile for (False when lowering for one from a CPU)."""
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+#: The probe's call: q = k = v [1, 128, 1, 64] bf16, no mask (the smallest shape cuDNN's kernel takes).
+PROBE_SHAPE = (1, 128, 1, 64)
+
+
+def _compile_tiny() -> None:
+    """Compile and run one tiny fused call on the local GPU; raise when cuDNN fails (jax issue 32430:
+    cuDNN's fused attention failing to compile under the CUDA 13 plugin). Lowered and compiled ahead of
+    time from shapes and run on host arrays, so it is safe to call while another program is traced."""
+    import numpy as np
+
+    spec = jax.ShapeDtypeStruct(PROBE_SHAPE, jnp.bfloat16)
+    compiled = jax.jit(lambda q: attention(q, q, q, None, scale=0.125)).lower(spec).compile()
+    x = np.random.default_rng(0).standard_normal(PROBE_SHAPE).astype(jnp.bfloat16)
+    out, lse = jax.block_until_ready(compiled(x))
+    if not (np.isfinite(np.asarray(out, np.float32)).all() and np.isfinite(np.asarray(lse)).all()):
+        raise RuntimeError("the probe's output or log-sum-exp is not finite")
+
+
+@functools.cache
+def probe_failure() -> str | None:
+    """Why a tiny cuDNN fused-attention call fails on the local GPU, or None (also None with no local
+    GPU: lowering for one from a CPU host compiles nothing). Once per process: the first trace that asks
+    for cuDNN pays one small compile, and ``auto`` then falls back to the Triton kernel with one warning."""
+    if not _local_gpu():
+        return None
+    try:
+        _compile_tiny()
+    except Exception as e:  # noqa: BLE001 - any failure of cuDNN's compile or run is a reason to fall back
+        return f"cuDNN fused attention failed its probe on this GPU ({type(e).__name__}: {str(e)[:300]})"
     return None
 
 

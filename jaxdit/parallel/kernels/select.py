@@ -5,7 +5,9 @@ head dimension, never per call at run time.
 splash attention on TPUs, and the XLA kernel otherwise (CPUs, float32 anywhere, ROCm). An explicitly
 requested backend that cannot serve a call (wrong platform, dtype or head dimension, cuDNN missing) falls
 back along cudnn -> triton -> xla (splash -> xla) with ONE warning per distinct reason, naming the reason
-and the backend used instead; it never crashes for want of a kernel. ``auto`` warns only when a kernel it
+and the backend used instead; it never crashes for want of a kernel. float32 asked of cuDNN on a GPU goes
+to XLA, not to the Triton kernel, whose fp32 matmuls run in TF32. cuDNN counts as missing when a tiny
+fused call fails its once-per-process probe on the local GPU (``cudnn.probe_failure``). ``auto`` warns only when a kernel it
 would use is missing from the host (cuDNN not detected, jax's entry point moved): a shape or dtype no fused
 kernel takes (the VAEs' single 512- or 384-wide head, float32) is simply computed by XLA.
 """
@@ -166,6 +168,12 @@ def _resolve(
     refusals = []
     while (refusal := _refusal(backend, platform, dtype, head_dim, interpret, assume_present)) is not None:
         refusals.append((refusal[0], f"{backend}: {refusal[1]}"))
+        if backend == "cudnn" and platform == "cuda" and jnp.dtype(dtype) == jnp.float32:
+            # The Triton kernel's fp32 matmuls run in TF32 on NVIDIA GPUs: an fp32 request for a fused
+            # kernel gets exact fp32 (XLA), not a lower precision under the fp32 label.
+            refusals.append((LIMIT, "triton: skipped for float32 (its matmuls would run in TF32)"))
+            backend = "xla"
+            continue
         backend = _FALLBACK[backend]
     return backend, refusals
 
