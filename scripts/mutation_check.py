@@ -73,7 +73,7 @@ MUTATIONS = (
     Mutation(
         "flux-modulation-order",
         "FLUX's AdaLN modulation with shift and scale swapped",
-        "jaxdit/models/flux.py",
+        "jaxdit/models/flux_blocks.py",
         "return layer_norm(x) * (1.0 + scale[:, None]) + shift[:, None]",
         "return layer_norm(x) * (1.0 + shift[:, None]) + scale[:, None]",
         ("tests/test_flux_vs_diffusers.py::test_single_device",),
