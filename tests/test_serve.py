@@ -312,6 +312,50 @@ def test_slow_or_short_bodies_and_unknown_routes_get_json_errors(server):
     assert s.post({"prompt": "7", "seed": SEED})[0] == 200
 
 
+class _Store:
+    """The coordination service's key-value store, as lockstep uses it, in memory."""
+
+    def __init__(self) -> None:
+        self.values, self.lock = {}, threading.Lock()
+
+    def key_value_set(self, key, value, allow_overwrite=False):
+        with self.lock:
+            assert allow_overwrite or key not in self.values
+            self.values[key] = value
+
+    def key_value_dir_get(self, prefix):
+        with self.lock:
+            return [(k, v) for k, v in self.values.items() if k.startswith(prefix)]
+
+
+def test_a_follower_that_stops_beating_is_named_by_healthz_and_requests(server):
+    """Before: a dead follower of a two-process serve went unnoticed until a request blocked in a
+    collective (then a 500 with a raw Gloo message). Now its silent heartbeat makes /healthz answer 503
+    naming it, and new requests 503 before they reach the devices."""
+    from jaxdit.serve import lockstep
+
+    store = _Store()
+    leader = lockstep.Leader(store, 2, lost_after=0.3)
+    time.sleep(0.4)
+    assert leader.lost() == [], "a follower not yet heard from (still compiling) was counted lost"
+    beat = lockstep.Heartbeat(store, 1, every=0.02)
+    time.sleep(0.1)
+    assert leader.lost() == []
+    time.sleep(0.4)
+    assert leader.lost() == [], "a beating follower was counted lost"
+    beat.stop()
+    time.sleep(0.5)
+    assert leader.lost() == [1]
+
+    s = server(lockstep=leader)
+    code, raw = s.get("/healthz")
+    health = json.loads(raw)
+    assert code == 503 and health["status"] == "process_lost" and health["lost_processes"] == [1], health
+    code, answer, _ = s.post({"prompt": "7", "seed": SEED})
+    assert code == 503 and "process(es) 1 of this server stopped answering" in answer["error"]["message"]
+    assert s.steps_run() == 0
+
+
 def test_full_queue_answers_429_with_retry_after(server, slow):
     s = server(max_queue=1, request_timeout=60, shutdown_grace=0)
     answers = {}

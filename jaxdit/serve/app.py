@@ -8,6 +8,7 @@
 ``GET /v1/videos/{id}/content``          the MP4 once completed
 ``DELETE /v1/videos/{id}``               cancel (stops after the current step) or forget a finished job
 ``GET /healthz``                         200 while serving (model, shapes, queue), 503 while shutting down
+                                         or when a follower process has stopped answering
 ``GET /metrics``                         Prometheus text (:mod:`jaxdit.serve.metrics`)
 =======================================  ==================================================================
 
@@ -181,9 +182,12 @@ def create_app(scheduler: Scheduler, *, body_timeout: float = BODY_TIMEOUT_S) ->
         return JSONResponse(job.view())
 
     async def healthz(request: Request) -> Response:
-        closing = scheduler.closing
+        lost = scheduler.lost_processes()
+        closing = scheduler.closing or bool(lost)
+        status = "shutting_down" if scheduler.closing else "process_lost" if lost else "ok"
         body = {
-            "status": "shutting_down" if closing else "ok",
+            "status": status,
+            "lost_processes": lost,
             "model": card.name,
             "kind": card.kind,
             "shapes": [scheduler.engine.describe(k) for k in sorted(scheduler.engine.compiled)],

@@ -154,8 +154,21 @@ class Scheduler:
         self._thread = threading.Thread(target=self._work, name="jaxdit-device-worker", daemon=True)
 
     # ------------------------------------------------------------------ intake
+    def lost_processes(self) -> list[int]:
+        """Follower processes that stopped answering (their heartbeats), none in a single process."""
+        return [] if self.lockstep is None else self.lockstep.lost()
+
     def check(self, g: Generation) -> None:
         """The mesh's and the shape policy's objections to ``g`` (a :class:`RequestError`), before queueing."""
+        lost = self.lost_processes()
+        if lost:
+            raise RequestError(
+                f"process(es) {', '.join(map(str, lost))} of this server stopped answering (no heartbeat); "
+                "every generation needs all processes: restart the server",
+                None,
+                503,
+                "server_error",
+            )
         self.engine.check(g)
         key = self.engine.shape_key(g)
         if self.new_shapes == "compile" or key in self.engine.compiled:
