@@ -357,3 +357,25 @@ def test_write_failure_inside_orbax_is_one_clear_line(tmp_path):
     assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr[-3000:]
     assert lines[0].startswith("jaxdit convert: error: cannot write") and "past the size limit" in lines[0]
     assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("patch_size", -3, "patch_size must be >= 1, got -3"),  # was a shape mismatch of some tensor
+        ("num_layers", 1000000, "(diffusers' num_layers) 1000000 is beyond 1000 blocks"),  # was 86 s of work
+    ],
+)
+def test_absurd_config_fields_are_named_before_any_work(field, value, says, tmp_path, capsys):
+    import json
+    import shutil
+    import time
+
+    folder = tmp_path / "transformer"
+    shutil.copytree(flux_tiny.diffusers_folder(False), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, field: value}))
+    start = time.monotonic()
+    assert cli_main(["convert", str(folder), str(tmp_path / "out")]) == 2
+    assert says in capsys.readouterr().err and time.monotonic() - start < 20
+    assert not (tmp_path / "out").exists()

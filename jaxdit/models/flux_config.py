@@ -12,6 +12,9 @@ from typing import Any, ClassVar
 #: Token groups of the joint sequence, in the order every shard holds them. The image stream carries
 #: every group after the text: the denoised image, then (Kontext) the clean reference tokens.
 TEXT, IMAGE, REFERENCE = 0, 1, 2
+#: Blocks per stack a config may ask for: far above any released model (FLUX.1: 19 + 38); a config
+#: asking for more is a typo that would otherwise cost minutes of building before a shape error.
+MAX_BLOCKS = 1000
 
 # --------------------------------------------------------------------------------------------------------
 # Configuration
@@ -55,6 +58,12 @@ class FluxConfig:
                 raise ValueError(f"FluxConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.depth < 0 or self.depth_single_blocks < 0:
             raise ValueError(f"negative depth: {self.depth} double, {self.depth_single_blocks} single blocks")
+        # FLUX.1 has 19 and 38; a typo would take minutes of building before a shape error.
+        for name, key in (("depth", "num_layers"), ("depth_single_blocks", "num_single_layers")):
+            if getattr(self, name) > MAX_BLOCKS:
+                raise ValueError(
+                    f"FluxConfig.{name} (diffusers' {key}) {getattr(self, name)} is beyond {MAX_BLOCKS} blocks"
+                )
         if self.hidden_size % self.num_heads:
             raise ValueError(f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}")
         if sum(self.axes_dim) != self.head_dim or any(a % 2 for a in self.axes_dim):
@@ -91,6 +100,8 @@ class FluxConfig:
         if c.get("_class_name") not in known:
             raise ValueError(f"config is for {c.get('_class_name')!r}, not FluxTransformer2DModel")
         patch = int(c.get("patch_size", 1))
+        if patch < 1:
+            raise ValueError(f"config.json: patch_size must be >= 1, got {patch}")
         heads = int(c.get("num_attention_heads", 24))
         head_dim = int(c.get("attention_head_dim", 128))
         in_channels = int(c.get("in_channels", 64))

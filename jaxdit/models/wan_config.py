@@ -33,6 +33,10 @@ __all__ = ["VAE_FACTORS", "WanConfig"]
 VAE_FACTORS = {16: (4, 8), 48: (4, 16)}
 
 
+#: Blocks a config may ask for: far above any released model (Wan 2.1 14B: 40).
+MAX_BLOCKS = 1000
+
+
 @dataclasses.dataclass(frozen=True)
 class WanConfig:
     """Architecture of one Wan transformer (``WanModel`` arguments, diffusers names in comments)."""
@@ -73,6 +77,8 @@ class WanConfig:
         for name in ("dim", "ffn_dim", "num_heads", "num_layers", "in_channels", "out_channels"):
             if getattr(self, name) < 1:
                 raise ValueError(f"WanConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_layers > MAX_BLOCKS:  # Wan 2.1 14B has 40; a typo would take minutes of building
+            raise ValueError(f"WanConfig.num_layers {self.num_layers} is beyond {MAX_BLOCKS} blocks")
         if self.dim % self.num_heads:
             raise ValueError(f"dim={self.dim} is not a multiple of num_heads={self.num_heads}")
         if self.head_dim % 2 or self.head_dim < 6:
