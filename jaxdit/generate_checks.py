@@ -316,7 +316,10 @@ def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) ->
         steps=call.num_inference_steps,
         branches=2 if _uses_cfg(r, call) else 1,
         requests=shapes["prompt_embeds"][0] if "prompt_embeds" in shapes else 1,
+        # The text tokens the run will have: the embeddings' own, or the prompt's --max_sequence_length.
+        text_tokens=shapes["prompt_embeds"][1] if "prompt_embeds" in shapes else r.max_sequence_length,
         dtype=r.dtype or "bfloat16",
+        family=r.family,
     )
     check_fits(workload, parallel, devices)
 

@@ -227,6 +227,12 @@ def test_a_request_beyond_the_devices_memory_is_refused_before_loading(flux_fold
     assert cli.main([*argv, "--width", "100000", "--output", "/tmp/never-written.png"]) == 2
     err = capsys.readouterr().err
     assert "GiB per device" in err and "each device has" in err
+    # The advice names only settings not already given (it said "--dtype bfloat16" to a bf16 run, and
+    # priced 512 text tokens for --max_sequence_length 8).
+    argv += ["--width", "100000", "--dtype", "bfloat16", "--max_sequence_length", "8"]
+    assert cli.main([*argv, "--output", "/tmp/never-written.png"]) == 2
+    err = capsys.readouterr().err
+    assert "--dtype bfloat16" not in err.split("GiB per device")[1] and " 8 + " in err, err
 
 
 # ------------------------------------------------------------------ the forward callables' arguments

@@ -70,8 +70,9 @@ def check_fits(workload: Workload, config: ParallelConfig, devices: Sequence[Any
     hint = (
         f"configurations of {len(devices)} devices that fit: {'; '.join(fitting[:4])}"
         if fitting
-        else "no configuration of these devices fits: use more devices, a smaller size or fewer frames, or "
-        "--dtype bfloat16"
+        else "no configuration of these devices fits: use more devices, a smaller size or fewer frames"
+        # Only what the request has not already chosen: bf16 halves a float32 run's bytes.
+        + (", or --dtype bfloat16" if workload.dtype == "float32" else "")
     )
     raise ValueError(
         f"{workload.describe()} with {config.describe()} needs about {need / GiB:.1f} GiB per device (the "
