@@ -228,6 +228,14 @@ BAD_REQUESTS = [
     ({"prompt": "7", "true_cfg_scale": 1.0}, "application/json", 400, "true_cfg_scale", "cfg=2"),
     (b'{"prompt": "7", "true_cfg_scale": NaN}', "application/json", 400, "true_cfg_scale", "finite"),
     ({"prompt": "7", "negative_prompt": "cat"}, "application/json", 400, "negative_prompt", "digit"),
+    # it ran one branch, the picture of the request without it:
+    (
+        {"prompt": "7", "negative_prompt": "3", "true_cfg_scale": 1.0},
+        "application/json",
+        400,
+        "negative_prompt",
+        "turns off",
+    ),  # noqa: E501
     ({"prompt": "7", "guidance": 3.5}, "application/json", 400, "guidance", "change nothing"),
     ({"prompt": "7", "seed": -1}, "application/json", 400, "seed", "0.."),
     ({"prompt": "7", "response_format": "url"}, "application/json", 400, "response_format", "b64_json"),

@@ -224,11 +224,25 @@ def _common(body: dict, card: ModelCard, allowed: set[str]) -> dict[str, Any]:
         raise RequestError(f"model {json.dumps(model)[:60]}: this server serves {card.name!r}", "model")
     width, height = _size(body, card)
     true_cfg = None
+    negative = _text(body, "negative_prompt", card, card.default_negative)
     if card.default_true_cfg is not None:
         true_cfg = _number(body, "true_cfg_scale", card.default_true_cfg, 0.0, card.max_guidance)
+        # True CFG needs both; either alone runs one branch and answers the picture of the request
+        # without it, so a field that would change nothing is refused (as jaxdit generate's flags).
+        if "true_cfg_scale" in body and true_cfg > 1 and negative is None:
+            raise RequestError(
+                f"true_cfg_scale {true_cfg:g} needs a negative_prompt: without one it changes nothing",
+                "true_cfg_scale",
+            )
+        if "negative_prompt" in body and true_cfg <= 1:
+            raise RequestError(
+                f"negative_prompt is used by classifier-free guidance, which true_cfg_scale {true_cfg:g} turns "
+                "off: send true_cfg_scale > 1 too",
+                "negative_prompt",
+            )
     return dict(
         prompt=_text(body, "prompt", card, None, required=True),
-        negative_prompt=_text(body, "negative_prompt", card, card.default_negative),
+        negative_prompt=negative,
         width=width,
         height=height,
         steps=_integer(body, "steps", card.default_steps, 1, card.max_steps),
