@@ -33,6 +33,26 @@ def generate_check(**fields):
     check_request(GenerateRequest(**fields))
 
 
+def generate_run_check(**fields):
+    """What `jaxdit generate` checks beyond check_request (flags that would change nothing)."""
+    from jaxdit.generate_checks import check_request, check_run
+    from jaxdit.generate_request import GenerateRequest
+
+    request = GenerateRequest(**fields)
+    check_request(request)
+    check_run(request)
+
+
+def flux_config(**fields):
+    """A diffusers FluxTransformer2DModel config.json with absurd fields, read as generate, convert and
+    serve read it."""
+    from jaxdit.models.flux import FluxConfig
+
+    base = dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                joint_attention_dim=32, pooled_projection_dim=32, in_channels=16, axes_dims_rope=[4, 6, 6])  # fmt: skip
+    return FluxConfig.from_diffusers({**base, **fields})
+
+
 def plan(*flags: str):
     from jaxdit.plan import command
 
@@ -116,6 +136,13 @@ def cases():
         "initialization_timeout",
         lambda: generate_check(initialization_timeout=float("nan")),
     )
+    yield (
+        "generate --negative_prompt 3 --true_cfg_scale 1",
+        "--negative_prompt",
+        lambda: generate_run_check(negative_prompt="3", true_cfg_scale=1.0),
+    )
+    yield "config patch_size -3", "patch_size", lambda: flux_config(patch_size=-3)
+    yield "config num_layers 1000000", "num_layers", lambda: flux_config(num_layers=1000000)
     yield (
         "plan --configs without --verify",
         "--verify",
