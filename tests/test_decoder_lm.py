@@ -1,0 +1,131 @@
+"""The decoder-LM text encoder against transformers' own Qwen2, Qwen3 and Mistral models: tiny random
+models saved with ``save_pretrained`` (one of them sharded), loaded through jaxdit, compared on a batch
+of two prompts of different lengths (right padding, only real tokens compared), fp32."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from jaxdit.loading.decoder_lm import load_decoder_lm, map_key  # noqa: E402
+from jaxdit.text_encoders.decoder_lm import DecoderLMConfig, encode  # noqa: E402
+
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    rms_norm_eps=1e-6,
+)
+FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2Model, dict(rope_theta=1e6)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3Model, dict(head_dim=24, rope_theta=5e5)),
+    "mistral": (transformers.MistralConfig, transformers.MistralModel, dict(sliding_window=None)),
+}
+LENGTHS = (11, 7)
+LAYERS = [0, 2, -1]
+
+
+def _relative(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def case(request, tmp_path_factory):
+    config_cls, model_cls, extra = FAMILIES[request.param]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**COMMON, **extra, attn_implementation="eager")).eval()
+    folder = tmp_path_factory.mktemp(request.param)
+    # Qwen2 is saved sharded, the others as one file: both layouts are read.
+    model.save_pretrained(folder, max_shard_size="40KB" if request.param == "qwen2" else "1GB")
+    ids = np.random.default_rng(1).integers(0, COMMON["vocab_size"], (2, max(LENGTHS)))
+    mask = (np.arange(max(LENGTHS))[None] < np.array(LENGTHS)[:, None]).astype(np.int64)
+    with torch.no_grad():
+        out = model(torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+    reference = [h.numpy() for h in out.hidden_states]
+    return request.param, folder, ids, mask, out.last_hidden_state.numpy(), reference
+
+
+def test_both_file_layouts_read(case):
+    name, folder, *_ = case
+    sharded = (folder / "model.safetensors.index.json").is_file()
+    assert sharded == (name == "qwen2"), (name, sorted(p.name for p in folder.iterdir()))
+
+
+def test_last_layer_matches_transformers(case):
+    name, folder, ids, mask, last, _ = case
+    cfg, params = load_decoder_lm(folder)
+    got = np.asarray(
+        jax.jit(lambda p, i, m: encode(cfg, p, i, m))(params, jnp.asarray(ids), jnp.asarray(mask))
+    )
+    for row, n in enumerate(LENGTHS):
+        err = _relative(got[row, :n], last[row, :n])
+        print(f"{name} last layer row {row}: relative error {err:.2e}")
+        assert err < 1e-5, (name, row, err)
+
+
+def test_stacked_layers_match_transformers(case):
+    name, folder, ids, mask, _, reference = case
+    cfg, params = load_decoder_lm(folder)
+    got = np.asarray(encode(cfg, params, jnp.asarray(ids), jnp.asarray(mask), layers=LAYERS))
+    assert got.shape == (2, len(LAYERS), max(LENGTHS), COMMON["hidden_size"])
+    for j, layer in enumerate(LAYERS):
+        for row, n in enumerate(LENGTHS):
+            err = _relative(got[row, j, :n], reference[layer][row, :n])
+            print(f"{name} hidden_states[{layer}] row {row}: relative error {err:.2e}")
+            assert err < 1e-5, (name, layer, row, err)
+
+
+def test_config_fields_from_transformers(case):
+    name, folder, *_ = case
+    cfg = DecoderLMConfig.from_hf_config(folder / "config.json")
+    assert cfg.attention_bias == (name == "qwen2")
+    assert cfg.qk_norm == (name == "qwen3")
+    assert cfg.head_dim == (24 if name == "qwen3" else 16)
+    assert cfg.num_key_value_heads == 2
+
+
+def test_vision_tower_and_lm_head_skipped_by_name():
+    assert map_key("visual.blocks.0.attn.qkv.weight") is None
+    assert map_key("model.visual.patch_embed.proj.weight") is None
+    assert map_key("lm_head.weight") is None
+    assert map_key("model.language_model.layers.3.mlp.up_proj.weight") == ("layers.mlp.up_proj.weight", 3)
+    assert map_key("model.norm.weight") == ("norm.weight", None)
+    assert map_key("norm.weight") == ("norm.weight", None)
+
+
+def test_unexpected_and_missing_tensors_refused(case, tmp_path):
+    name, folder, *_ = case
+    if name != "mistral":
+        pytest.skip("the strictness checks need one folder")
+    from safetensors.numpy import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    extra = dict(tensors) | {"layers.0.self_attn.rotary.weight": np.zeros(2, np.float32)}
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="rotary"):
+        load_decoder_lm(tmp_path)
+    fewer = {k: v for k, v in tensors.items() if k != "layers.1.mlp.down_proj.weight"}
+    save_file(fewer, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"lacks layers.mlp.down_proj.weight \(layers \[1\]\)"):
+        load_decoder_lm(tmp_path)
+
+
+def test_bad_config_refused():
+    with pytest.raises(ValueError, match="model_type 't5'"):
+        DecoderLMConfig.from_hf_config({"model_type": "t5"})
+    config = json.loads(json.dumps({"model_type": "qwen2", **COMMON, "rope_scaling": {"type": "yarn"}}))
+    with pytest.raises(ValueError, match="yarn"):
+        DecoderLMConfig.from_hf_config(config)
