@@ -77,7 +77,8 @@ class DecoderLMConfig:
             raise ValueError(f"config is for model_type {model_type!r}, not one of {', '.join(MODEL_TYPES)}")
         if isinstance(c.get("text_config"), Mapping):
             c = {**c, **c["text_config"]}
-        scaling = c.get("rope_scaling") or {}
+        # transformers 5 writes ``rope_parameters`` (with the theta); older versions ``rope_scaling``.
+        scaling = c.get("rope_scaling") or c.get("rope_parameters") or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind not in ("default", "mrope"):
             raise ValueError(f"rope_scaling type {kind!r} is not supported (only default RoPE)")
