@@ -70,8 +70,12 @@ def case(request, tmp_path_factory):
     with torch.no_grad():
         decoder = model.model if request.param == "qwen2_5_vl" else model
         out = decoder(torch.tensor(ids), attention_mask=torch.tensor(mask), output_hidden_states=True)
+        # Left padding too: with right padding the causal mask alone hides the pads from real tokens, so
+        # only this makes the padding mask matter (positions stay 0..L-1 in both, as transformers counts).
+        left = mask[:, ::-1].copy()
+        out_left = decoder(torch.tensor(ids), attention_mask=torch.tensor(left)).last_hidden_state.numpy()
     reference = [h.numpy() for h in out.hidden_states]
-    return request.param, folder, ids, mask, out.last_hidden_state.numpy(), reference
+    return request.param, folder, ids, mask, out.last_hidden_state.numpy(), reference, (left, out_left)
 
 
 def test_both_file_layouts_read(case):
@@ -86,7 +90,7 @@ def test_both_file_layouts_read(case):
 
 
 def test_last_layer_matches_transformers(case):
-    name, folder, ids, mask, last, _ = case
+    name, folder, ids, mask, last, *_ = case
     cfg, params = load_decoder_lm(folder)
     got = np.asarray(
         jax.jit(lambda p, i, m: encode(cfg, p, i, m))(params, jnp.asarray(ids), jnp.asarray(mask))
@@ -98,7 +102,7 @@ def test_last_layer_matches_transformers(case):
 
 
 def test_stacked_layers_match_transformers(case):
-    name, folder, ids, mask, _, reference = case
+    name, folder, ids, mask, _, reference, _ = case
     cfg, params = load_decoder_lm(folder)
     got = np.asarray(encode(cfg, params, jnp.asarray(ids), jnp.asarray(mask), layers=LAYERS))
     assert got.shape == (2, len(LAYERS), max(LENGTHS), COMMON["hidden_size"])
@@ -155,7 +159,7 @@ def test_bad_config_refused():
 
 def test_bfloat16_compute_close_to_transformers(case):
     # bf16 weights and activations, fp32 norms/softmax/accumulation: within bf16's few-ulp reach of fp32.
-    name, folder, ids, mask, last, _ = case
+    name, folder, ids, mask, last, *_ = case
     cfg, params = load_decoder_lm(folder, dtype=jnp.bfloat16)
     got = encode(cfg, params, jnp.asarray(ids), jnp.asarray(mask))
     assert got.dtype == jnp.bfloat16
@@ -164,3 +168,13 @@ def test_bfloat16_compute_close_to_transformers(case):
         err = _relative(got[row, :n], last[row, :n])
         print(f"{name} bf16 last layer row {row}: relative error {err:.2e}")
         assert err < 2e-2, (name, row, err)
+
+
+def test_left_padding_uses_the_padding_mask(case):
+    name, folder, ids, _, _, _, (left, reference) = case
+    cfg, params = load_decoder_lm(folder)
+    got = np.asarray(encode(cfg, params, jnp.asarray(ids), jnp.asarray(left)))
+    for row, n in enumerate(LENGTHS):
+        err = _relative(got[row, -n:], reference[row, -n:])
+        print(f"{name} left-padded row {row}: relative error {err:.2e}")
+        assert err < 1e-5, (name, row, err)
