@@ -348,6 +348,18 @@ def _pixels(answer: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer["data"][0]["b64_json"]))))
 
 
+def _healthy(workers: list[Worker], url: str) -> tuple[int, dict]:
+    """The first /healthz answer of a starting server (every worker must stay alive meanwhile)."""
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
+    while True:
+        assert all(w.proc.poll() is None for w in workers), "\n".join(w.describe() for w in workers)
+        assert time.monotonic() < deadline, "the server never became healthy"
+        try:
+            return _http(url + "/healthz", timeout=5)
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.2)
+
+
 def test_serve_across_two_processes(tmp_path):
     port, http_port = _free_port(), _free_port()
     flags = ["--emulate_devices", "4", *worker.MESH_FLAGS, "--port", str(http_port)]
@@ -355,15 +367,7 @@ def test_serve_across_two_processes(tmp_path):
     workers = [_start(_jaxdit("serve", port, i, 2, *flags), tmp_path, f"p{i}") for i in (0, 1)]
     url = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + COMMAND_TIMEOUT_S
-        while True:
-            assert all(w.proc.poll() is None for w in workers), "\n".join(w.describe() for w in workers)
-            assert time.monotonic() < deadline, "the server never became healthy"
-            try:
-                code, health = _http(url + "/healthz", timeout=5)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
+        code, health = _healthy(workers, url)
         assert code == 200 and health["processes"] == 2 and health["devices"] == 8, health
 
         big = np.asarray(Image.open(io.BytesIO(worker.generated_png())))
@@ -436,15 +440,7 @@ def test_a_dead_follower_is_reported_and_the_leader_still_exits_on_sigterm(tmp_p
     workers = [_start(_jaxdit("serve", port, i, 2, *flags), tmp_path, f"p{i}") for i in (0, 1)]
     url = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + COMMAND_TIMEOUT_S
-        while True:
-            assert all(w.proc.poll() is None for w in workers), "\n".join(w.describe() for w in workers)
-            assert time.monotonic() < deadline, "the server never became healthy"
-            try:
-                code, health = _http(url + "/healthz", timeout=5)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
+        code, health = _healthy(workers, url)
         assert code == 200 and health["lost_processes"] == [], health
         workers[1].proc.kill()
         deadline = time.monotonic() + 30
