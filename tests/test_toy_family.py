@@ -9,6 +9,7 @@ The fixture registers the toy for this module only and takes it out again, so no
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -73,6 +74,23 @@ def test_generate_on_a_mesh_equals_one_device(toy_files, tmp_path, capsys):
     tol.check(got, want, tol.SAME_SEED, "toy: ring2 x ulysses2 x tensor2 vs one device (CLI)")
     noise = np.random.default_rng(4).standard_normal(got.shape, dtype=np.float32)
     assert np.abs(want - noise).max() > 0.5  # the forward did something the comparison can catch
+
+
+def test_first_block_cache_through_the_toys_hook_on_a_mesh(toy_files, tmp_path, capsys):
+    """``--use_fbcache`` reads the toy's ``cache_metric_stream``: on the mesh it skips what one device
+    skips (the run's own ``--compare_single_device`` check) and the latents agree to fp32 rounding."""
+    out = tmp_path / "cached.npy"
+    degrees = ["--ring_degree", "2", "--ulysses_degree", "2", "--tensor_parallel_degree", "2"]
+    argv = _generate_argv(toy_files, *degrees, "--emulate_devices", "8", "--output", str(out))
+    argv[argv.index("--steps") + 1] = "8"
+    argv += ["--use_fbcache", "--cache_threshold", "0.6", "--compare_single_device"]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "cache decisions the same as the single-device run's" in printed
+    skipped = re.search(r"(\d+) of 8 steps ran every block", printed)
+    assert skipped is not None and int(skipped.group(1)) < 8, printed  # the cache skipped something
+    error = float(re.search(r"max \|difference\| to the single-device result: (\S+)", printed).group(1))
+    tol.check_error(error, tol.SAME_SEED, np.abs(np.load(out)).max(), "toy FBCache: mesh vs one device")
 
 
 def test_plan_prices_a_toy_preset(toy, capsys):

@@ -9,7 +9,8 @@ first layer split over heads / MLP features ("heads", "mlp" logical axes), the a
 MLP's second layer row-parallel with one all-reduce each. The model never names a mesh axis.
 
 It is a staged model (``jaxdit.models.staged``: ``STACKS`` / ``embed`` / ``enter`` / ``run_block`` /
-``output``), so the shared sharded forward, feature caches and LoRA find its blocks; it has no PipeFusion
+``output``), so the shared sharded forward, feature caches and LoRA find its blocks. It gives First-Block-Cache
+its metric stream (:meth:`ToyTransformer.cache_metric_stream`), not TeaCache's input, and has no PipeFusion
 stage layout (the family says so).
 """
 
@@ -177,6 +178,12 @@ class ToyTransformer(nnx.Module):
         img = ctx.layout.split_local(streams)[IMAGE]
         shift, scale = jnp.split(self.out_mod(jax.nn.silu(cond.vec)).astype(jnp.float32), 2, axis=-1)
         return self.out(_modulate(img, shift, scale).astype(self.dtype))
+
+    # ------------------------------------------------------------------ feature-cache hook (jaxdit.cache)
+    def cache_metric_stream(self, streams: jax.Array, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """First-Block-Cache compares the image tokens of the joined stream: (them, which are real)."""
+        valid = ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+        return ctx.layout.split_local(streams)[IMAGE], valid
 
 
 def abstract_model(config: ToyConfig, dtype: Any = jnp.float32) -> ToyTransformer:
