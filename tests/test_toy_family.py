@@ -93,6 +93,21 @@ def test_first_block_cache_through_the_toys_hook_on_a_mesh(toy_files, tmp_path, 
     tol.check_error(error, tol.SAME_SEED, np.abs(np.load(out)).max(), "toy FBCache: mesh vs one device")
 
 
+def test_convert_then_generate_from_the_orbax_folder(toy_files, tmp_path, capsys):
+    """``jaxdit convert`` writes the toy's folder as orbax (the family's name recorded in it); ``jaxdit
+    generate`` without ``--model`` finds the family from either folder and makes the same latents."""
+    _, folder = toy_files
+    assert cli.main(["convert", str(folder), str(tmp_path / "orbax")]) == 0, capsys.readouterr().err
+    outputs = []
+    for weights in (folder, tmp_path / "orbax"):
+        argv = _generate_argv(toy_files, "--output", str(tmp_path / f"{len(outputs)}.npy"))
+        argv[argv.index("--weights") + 1] = str(weights)
+        del argv[argv.index("--model") : argv.index("--model") + 2]
+        assert cli.main(argv) == 0, capsys.readouterr().err
+        outputs.append(np.load(tmp_path / f"{len(outputs)}.npy"))
+    np.testing.assert_array_equal(outputs[1], outputs[0])
+
+
 def test_plan_prices_a_toy_preset(toy, capsys):
     assert cli.main(["plan", "--model", "toy-small", "--devices", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
