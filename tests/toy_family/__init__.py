@@ -1,5 +1,5 @@
 """A model family defined entirely inside the tests: the proof that a family plugs into jaxdit through
-its own files and one ``jaxdit.families.register`` call (docs/architecture.md, "Adding a model family").
+its own files and one ``jaxdit.families.register`` call (docs/architecture.md, "Adding a model family: the checklist").
 
 - ``model.py``: the transformer (a tiny single-stream DiT on the shared layers and ``ShardedForward``);
 - ``converter.py``: its checkpoint folder, key table and ``CheckpointFormat``;
