@@ -301,7 +301,8 @@ class CachedForward:
         ctx = ShardContext(fwd.config, layout, fwd.kernel)
 
         def local(state, *args):
-            return _probe(policy, nnx.merge(fwd.graphdef, state), ctx, **dict(zip(names, args, strict=True)))
+            local_ctx, inputs = fwd.bind(ctx, names, args)
+            return _probe(policy, nnx.merge(fwd.graphdef, state), local_ctx, **inputs)
 
         probe = jax.shard_map(
             local,

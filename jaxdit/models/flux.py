@@ -226,7 +226,8 @@ def parameter_shapes(config: FluxConfig) -> dict[str, tuple[int, ...]]:
 # --------------------------------------------------------------------------------------------------------
 
 #: How the forward's inputs lie on the mesh (diffusers' argument names). Text tokens are token group 0 and
-#: image tokens group 1, so shard r holds [text_r; image_r]; the ids are padded with their tokens.
+#: image tokens group 1, so shard r holds [text_r; image_r]; the ids (and a text key mask) are padded with
+#: their tokens.
 FORWARD_INPUTS: dict[str, Arg] = {
     "hidden_states": Arg(("batch", "seq", None), IMAGE),
     "encoder_hidden_states": Arg(("batch", "seq", None), TEXT, model_dtype=True),
@@ -238,6 +239,10 @@ FORWARD_INPUTS: dict[str, Arg] = {
     # Kontext's reference image: clean packed latents and their ids, never denoised (absent for FLUX.1).
     "reference_hidden_states": Arg(("batch", "seq", None), REFERENCE, model_dtype=True),
     "reference_ids": Arg(("seq", None), REFERENCE),
+    # Optional: each prompt's real T5 tokens (True), for callers that pass prompts of different lengths
+    # unpadded-by-meaning; the masked text tokens are then no key of any attention. Left out (diffusers'
+    # FLUX: every prompt padded to max_sequence_length and attended in full), nothing is masked.
+    "encoder_attention_mask": Arg(("batch", "seq"), TEXT, key_mask=True),
 }
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 

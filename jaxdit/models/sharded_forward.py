@@ -51,16 +51,23 @@ class Arg:
     ``axes``: a logical name per dimension (e.g. ``("batch", "seq", None)``). ``group``: the token group
     whose length the "seq" dimension has; such arrays are padded to the group's shard-major layout.
     ``model_dtype``: features the model embeds (text, pooled, image features), placed in the model's
-    dtype; other inputs (positions, timesteps, guidance) keep their own.
+    dtype; other inputs (positions, timesteps, guidance) keep their own. ``key_mask``: a [batch, seq]
+    bool mask of the group's real tokens per batch element (a family whose text tokens carry a mask:
+    real prompt lengths). It is not handed to the model: it becomes the self-attention key mask of the
+    model's :class:`ShardContext` (padded with False like the tokens), so every attention call, strategy
+    and kernel masks those keys.
     """
 
     axes: tuple[str | None, ...]
     group: int | None = None
     model_dtype: bool = False
+    key_mask: bool = False
 
     def __post_init__(self) -> None:
         if (self.group is not None) != ("seq" in self.axes):
             raise ValueError(f"Arg{self.axes}: a token group needs a 'seq' axis and vice versa")
+        if self.key_mask and (self.axes != ("batch", "seq") or self.model_dtype):
+            raise ValueError(f"Arg{self.axes}: a key mask is a [batch, seq] bool array of one token group")
 
     @property
     def seq_axis(self) -> int | None:
@@ -198,6 +205,17 @@ class ShardedForward:
         return tuple(out)
 
     # ------------------------------------------------------------------ step
+    def bind(self, ctx: ShardContext, names: tuple[str, ...], args: tuple) -> tuple[ShardContext, dict]:
+        """Inside ``shard_map``: the local inputs ``args`` (named ``names``) -> the context the model sees
+        (with the key masks of :attr:`Arg.key_mask` inputs, gathered once) and the model's other inputs."""
+        inputs = dict(zip(names, args, strict=True))
+        masks = [None] * len(ctx.layout.lengths)
+        for name in names:
+            arg = self.inputs[name]
+            if arg.key_mask:
+                masks[arg.group] = inputs.pop(name)
+        return ctx.with_key_mask(masks), inputs
+
     def step(self, layout: SequenceLayout, names: tuple[str, ...]) -> Callable:
         """The compiled step ``fn(state, *padded_inputs)`` for ``layout`` and the inputs ``names`` present.
 
@@ -210,7 +228,8 @@ class ShardedForward:
 
             def local(state, *args):
                 model = nnx.merge(graphdef, state)
-                return body(model, ctx, **dict(zip(names, args, strict=True)))
+                local_ctx, inputs = self.bind(ctx, names, args)
+                return body(model, local_ctx, **inputs)
 
             in_specs = (self.param_specs,) + tuple(self.spec(self.inputs[n]) for n in names)
             sharded = jax.shard_map(
@@ -237,7 +256,8 @@ class ShardedForward:
         graphdef = self.graphdef
 
         def local(state, carry, *args):
-            return body(nnx.merge(graphdef, state), ctx, carry, **dict(zip(names, args, strict=True)))
+            local_ctx, inputs = self.bind(ctx, names, args)
+            return body(nnx.merge(graphdef, state), local_ctx, carry, **inputs)
 
         in_specs = (self.param_specs, carry_specs) + tuple(self.spec(self.inputs[n]) for n in names)
         return jax.shard_map(

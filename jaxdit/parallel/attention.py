@@ -9,7 +9,8 @@ Two views of the same operation:
   layout, runs :func:`attention_in_shard` under ``shard_map`` and returns global outputs.
 
 Communication is exactly the design's: Ulysses' four all_to_alls and Ring's R-1 permutes of K and V.
-A user key mask (rarely needed: padding is masked without it) adds one small all-gather of booleans.
+A key mask per batch element (real prompt lengths) adds one small all-gather of booleans per forward;
+padding alone needs none (it is a static function of the layout).
 """
 
 from __future__ import annotations
@@ -32,6 +33,28 @@ SEQ_AXES = ("ring", "ulysses")
 QKV_AXES = ("batch", "seq", "act_heads", None)
 
 
+def gather_key_mask(key_mask: jax.Array | None, layout: SequenceLayout) -> jax.Array | None:
+    """This shard's key mask [B, n] -> every shard's [B, S*n] in shard order (ring outer), or None.
+
+    The one key mask attention uses: the layout's padding is False in it as well as the caller's masked
+    keys (a caller pads its mask with False, and the padding is cleared here too, so a mask that says True
+    at padding cannot unmask it). Inside ``shard_map``; one small all-gather of booleans over the sequence
+    axes, once per forward (``ShardContext.with_key_mask``), not per layer. None when there is no caller
+    mask: attention then takes the padding from the static layout, with no communication.
+    """
+    if key_mask is None:
+        return None
+    if key_mask.ndim != 2 or key_mask.shape[1] != layout.local_length:
+        raise ValueError(f"key mask has shape {key_mask.shape}; expected [batch, {layout.local_length}]")
+    if layout.shards == 1:
+        mask = key_mask.astype(bool)
+    else:
+        mask = lax.all_gather(key_mask.astype(bool), SEQ_AXES, axis=1, tiled=True)
+    if layout.has_padding():
+        mask = mask & layout.all_keys_valid()[None]
+    return mask
+
+
 def attention_in_shard(
     q: jax.Array,
     k: jax.Array,
@@ -39,32 +62,39 @@ def attention_in_shard(
     layout: SequenceLayout,
     config: ParallelConfig,
     key_mask: jax.Array | None = None,
+    *,
+    all_keys: jax.Array | None = None,
     **kernel_kwargs,
 ) -> jax.Array:
     """Local view. q/k/v [B, n, H_local, D] are this shard's joined token groups (``layout``).
 
-    ``key_mask`` [B, n] (optional) marks this shard's real keys beyond the layout's padding.
+    ``key_mask`` [B, n] (optional) marks this shard's real keys beyond the layout's padding, per batch
+    element (e.g. each prompt's real length). ``all_keys`` [B, S*n] is the same mask already gathered over
+    the shards (:func:`gather_key_mask`): what a model's :class:`ShardContext` holds, so that the gather
+    happens once per forward. Pass at most one of the two.
     """
     if layout.shards != config.sequence_degree:
         raise ValueError(f"layout has {layout.shards} shards but ring x ulysses = {config.sequence_degree}")
     if q.shape[1] != layout.local_length:
         raise ValueError(f"local q has {q.shape[1]} tokens, layout expects {layout.local_length}")
+    if key_mask is not None and all_keys is not None:
+        raise ValueError("pass key_mask (this shard's) or all_keys (gathered), not both")
     batch = q.shape[0]
     n = layout.local_length
-
-    full_mask = None
-    if key_mask is not None:
-        # Every shard's mask, in shard order (ring outer): booleans only, one small all-gather.
-        full_mask = key_mask if layout.shards == 1 else lax.all_gather(key_mask, SEQ_AXES, axis=1, tiled=True)
+    if all_keys is None:
+        all_keys = gather_key_mask(key_mask, layout)
+    elif all_keys.shape != (batch, layout.shards * n):
+        raise ValueError(
+            f"gathered key mask has shape {all_keys.shape}; expected {(batch, layout.shards * n)}"
+        )
 
     def key_valid_for_shard(shard):
-        valid = None
+        # One mask: the gathered one already holds the padding; without it, the static layout's padding.
+        if all_keys is not None:
+            return lax.dynamic_slice_in_dim(all_keys, shard * n, n, axis=1)
         if layout.has_padding():
-            valid = jnp.broadcast_to(layout.key_valid(shard), (batch, n))
-        if full_mask is not None:
-            user = lax.dynamic_slice_in_dim(full_mask, shard * n, n, axis=1)
-            valid = user if valid is None else valid & user
-        return valid
+            return jnp.broadcast_to(layout.key_valid(shard), (batch, n))
+        return None
 
     return usp_attention(
         q,

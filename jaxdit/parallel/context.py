@@ -14,7 +14,7 @@ import jax
 from jax import lax
 
 from jaxdit.mesh import ParallelConfig
-from jaxdit.parallel.attention import attention_in_shard
+from jaxdit.parallel.attention import attention_in_shard, gather_key_mask
 from jaxdit.parallel.kernels import check_kernel_options
 from jaxdit.parallel.layout import SequenceLayout
 
@@ -29,6 +29,10 @@ class ShardContext:
     #: triton, splash), the XLA kernel's tiles ``block_q``/``block_k``, ``interpret``, ``platform``
     #: (``jaxdit.parallel.kernels.KERNEL_OPTIONS``); defaults when empty.
     kernel: tuple[tuple[str, Any], ...] = ()
+    #: Which keys of every shard are real, per batch element: [B_local, shards * n_local] bool in shard
+    #: order (padding False), gathered once per forward by :meth:`with_key_mask`; None: only the layout's
+    #: padding is masked (a static function of the shard index, nothing communicated).
+    key_mask: jax.Array | None = None
 
     def __post_init__(self) -> None:
         check_kernel_options(dict(self.kernel))
@@ -38,9 +42,22 @@ class ShardContext:
         on its own, e.g. Wan's cross-attention to the text tokens."""
         return {k: v for k, v in self.kernel if k not in ("block_q", "block_k")}
 
+    def with_key_mask(self, group_masks) -> ShardContext:
+        """This context with per-sample key masks: ``group_masks`` holds, per token group, this shard's
+        [B, local_lengths[g]] bool mask of real tokens (e.g. each prompt's length), or None for a group
+        whose tokens are all real. Inside ``shard_map``: gathers the joined mask over the sequence shards
+        once, so every attention call of the forward slices it locally. All None: unchanged."""
+        if all(m is None for m in group_masks):
+            return self
+        mask = gather_key_mask(self.layout.local_key_mask(group_masks), self.layout)
+        return dataclasses.replace(self, key_mask=mask)
+
     def attention(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Self-attention over every shard's tokens; q/k/v [B, n_local, H_local, D] in the layout."""
-        return attention_in_shard(q, k, v, self.layout, self.config, None, **dict(self.kernel))
+        """Self-attention over every shard's tokens; q/k/v [B, n_local, H_local, D] in the layout. Keys
+        the layout pads and keys :attr:`key_mask` marks False are masked."""
+        return attention_in_shard(
+            q, k, v, self.layout, self.config, all_keys=self.key_mask, **dict(self.kernel)
+        )
 
     def sum_tensor_parallel(self, x: jax.Array) -> jax.Array:
         """All-reduce over the tensor axis: completes a row-parallel projection's partial sums."""

@@ -91,5 +91,33 @@ class SequenceLayout:
             parts.append(shard * n_local + jnp.arange(n_local) < n_global)
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
+    def all_keys_valid(self) -> np.ndarray:
+        """[shards * local_length] bool (static): :meth:`key_valid` of every shard, in shard order."""
+        parts = []
+        for shard in range(self.shards):
+            for n_global, n_local in zip(self.lengths, self.local_lengths, strict=True):
+                parts.append(shard * n_local + np.arange(n_local) < n_global)
+        return np.concatenate(parts)
+
+    def local_key_mask(self, masks) -> jax.Array:
+        """Per-group masks of this shard's tokens -> the joined [B, local_length] key mask.
+
+        ``masks``: one [B, local_lengths[g]] bool array per group, or None for a group whose real tokens
+        are only those the padding leaves (image tokens). At least one must be an array (it gives B).
+        """
+        if len(masks) != len(self.lengths):
+            raise ValueError(f"{len(masks)} key masks for {len(self.lengths)} token groups")
+        batch = next((m.shape[0] for m in masks if m is not None), None)
+        if batch is None:
+            raise ValueError("local_key_mask needs at least one group's mask")
+        pieces = []
+        for m, n_local in zip(masks, self.local_lengths, strict=True):
+            if m is None:
+                m = jnp.ones((batch, n_local), bool)
+            elif m.shape != (batch, n_local):
+                raise ValueError(f"a group's key mask has shape {m.shape}; expected {(batch, n_local)}")
+            pieces.append(m.astype(bool))
+        return self.join_local(pieces)
+
     def has_padding(self) -> bool:
         return self.padding > 0
