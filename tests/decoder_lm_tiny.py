@@ -91,3 +91,69 @@ def save(model: torch.nn.Module, folder: PathLike, shard: str = "24KB") -> Path:
 def decoder(model: torch.nn.Module) -> torch.nn.Module:
     """The text decoder inside a saved class (what produces the hidden states)."""
     return getattr(model, "model", model)
+
+
+#: The tiny Qwen tokenizer's words: Qwen-Image's template and a few for prompts.
+TEMPLATE_WORDS = [
+    "system",
+    "Describe",
+    "the",
+    "image",
+    "by",
+    "detailing",
+    "color",
+    ",",
+    "shape",
+    "size",
+    "texture",
+    "quantity",
+    "text",
+    "spatial",
+    "relationships",
+    "of",
+    "objects",
+    "and",
+    "background",
+    ":",
+    "user",
+    "assistant",
+]
+PROMPT_WORDS = [
+    "a",
+    "photo",
+    "cat",
+    "dog",
+    "on",
+    "mat",
+    "red",
+    "blue",
+    "car",
+    "at",
+    "sunset",
+    "big",
+    "small",
+    "with",
+    "tree",
+    "house",
+    "sky",
+]
+#: Chat markers and the newline are special (added) tokens, so the template's system prefix is exactly
+#: the 34 tokens Qwen's own tokenizer gives it.
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "\n"]
+
+
+def save_qwen_tokenizer(folder: PathLike) -> Path:
+    """A word-level tokenizer with Qwen2's chat markers, saved where ``AutoTokenizer`` reads it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", *dict.fromkeys(TEMPLATE_WORDS + PROMPT_WORDS)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL])
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>", padding_side="right"
+    )
+    assert len(hf) <= TEXT["vocab_size"], len(hf)
+    hf.save_pretrained(folder)
+    return Path(folder)
