@@ -213,6 +213,11 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = Tru
         )
     if config is not None:
         parallel.validate_heads(config.num_heads)
+    if parallel.pipefusion > 1 and family.staged_model is None:  # before any header is read
+        raise ValueError(
+            f"--pipefusion_parallel_degree {parallel.pipefusion}: {family.display} has no PipeFusion stage "
+            "layout; put the devices on --ulysses_degree / --ring_degree / --tensor_parallel_degree instead"
+        )
     if config is None and (parallel.pipefusion > 1 or r.lora or r.lora_2) and r.folder is not None:
         config = family.checkpoints.open(r.folder["transformer"], None).config  # config and headers only
     if parallel.pipefusion > 1:

@@ -1,9 +1,10 @@
 """Tiny random transformers decoder LMs saved as text-encoder folders (sharded safetensors + index).
 
-Three layouts the decoder-LM encoder reads, one per family it covers:
+The layouts the decoder-LM encoder reads, one per family it covers:
 
 - Qwen2.5-VL: ``Qwen2_5_VLForConditionalGeneration`` with a one-block vision tower (Qwen-Image's
   ``text_encoder/``), so loading must recognise and skip the vision tensors and the LM head;
+- Qwen2: ``Qwen2ForCausalLM`` (q/k/v biases, no vision tower);
 - Qwen3: ``Qwen3ForCausalLM`` (FLUX.2 klein), head width set apart from hidden / heads, q/k norms;
 - Mistral: a bare ``MistralModel`` (keys without a prefix), one key/value head, llama3 RoPE scaling.
 
@@ -52,6 +53,15 @@ def qwen2_5_vl(seed: int = 0, **text: Any) -> torch.nn.Module:
     return _perturb(Qwen2_5_VLForConditionalGeneration(config), seed)
 
 
+def qwen2(seed: int = 3, **text: Any) -> torch.nn.Module:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**{**TEXT, "num_key_value_heads": 2, "rope_theta": 1e6, **text})
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return _perturb(Qwen2ForCausalLM(config), seed)
+
+
 def qwen3(seed: int = 1, **text: Any) -> torch.nn.Module:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -78,7 +88,7 @@ def mistral(seed: int = 2, **text: Any) -> torch.nn.Module:
     return _perturb(MistralModel(config), seed)
 
 
-BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen3": qwen3, "mistral": mistral}
+BUILDERS = {"qwen2_5_vl": qwen2_5_vl, "qwen2": qwen2, "qwen3": qwen3, "mistral": mistral}
 
 
 def save(model: torch.nn.Module, folder: PathLike, shard: str = "24KB") -> Path:

@@ -199,3 +199,45 @@ def test_overflowing_fused_weights_name_the_lora_and_convert_writes_nothing(tmp_
     err = capsys.readouterr().err
     assert "non-finite in float16" in err and _good() in err, err
     assert not dst.exists() and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "name, tensors, says",
+    [
+        ("1-D down", {".lora_down.weight": (32,), ".lora_up.weight": (E, 1)}, "are not"),
+        ("transposed", {".lora_down.weight": (32, 4), ".lora_up.weight": (4, E)}, "has rank 32 but"),
+        (
+            "alpha not a scalar",
+            {".lora_down.weight": (4, 32), ".lora_up.weight": (E, 4), ".alpha": (2,)},
+            "expected a scalar",
+        ),  # noqa: E501
+        ("no tensors", {}, "holds no tensors"),
+    ],
+)
+def test_degenerate_shapes_are_refused_by_name(name, tensors, says):
+    key = "lora_unet_txt_in"
+    path = _write(
+        f"degenerate-{name.replace(' ', '-')}.safetensors",
+        {key + k: np.ones(s, np.float32) for k, s in tensors.items()},
+    )
+    message = _error(path)
+    assert says in message, message
+
+
+def test_degenerate_shapes_that_mean_something_are_applied_as_such():
+    """Rank 0 is no update (zeros), and a factor with trailing unit axes (a 1x1 kernel) is a linear one."""
+    key = "lora_unet_txt_in"
+    rank0 = _write(
+        "degenerate-rank0.safetensors",
+        {
+            f"{key}.lora_down.weight": np.zeros((0, 32), np.float32),
+            f"{key}.lora_up.weight": np.zeros((E, 0), np.float32),
+        },
+    )  # noqa: E501
+    (update,) = read_lora(rank0, FLUX).updates
+    assert update.a.shape == (32, 0) and update.b.shape == (0, E)
+    unit = _pair(key, E, 32)
+    unit[f"{key}.lora_up.weight"] = unit[f"{key}.lora_up.weight"][..., None]
+    (squeezed,) = read_lora(_write("degenerate-unit.safetensors", unit), FLUX).updates
+    (plain,) = read_lora(_write("degenerate-plain.safetensors", _pair(key, E, 32)), FLUX).updates
+    np.testing.assert_array_equal(squeezed.a @ squeezed.b, plain.a @ plain.b)

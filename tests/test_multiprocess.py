@@ -348,6 +348,18 @@ def _pixels(answer: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(answer["data"][0]["b64_json"]))))
 
 
+def _healthy(workers: list[Worker], url: str) -> tuple[int, dict]:
+    """The first /healthz answer of a starting server (every worker must stay alive meanwhile)."""
+    deadline = time.monotonic() + COMMAND_TIMEOUT_S
+    while True:
+        assert all(w.proc.poll() is None for w in workers), "\n".join(w.describe() for w in workers)
+        assert time.monotonic() < deadline, "the server never became healthy"
+        try:
+            return _http(url + "/healthz", timeout=5)
+        except (urllib.error.URLError, ConnectionError):
+            time.sleep(0.2)
+
+
 def test_serve_across_two_processes(tmp_path):
     port, http_port = _free_port(), _free_port()
     flags = ["--emulate_devices", "4", *worker.MESH_FLAGS, "--port", str(http_port)]
@@ -355,15 +367,7 @@ def test_serve_across_two_processes(tmp_path):
     workers = [_start(_jaxdit("serve", port, i, 2, *flags), tmp_path, f"p{i}") for i in (0, 1)]
     url = f"http://127.0.0.1:{http_port}"
     try:
-        deadline = time.monotonic() + COMMAND_TIMEOUT_S
-        while True:
-            assert all(w.proc.poll() is None for w in workers), "\n".join(w.describe() for w in workers)
-            assert time.monotonic() < deadline, "the server never became healthy"
-            try:
-                code, health = _http(url + "/healthz", timeout=5)
-                break
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.2)
+        code, health = _healthy(workers, url)
         assert code == 200 and health["processes"] == 2 and health["devices"] == 8, health
 
         big = np.asarray(Image.open(io.BytesIO(worker.generated_png())))
@@ -416,6 +420,50 @@ def test_serve_across_two_processes(tmp_path):
     for i, w in enumerate(workers):
         assert w.returncode == 0, f"process {i}: {w.describe()}"
     assert "process 1: process 0 stopped after 5 request(s)" in workers[1].stderr, workers[1].describe()
+
+
+def test_a_dead_follower_is_reported_and_the_leader_still_exits_on_sigterm(tmp_path):
+    """Before: a killed follower went unnoticed (requests then failed with a raw Gloo message), and SIGTERM
+    to process 0 printed "stopped" but it did not exit until jax's heartbeat timeout killed it with a C++
+    stack. Now /healthz and requests answer 503 naming process 1, and process 0 leaves at once."""
+    port, http_port = _free_port(), _free_port()
+    flags = [
+        "--emulate_devices",
+        "1",
+        "--ulysses_degree",
+        "2",
+        "--port",
+        str(http_port),
+        "--log_level",
+        "warning",
+    ]
+    workers = [_start(_jaxdit("serve", port, i, 2, *flags), tmp_path, f"p{i}") for i in (0, 1)]
+    url = f"http://127.0.0.1:{http_port}"
+    try:
+        code, health = _healthy(workers, url)
+        assert code == 200 and health["lost_processes"] == [], health
+        workers[1].proc.kill()
+        deadline = time.monotonic() + 30
+        while (health := _http(url + "/healthz", timeout=5))[0] != 503:
+            assert time.monotonic() < deadline, f"the dead follower was never reported: {health}"
+            time.sleep(0.2)
+        assert health[1]["status"] == "process_lost" and health[1]["lost_processes"] == [1], health
+        code, answer = _http(url + "/v1/images/generations", {"prompt": "7"})
+        assert code == 503 and "process(es) 1 of this server stopped answering" in answer["error"]["message"]
+        stopped = time.monotonic()
+        workers[0].proc.send_signal(signal.SIGTERM)
+        _wait(workers[:1], 30)
+        assert time.monotonic() - stopped < 15, workers[0].describe()
+    finally:
+        for w in workers:
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait()
+    assert workers[0].returncode == 0, workers[0].describe()
+    assert workers[0].stderr.strip().splitlines()[-1] == (
+        "jaxdit serve: stopped (process(es) 1 had stopped answering)"
+    ), workers[0].describe()
+    assert "stack trace" not in workers[0].stderr, workers[0].describe()
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import dataclasses
 import errno
 import importlib.util
 import math
+import os
 import re
 import signal
 import socket
@@ -380,5 +381,13 @@ def run(args: argparse.Namespace) -> int:
         _server(config, scheduler).run()
     finally:
         scheduler.close(args.shutdown_grace + 5)
+    lost = scheduler.lost_processes()
+    if lost:
+        # jax's exit waits at a shutdown barrier for every process, a dead one included, until its
+        # heartbeat timeout ends this one with a fatal error and a C++ stack: leave at once instead.
+        say(f"stopped (process(es) {', '.join(map(str, lost))} had stopped answering)")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     say("stopped")
     return 0
