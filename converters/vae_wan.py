@@ -49,6 +49,7 @@ __all__ = [
     "ConvKernel",
     "NormScale",
     "WanVAECheckpoint",
+    "as_wan_config",
     "detect",
     "diffusers_table",
     "diffusers_to_params",
@@ -58,6 +59,9 @@ __all__ = [
 ]
 
 DIFFUSERS_CLASS = "AutoencoderKLWan"
+#: diffusers classes with this state dict. ``AutoencoderKLQwenImage`` is the Wan 2.1 VAE as Qwen-Image
+#: ships it (same modules and keys, run on single frames), its channel count named ``input_channels``.
+DIFFUSERS_CLASSES = (DIFFUSERS_CLASS, "AutoencoderKLQwenImage")
 #: A key only each layout has.
 ORIGINAL_MARKER = "decoder.conv1.weight"
 DIFFUSERS_MARKER = "decoder.conv_in.weight"
@@ -347,7 +351,16 @@ def _is_vae_config(file: Path) -> bool:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file}: cannot read the config: {e}") from None
-    return isinstance(data, dict) and data.get("_class_name") == DIFFUSERS_CLASS
+    return isinstance(data, dict) and data.get("_class_name") in DIFFUSERS_CLASSES
+
+
+def as_wan_config(data: Mapping[str, Any]) -> dict[str, Any]:
+    """A diffusers VAE config of any class in :data:`DIFFUSERS_CLASSES` as ``AutoencoderKLWan``'s."""
+    if data.get("_class_name") != "AutoencoderKLQwenImage":
+        return dict(data)
+    channels = data.get("input_channels") or 3
+    out = {k: v for k, v in data.items() if k != "input_channels"}
+    return {**out, "_class_name": DIFFUSERS_CLASS, "in_channels": channels, "out_channels": channels}
 
 
 def _find(path: Path) -> tuple[Path, Path | None]:
@@ -421,11 +434,11 @@ def detect(
     else:
         raise CheckpointError(f"{where}: not a Wan VAE (no {DIFFUSERS_MARKER!r} or {ORIGINAL_MARKER!r})")
     if isinstance(config, Mapping):
-        config = WanVAEConfig.from_diffusers(config)
+        config = WanVAEConfig.from_diffusers(as_wan_config(config))
     if config is None and config_file is not None:
         try:
             data = json.loads(config_file.read_text(encoding="utf-8"))
-            config = WanVAEConfig.from_diffusers(data)
+            config = WanVAEConfig.from_diffusers(as_wan_config(data))
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{config_file}: {e}") from None
     if config is None:

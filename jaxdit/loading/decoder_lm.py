@@ -1,98 +1,58 @@
-"""A decoder-LM text encoder (``jaxdit.text_encoders.decoder_lm``) from a transformers ``save_pretrained``
-folder: ``config.json`` plus ``model.safetensors`` or a sharded ``model.safetensors.index.json``.
+"""A decoder-LM text encoder from a transformers folder, on one device or sharded over a mesh.
 
-The key mapping is strict: every tensor in the files is either consumed or skipped by name (the LM head,
-which an encoder never uses, and a vision-language model's vision tower, ``visual.*``); anything else,
-a missing tensor or a wrong shape is refused with the tensor's name. Files are read memory-mapped, and
-each layer's tensors are stacked on the host before going to the device once.
+The tensors are read through ``converters/decoder_lm.py`` (strict key table, vision tower skipped) and
+placed straight into their shardings: on a mesh each device reads only its own slice of each memory-mapped
+tensor (heads and MLP split over ``tensor`` by ``sharding_rules.decoder_lm``), on one device the whole.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
-from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
 
-from jaxdit.text_encoders.common import resolve_device
-from jaxdit.text_encoders.decoder_lm import DecoderLMConfig, parameter_shapes
+from converters.checks import check_compute_dtype
+from converters.decoder_lm import open_decoder_lm
+from converters.keymap import place_params
+from jaxdit.mesh import single_device_mesh
+from jaxdit.models.partitioning import named_shardings
+from jaxdit.text_encoders.common import default_dtype, resolve_device
+from jaxdit.text_encoders.decoder_lm import DecoderLM, abstract_model, check_tensor_degree
+from jaxdit.text_encoders.decoder_lm_config import DecoderLMConfig
+from sharding_rules.decoder_lm import decoder_lm_rules
 
-__all__ = ["load_decoder_lm", "map_key"]
-
-# Where the decoder sits in the layouts transformers saves: Qwen2.5-VL (current and older), a causal LM,
-# and a bare decoder (``Qwen2Model.save_pretrained``: no prefix).
-_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
-_SKIPPED = re.compile(r"^(lm_head\.|visual\.|model\.visual\.|language_model\.lm_head\.)")
-_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
-
-
-def map_key(name: str) -> tuple[str, int | None] | None:
-    """A checkpoint tensor name -> (parameter name, layer index or None), or None for a tensor skipped by
-    name. Whether the parameter exists is the loader's check."""
-    if _SKIPPED.match(name):
-        return None
-    for prefix in _PREFIXES:
-        if name.startswith(prefix):
-            rest = name.removeprefix(prefix)
-            m = _LAYER.match(rest)
-            return (f"layers.{m.group(2)}", int(m.group(1))) if m else (rest, None)
-    raise AssertionError("unreachable: the empty prefix matches every name")
-
-
-def _files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / f for f in sorted(set(weight_map.values()))]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+__all__ = ["load_decoder_lm"]
 
 
 def load_decoder_lm(
-    path: str | os.PathLike[str], *, device: jax.Device | None = None, dtype: Any = jnp.float32
-) -> tuple[DecoderLMConfig, dict[str, jax.Array]]:
-    """(config, parameters on ``device`` in ``dtype``) from a transformers folder."""
-    from safetensors import safe_open  # memory-mapped reads
-
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (expected a transformers save_pretrained folder)")
-    cfg = DecoderLMConfig.from_hf_config(folder / "config.json")
-    shapes = parameter_shapes(cfg)
-    n = cfg.num_hidden_layers
-    found: dict[str, dict[int | None, np.ndarray]] = {}
-    for file in _files(folder):
-        with safe_open(str(file), framework="numpy") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                mapped = map_key(name)
-                if mapped is None:
-                    continue
-                key, layer = mapped
-                if key not in shapes or (layer is not None and not 0 <= layer < n):
-                    raise ValueError(f"{file.name}: tensor {name!r} has no place in this {n}-layer decoder")
-                want = shapes[key][1:] if layer is not None else shapes[key]
-                array = f.get_tensor(name)
-                if tuple(array.shape) != want:
-                    raise ValueError(f"{file.name}: tensor {name!r} has shape {array.shape}, expected {want}")
-                if layer in found.setdefault(key, {}):
-                    raise ValueError(f"tensor {name!r} appears twice")
-                found[key][layer] = array
-    sharding = jax.sharding.SingleDeviceSharding(resolve_device(device))
-    params: dict[str, jax.Array] = {}
-    for key in shapes:
-        parts = found.get(key, {})
-        expected = list(range(n)) if key.startswith("layers.") else [None]
-        missing = [i for i in expected if i not in parts]
-        if missing:
-            where = "" if missing == [None] else f" (layers {missing})"
-            raise ValueError(f"{folder}: checkpoint lacks {key}{where}")
-        host = np.stack([parts[i] for i in expected]) if expected != [None] else parts[None]
-        params[key] = jax.device_put(jnp.asarray(host, dtype=dtype), sharding)
-    return cfg, params
+    path: str | os.PathLike[str],
+    *,
+    mesh: Mesh | None = None,
+    device: jax.Device | None = None,
+    dtype: Any = None,
+    config: DecoderLMConfig | None = None,
+) -> DecoderLM:
+    """The encoder of the folder at ``path`` with its weights on ``mesh`` (sharded by the rule table) or,
+    without a mesh, on ``device`` (default: the first local device). ``dtype`` defaults to the stored one
+    (float16 widened to float32)."""
+    check_compute_dtype(dtype)
+    if mesh is not None and device is not None:
+        raise ValueError("give the encoder a mesh or a device, not both")
+    opened = open_decoder_lm(path, config)
+    cfg = opened.config
+    if mesh is not None:
+        check_tensor_degree(cfg, int(mesh.shape["tensor"]))
+    else:
+        mesh = single_device_mesh(resolve_device(device))
+    dtype = dtype if dtype is not None else default_dtype(opened.dtype)
+    graphdef, abstract = nnx.split(abstract_model(cfg, dtype))
+    flat = nnx.to_flat_state(abstract)
+    key = lambda p: ".".join(map(str, p))  # noqa: E731
+    lazies = opened.resolve({key(p): tuple(v.shape) for p, v in flat})
+    rules = decoder_lm_rules(int(mesh.shape["tensor"]))
+    shardings = {key(p): s.get_value() for p, s in nnx.to_flat_state(named_shardings(abstract, rules, mesh))}
+    arrays = place_params(lazies, shardings, dtype)
+    return nnx.merge(graphdef, nnx.from_flat_state([(p, v.replace(arrays[key(p)])) for p, v in flat]))

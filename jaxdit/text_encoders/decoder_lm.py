@@ -1,213 +1,224 @@
-"""A decoder language model used as a text encoder: the text path of Qwen2 / Qwen2.5-VL, Qwen3 and Mistral.
+"""A decoder-LM text encoder in Flax NNX: token ids -> the hidden states a pipeline asks for.
 
-These are one architecture (a pre-norm decoder, Touvron et al., arXiv 2302.13971) with a few switches
-taken from the checkpoint's transformers ``config.json``:
+One config-driven module for the decoders that 2025-26 diffusion models use as text encoders: Qwen2.5-VL
+(Qwen-Image, HunyuanVideo 1.5), Qwen3 (Z-Image, FLUX.2 klein), Mistral Small 3.1 (FLUX.2 dev). It follows
+transformers' ``Qwen2_5_VLTextModel`` / ``Qwen3Model`` / ``MistralModel`` run on text: token embedding,
+``num_hidden_layers`` :class:`~jaxdit.text_encoders.decoder_lm_layers.DecoderLayer` s (stacked and run
+with ``lax.scan``, so compile time does not grow with depth), a final RMSNorm. Positions are 0..L-1 for
+every row (transformers' default for text); prompts of different lengths are padded on the right and
+their padding keys masked, so each prompt's real tokens see exactly what they would see alone.
 
-- RMSNorm (Zhang & Sennrich, arXiv 1910.07467) before attention and MLP, and after the last layer;
-- rotary position embeddings (Su et al., arXiv 2104.09864) with the checkpoint's ``rope_theta``, on the
-  "rotate half" layout transformers uses. Qwen2.5-VL's multimodal RoPE gives text tokens the same
-  position on all three axes, so for text it is this 1-D RoPE;
-- grouped-query attention (Ainslie et al., arXiv 2305.13245): ``num_key_value_heads`` K/V heads, each
-  shared by ``num_attention_heads / num_key_value_heads`` query heads; causal, plus a key padding mask;
-- Qwen2 biases on q/k/v; Qwen3 an RMSNorm over each head's q and k before RoPE;
-- a SwiGLU MLP (Shazeer, arXiv 2002.05202): down(silu(gate(x)) * up(x)).
+``layers`` picks the output the way transformers' ``hidden_states`` tuple is indexed: 0 the embeddings,
+i the output of layer i, ``num_hidden_layers`` (or -1) the final normed output. One index gives
+[B, L, E]; a tuple gives them stacked on axis 1, [B, n, L, E], as FLUX.2's pipelines stack them. Layers
+past the deepest index asked for are not run.
 
-The parameters are a plain pytree of transformers' tensors (kernels kept [out, in]), layers stacked on a
-leading axis and run with ``lax.scan``, so compile time does not depend on depth. Norms and the softmax
-are computed in fp32; matmuls in the parameters' dtype with fp32 accumulation.
-
-Shape letters: B batch, L tokens, H query heads, K key/value heads, D head_dim, E hidden_size.
+:class:`DecoderLMRunner` runs it jitted on one device or on a mesh, sharded by
+``sharding_rules.decoder_lm`` (heads and MLP over ``tensor``, batch over data/cfg, sequence over the
+sequence axes; XLA inserts the collectives).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
-from jaxdit.models.layers import rms_norm
-from jaxdit.text_encoders.common import MASKED, read_json
+from jaxdit.models.layers import param, rms_norm
+from jaxdit.models.partitioning import logical_axes
+from jaxdit.text_encoders.common import stack_blocks
+from jaxdit.text_encoders.decoder_lm_config import DecoderLMConfig, rope_inverse_frequencies
+from jaxdit.text_encoders.decoder_lm_layers import Constrain, DecoderLayer, no_constraint
+from sharding_rules import logical_to_spec
+from sharding_rules.decoder_lm import DECODER_LM, decoder_lm_rules
 
-__all__ = ["DecoderLMConfig", "encode", "parameter_shapes"]
+__all__ = [
+    "DecoderLM",
+    "DecoderLMRunner",
+    "abstract_model",
+    "check_tensor_degree",
+    "parameter_bytes_per_device",
+]
 
-#: transformers ``model_type`` values whose text path this module computes.
-MODEL_TYPES = ("qwen2", "qwen2_5_vl", "qwen2_5_vl_text", "qwen2_vl", "qwen3", "mistral", "llama")
+Layers = int | Sequence[int] | None
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderLMConfig:
-    """Hyper-parameters of the decoder (transformers' names)."""
+class DecoderLM(nnx.Module):
+    """Embedding, stacked decoder layers and the final norm (parameters named as in transformers)."""
 
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-    attention_bias: bool = False  # Qwen2 / Qwen2.5-VL: biases on q, k, v (never on o)
-    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k
-    sliding_window: int | None = None  # only checked: prompts longer than it are refused
+    def __init__(self, config: DecoderLMConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+        cfg = config
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = cfg
+        self.embed_tokens = param(
+            rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), dtype, scale=1.0
+        )
+        self.layers = stack_blocks(
+            lambda r: DecoderLayer(cfg, dtype=dtype, rngs=r), cfg.num_hidden_layers, rngs
+        )
+        self.norm = param(rngs, (cfg.hidden_size,), ("embed",), dtype, init="ones")
 
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "head_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"DecoderLMConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_key_value_heads < 1 or self.num_attention_heads % self.num_key_value_heads:
+    def layer_indices(self, layers: Layers) -> tuple[int, ...]:
+        """``layers`` as transformers' ``hidden_states`` indices in 0..num_hidden_layers (checked)."""
+        n = self.config.num_hidden_layers
+        wanted = (n,) if layers is None else (layers,) if isinstance(layers, int) else tuple(layers)
+        if not wanted:
+            raise ValueError("layers is empty; give a hidden-state index or a list of them")
+        out = []
+        for i in wanted:
+            if not isinstance(i, int | np.integer) or not -(n + 1) <= i <= n:
+                raise ValueError(
+                    f"hidden-state index {i!r} is out of range for a {n}-layer encoder: 0 is the "
+                    f"embeddings, 1..{n} the layers' outputs ({n} and -1 the final normed output)"
+                )
+            out.append(int(i) % (n + 1))
+        return tuple(out)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        attention_mask: jax.Array | None = None,
+        *,
+        layers: Layers = None,
+        constrain: Constrain = no_constraint,
+    ) -> jax.Array:
+        """input_ids [B, L] int; attention_mask [B, L] (1 = token, 0 = padding) or None -> hidden states in
+        fp32: [B, L, E] for one index (default: the final normed output), [B, n, L, E] for a tuple."""
+        cfg = self.config
+        indices = self.layer_indices(layers)
+        length = input_ids.shape[1]
+        if cfg.sliding_window is not None and length > cfg.sliding_window:
             raise ValueError(
-                f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads {self.num_key_value_heads}"
+                f"{length} tokens exceed the checkpoint's sliding window of {cfg.sliding_window}; the "
+                "encoder runs full causal attention, so it encodes at most that many tokens"
             )
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+        angles = np.arange(length, dtype=np.float32)[:, None] * rope_inverse_frequencies(cfg)[None]
+        cos, sin = jnp.cos(jnp.asarray(angles)), jnp.sin(jnp.asarray(angles))
+        causal = jnp.tril(jnp.ones((length, length), bool))
+        keys = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask > 0
+        mask = (causal[None] & keys[:, None, :])[:, None, None]  # [B, 1, 1, L, M]
 
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike[str]) -> DecoderLMConfig:
-        """From a transformers ``config.json`` (a path or the parsed dict); Qwen2.5-VL's text part is
-        read from ``text_config`` when present, else from the top level (older layouts)."""
-        c = dict(config) if isinstance(config, Mapping) else read_json(config)
-        model_type = c.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"config is for model_type {model_type!r}, not one of {', '.join(MODEL_TYPES)}")
-        if isinstance(c.get("text_config"), Mapping):
-            c = {**c, **c["text_config"]}
-        # transformers 5 writes ``rope_parameters`` (with the theta); older versions ``rope_scaling``.
-        scaling = c.get("rope_scaling") or c.get("rope_parameters") or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind not in ("default", "mrope"):
-            raise ValueError(f"rope_scaling type {kind!r} is not supported (only default RoPE)")
-        heads = int(c["num_attention_heads"])
-        head_dim = c.get("head_dim") or int(c["hidden_size"]) // heads
-        window = c.get("sliding_window")
-        if model_type.startswith("qwen2") and not c.get("use_sliding_window", False):
-            window = None
-        theta = c.get("rope_theta", (c.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-        return cls(
-            vocab_size=int(c["vocab_size"]),
-            hidden_size=int(c["hidden_size"]),
-            intermediate_size=int(c["intermediate_size"]),
-            num_hidden_layers=int(c["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(c.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rope_theta=float(theta),
-            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-            attention_bias=bool(c.get("attention_bias", model_type.startswith("qwen2"))),
-            qk_norm=model_type == "qwen3",
-            sliding_window=int(window) if window else None,
-        )
+        x = constrain(self.embed_tokens[...][input_ids].astype(jnp.float32), ("batch", "seq", None))
+        graphdef, state = nnx.split(self.layers)
+
+        def body(h, layer_state):
+            return nnx.merge(graphdef, layer_state)(h, cos, sin, mask, constrain), None
+
+        captured: dict[int, jax.Array] = {0: x}
+        done = 0
+        for stop in sorted({min(i, cfg.num_hidden_layers) for i in indices if i > 0}):
+            segment = jax.tree.map(lambda a, lo=done, hi=stop: a[lo:hi], state)
+            x, _ = jax.lax.scan(body, x, segment)
+            captured[stop], done = x, stop
+        if cfg.num_hidden_layers in captured and cfg.num_hidden_layers > 0:
+            captured[cfg.num_hidden_layers] = rms_norm(
+                captured[cfg.num_hidden_layers], self.norm[...], cfg.rms_norm_eps
+            )
+        outs = [captured[i] for i in indices]
+        single = layers is None or isinstance(layers, int | np.integer)
+        return outs[0] if single else jnp.stack(outs, axis=1)
 
 
-def parameter_shapes(cfg: DecoderLMConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter's shape, named as transformers names it inside one layer (``layers.`` entries
-    carry the stacked layer axis first)."""
-    n, e, f, d = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    hd, kd = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes = {
-        "embed_tokens.weight": (cfg.vocab_size, e),
-        "norm.weight": (e,),
-        "layers.input_layernorm.weight": (n, e),
-        "layers.post_attention_layernorm.weight": (n, e),
-        "layers.self_attn.q_proj.weight": (n, hd, e),
-        "layers.self_attn.k_proj.weight": (n, kd, e),
-        "layers.self_attn.v_proj.weight": (n, kd, e),
-        "layers.self_attn.o_proj.weight": (n, e, hd),
-        "layers.mlp.gate_proj.weight": (n, f, e),
-        "layers.mlp.up_proj.weight": (n, f, e),
-        "layers.mlp.down_proj.weight": (n, e, f),
+def abstract_model(config: DecoderLMConfig, dtype: Any = jnp.float32) -> DecoderLM:
+    """The encoder with ``jax.ShapeDtypeStruct`` parameters (shapes and logical axes, nothing allocated)."""
+    return nnx.eval_shape(lambda: DecoderLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def check_tensor_degree(config: DecoderLMConfig, tensor: int) -> None:
+    """Raise unless query heads, key/value heads and the MLP width all split over ``tensor``."""
+    sizes = {
+        "query heads": config.num_attention_heads,
+        "key/value heads": config.num_key_value_heads,
+        "MLP width": config.intermediate_size,
     }
-    if cfg.attention_bias:
-        shapes |= {f"layers.self_attn.{p}_proj.bias": (n, s) for p, s in (("q", hd), ("k", kd), ("v", kd))}
-    if cfg.qk_norm:
-        shapes |= {f"layers.self_attn.{p}_norm.weight": (n, d) for p in ("q", "k")}
-    return shapes
-
-
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    return y if b is None else y + b.astype(jnp.float32)
-
-
-def _rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate [B, L, H, D] by the angles ([L, D/2]) on the rotate-half layout, in fp32."""
-    x = x.astype(jnp.float32)
-    x1, x2 = jnp.split(x, 2, axis=-1)
-    c, s = cos[None, :, None], sin[None, :, None]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-
-
-def _layer(cfg: DecoderLMConfig, p: Mapping[str, jax.Array], x: jax.Array, bias: jax.Array, cos, sin):
-    dtype = x.dtype
-    b, l, _ = x.shape
-    d, h, k = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-    a = "self_attn."
-    hn = rms_norm(x, p["input_layernorm.weight"], cfg.rms_norm_eps).astype(dtype)
-    q = _linear(hn, p[a + "q_proj.weight"], p.get(a + "q_proj.bias")).reshape(b, l, h, d)
-    kk = _linear(hn, p[a + "k_proj.weight"], p.get(a + "k_proj.bias")).reshape(b, l, k, d)
-    v = _linear(hn, p[a + "v_proj.weight"], p.get(a + "v_proj.bias")).reshape(b, l, k, d).astype(dtype)
-    if cfg.qk_norm:
-        q = rms_norm(q, p[a + "q_norm.weight"], cfg.rms_norm_eps)
-        kk = rms_norm(kk, p[a + "k_norm.weight"], cfg.rms_norm_eps)
-    q, kk = _rope(q, cos, sin).astype(dtype), _rope(kk, cos, sin).astype(dtype)
-    # Grouped-query attention without repeating K/V: query heads grouped as [K, H/K].
-    q = q.reshape(b, l, k, h // k, d)
-    s = jnp.einsum("blkgd,bmkd->bkglm", q, kk, preferred_element_type=jnp.float32) * d**-0.5
-    probs = jax.nn.softmax(s + bias[:, None, None], axis=-1)
-    o = jnp.einsum("bkglm,bmkd->blkgd", probs.astype(dtype), v, preferred_element_type=jnp.float32)
-    x = x + _linear(o.reshape(b, l, h * d).astype(dtype), p[a + "o_proj.weight"]).astype(dtype)
-    hn = rms_norm(x, p["post_attention_layernorm.weight"], cfg.rms_norm_eps).astype(dtype)
-    m = jax.nn.silu(_linear(hn, p["mlp.gate_proj.weight"])) * _linear(hn, p["mlp.up_proj.weight"])
-    return x + _linear(m.astype(dtype), p["mlp.down_proj.weight"]).astype(dtype)
-
-
-def encode(
-    cfg: DecoderLMConfig,
-    params: Mapping[str, jax.Array],
-    input_ids: jax.Array,
-    attention_mask: jax.Array | None = None,
-    layers: Sequence[int] | None = None,
-) -> jax.Array:
-    """Hidden states of ``input_ids`` [B, L] (``attention_mask`` [B, L], 1 = real token, padding on the
-    right), computed in the parameters' dtype.
-
-    ``layers=None``: the last layer after the final norm, [B, L, E]. Otherwise a list of indices into
-    transformers' ``hidden_states`` tuple (0 = embeddings, i = output of layer i, ``num_hidden_layers`` or
-    -1 = the normed last layer), stacked as [B, len(layers), L, E].
-    """
-    b, l = input_ids.shape
-    if cfg.sliding_window is not None and l > cfg.sliding_window:
+    bad = {k: v for k, v in sizes.items() if v % tensor}
+    if bad:
+        valid = [
+            t for t in range(1, config.num_key_value_heads + 1) if all(v % t == 0 for v in sizes.values())
+        ]
         raise ValueError(
-            f"{l} tokens exceed the sliding window {cfg.sliding_window}, which is not implemented"
+            f"the decoder-LM encoder cannot be split over tensor={tensor}: "
+            + ", ".join(f"{v} {k}" for k, v in bad.items())
+            + f" do not divide; valid tensor degrees: {', '.join(map(str, valid))}"
         )
-    n = cfg.num_hidden_layers
-    wanted = None
-    if layers is not None:
-        wanted = [i + n + 1 if i < 0 else i for i in layers]
-        bad = [i for i, w in zip(layers, wanted, strict=True) if not 0 <= w <= n]
-        if bad or not wanted:
-            raise ValueError(f"layers {list(layers)}: indices must lie in [-{n + 1}, {n}] and be non-empty")
-    mask = jnp.ones((b, l), bool) if attention_mask is None else jnp.asarray(attention_mask).astype(bool)
-    causal = jnp.tril(jnp.ones((l, l), bool))
-    bias = jnp.where(causal[None] & mask[:, None, :], 0.0, MASKED).astype(jnp.float32)  # [B, L, L]
-    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, cfg.head_dim, 2, dtype=jnp.float32) / cfg.head_dim))
-    angles = jnp.arange(l, dtype=jnp.float32)[:, None] * inv_freq[None]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    x = params["embed_tokens.weight"][input_ids]
-    stacked = {k.removeprefix("layers."): v for k, v in params.items() if k.startswith("layers.")}
 
-    def body(h, p):
-        h = _layer(cfg, p, h, bias, cos, sin)
-        return h, (h if wanted is not None else None)
 
-    last, per_layer = jax.lax.scan(body, x, stacked)
-    final = rms_norm(last, params["norm.weight"], cfg.rms_norm_eps).astype(x.dtype)
-    if wanted is None:
-        return final
-    states = jnp.concatenate([x[None], per_layer[:-1], final[None]], axis=0)  # HF's hidden_states order
-    return jnp.moveaxis(states[jnp.asarray(wanted)], 0, 1)
+def parameter_bytes_per_device(config: DecoderLMConfig, dtype: Any = jnp.bfloat16, tensor: int = 1) -> int:
+    """Bytes of parameters each device holds when the encoder is split over ``tensor`` (from abstract
+    shapes and the rule table; nothing is allocated)."""
+    check_tensor_degree(config, tensor)
+    rules = decoder_lm_rules(tensor)
+    total = 0
+    for _, var in nnx.to_flat_state(nnx.state(abstract_model(config, dtype), nnx.Param)):
+        spec = logical_to_spec(logical_axes(var), rules)
+        parts = tuple(spec) + (None,) * (len(var.shape) - len(spec))
+        shape = [
+            math.ceil(d / (tensor if p == "tensor" else 1)) for d, p in zip(var.shape, parts, strict=True)
+        ]
+        total += math.prod(shape) * jnp.dtype(var.dtype).itemsize
+    return total
+
+
+class DecoderLMRunner:
+    """The encoder jitted on one device or on a mesh: numpy ids and mask in, hidden states out.
+
+    On a mesh the parameters must already be placed by the rule table (``jaxdit.loading.decoder_lm``
+    does); the batch is padded to a multiple of data x cfg and the sequence to a multiple of the
+    sequence axes' product with masked tokens (causal attention: tokens appended at the end change
+    nothing before them), and the padding is cut off the result.
+    """
+
+    def __init__(self, model: DecoderLM, mesh: Mesh | None = None, rules: Mapping[str, object] | None = None):
+        self.model = model
+        self.mesh = mesh
+        self.rules = (
+            rules if rules is not None else (decoder_lm_rules(mesh.shape["tensor"]) if mesh else DECODER_LM)
+        )
+        graphdef, state = nnx.split(model)
+        self._state = state
+
+        def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+            if mesh is None:
+                return x
+            return jax.lax.with_sharding_constraint(
+                x, NamedSharding(mesh, logical_to_spec(names, self.rules))
+            )
+
+        def run(st, ids, mask, layers):
+            return nnx.merge(graphdef, st)(ids, mask, layers=layers, constrain=constrain)
+
+        self._jitted = jax.jit(run, static_argnums=(3,))
+
+    def _multiple(self, name: str) -> int:
+        """How many shards the logical axis ``name`` is cut into on the mesh (1 on one device)."""
+        if self.mesh is None:
+            return 1
+        target = self.rules.get(name)
+        axes = (target,) if isinstance(target, str) else tuple(target or ())
+        return math.prod(int(self.mesh.shape[a]) for a in axes)
+
+    def __call__(self, input_ids: Any, attention_mask: Any = None, *, layers: Layers = None) -> jax.Array:
+        ids = np.asarray(input_ids, np.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, tokens], got shape {ids.shape}")
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32)
+        if mask.shape != ids.shape:
+            raise ValueError(f"attention_mask {mask.shape} does not match input_ids {ids.shape}")
+        self.model.layer_indices(layers)  # bad indices fail here, before compiling
+        b, length = ids.shape
+        pad_b = -b % self._multiple("batch")
+        pad_l = -length % self._multiple("seq")
+        ids = np.pad(ids, ((0, pad_b), (0, pad_l)))
+        mask = np.pad(mask, ((0, pad_b), (0, pad_l)))
+        if self.mesh is not None:
+            where = NamedSharding(self.mesh, logical_to_spec(("batch", "seq"), self.rules))
+            ids, mask = jax.device_put(ids, where), jax.device_put(mask, where)
+        key = layers if layers is None or isinstance(layers, int) else tuple(int(i) for i in layers)
+        out = self._jitted(self._state, ids, mask, key)
+        return out[:b, ..., :length, :]

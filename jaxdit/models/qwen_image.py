@@ -1,0 +1,240 @@
+"""Qwen-Image's MMDiT (Qwen Team, arXiv 2508.02324) in Flax NNX, written as the local view of one shard.
+
+Follows diffusers' ``QwenImageTransformer2DModel`` (``models/transformers/transformer_qwenimage.py``):
+the text features (Qwen2.5-VL's last hidden state) pass an RMSNorm and a linear layer, the packed latents
+a linear layer; ``num_layers`` dual-stream blocks attend jointly over [text; image] with the prompts' key
+mask; the image tokens leave through an AdaLN (scale first) and a linear layer. The AdaLN vector is the
+timestep's embedding alone (no pooled text, no guidance embedding). RoPE has three axes (frame, row,
+column) with the image centred on 0 and the text on the diagonal past it
+(:func:`~jaxdit.models.qwen_image_config.rope_positions`). Parameters keep diffusers' names; the
+checkpoint keys map onto them in ``converters/qwen_image.py``.
+
+Shape letters: B batch, T text tokens, N image tokens (local to one sequence shard inside
+``shard_map``), H heads, D head_dim, E hidden.
+
+Parallel plan (model code never names a mesh axis; it calls the :class:`ShardContext`):
+
+- Text and image tokens are token groups 0 and 1 of the :class:`SequenceLayout`, sequence-sharded over
+  (ring, ulysses) and padded where the degrees do not divide them; shard r holds [text_r; image_r] and
+  nothing is concatenated globally. The prompts' key mask travels with the text tokens (padded with
+  False) and is joined with the image's all-True mask per shard.
+- Every op but attention is per token (RoPE included: each token brings its own (frame, row, column)
+  id), so only attention communicates over the sequence axes.
+- Tensor parallel (Megatron): q/k/v (both streams) and each MLP's first projection column-parallel,
+  ``to_out`` / ``to_add_out`` and each MLP's second projection row-parallel, one all-reduce after each.
+  AdaLN modulation and the timestep embedder stay replicated: computed once per step from a [B, E]
+  vector. The QK-norm scales are per head_dim, shared by all heads, hence replicated.
+
+Precision: weights and matmuls in the model's ``dtype`` with fp32 accumulation; residual streams, norms,
+RoPE, AdaLN modulation and softmax statistics in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxdit.mesh import ParallelConfig
+from jaxdit.models import partitioning
+from jaxdit.models.layers import Linear, layer_norm, param, rms_norm, rope_angles
+from jaxdit.models.qwen_image_blocks import EPS, DualStreamBlock, TimestepEmbedder, modulation
+from jaxdit.models.qwen_image_config import IMAGE, TEXT, QwenImageConfig
+from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.staged import staged_forward
+from jaxdit.parallel.context import ShardContext
+from jaxdit.parallel.layout import SequenceLayout
+
+__all__ = [
+    "FORWARD_INPUTS",
+    "QwenImageTransformer",
+    "abstract_model",
+    "parameter_shapes",
+    "sharded",
+    "time_features",
+]
+
+#: Width of the sinusoidal timestep embedding (cos half first) and the factor on sigma in [0, 1].
+TIME_FREQ_DIM = 256
+TIME_SCALE = 1000.0
+
+
+class QwenImageCond(NamedTuple):
+    """What every block reads besides the streams."""
+
+    temb: jax.Array  # [B, E] fp32 timestep embedding
+    angles: tuple[jax.Array, jax.Array]  # (text [1, T, D/2], image [1, N, D/2]) fp32, this shard's
+    key_mask: jax.Array | None  # [B, T+N] bool: this shard's real [text; image] keys, or None
+
+
+def time_features(sigma: jax.Array) -> jax.Array:
+    """[B] sigma in [0, 1] -> [B, 256] fp32 sinusoids, cos half first (diffusers' ``Timesteps`` with
+    ``flip_sin_to_cos``, ``scale=1000``). The scale is applied after the frequencies, as there: the
+    angles reach 1000, where the order of two fp32 products changes the sines by ~1e-4."""
+    half = TIME_FREQ_DIM // 2
+    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    args = (sigma.astype(jnp.float32)[:, None] * freqs[None]) * TIME_SCALE
+    return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
+
+
+def _stack(make, n: int, rngs: nnx.Rngs):
+    """``n`` blocks with a leading layer axis on every parameter, each from its own RNG stream."""
+    if n == 0:
+        return None
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def build(r: nnx.Rngs):
+        return make(r)
+
+    return build(rngs)
+
+
+class QwenImageTransformer(nnx.Module):
+    """Qwen-Image transformer, a staged forward (``jaxdit.models.staged``): embed -> dual-stream blocks
+    on the (text, image) streams -> output layer on the image tokens."""
+
+    STACKS = ("transformer_blocks",)
+
+    def __init__(self, config: QwenImageConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
+        cfg = config
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        e = cfg.hidden_size
+        self.config = cfg
+        self.time_embed = TimestepEmbedder(TIME_FREQ_DIM, e, dtype=dtype, rngs=rngs)
+        self.txt_norm = param(rngs, (cfg.joint_attention_dim,), ("in_features",), dtype, init="ones")
+        self.img_in = Linear(cfg.in_channels, e, ("in_features", "embed"), rngs=rngs, dtype=dtype)
+        self.txt_in = Linear(cfg.joint_attention_dim, e, ("in_features", "embed"), rngs=rngs, dtype=dtype)
+        self.transformer_blocks = _stack(
+            lambda r: DualStreamBlock(cfg, dtype=dtype, rngs=r), cfg.num_layers, rngs
+        )
+        self.norm_out = Linear(e, 2 * e, ("embed", "modulation"), rngs=rngs, dtype=dtype)  # scale, shift
+        self.proj_out = Linear(e, cfg.output_features, ("embed", "out_features"), rngs=rngs, dtype=dtype)
+
+    @property
+    def dtype(self) -> Any:
+        return self.img_in.kernel.dtype
+
+    # ------------------------------------------------------------------ staged forward
+    def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, QwenImageCond]:
+        """diffusers-named inputs (:data:`FORWARD_INPUTS`) -> the fp32 (text, image) streams and the
+        conditioning every block reads."""
+        cfg = self.config
+        temb = self.time_embed(time_features(inputs["timestep"]).astype(self.dtype)).astype(jnp.float32)
+        txt = rms_norm(inputs["encoder_hidden_states"], self.txt_norm[...], EPS).astype(self.dtype)
+        txt = self.txt_in(txt).astype(jnp.float32)
+        img = self.img_in(inputs["hidden_states"]).astype(jnp.float32)
+        angles = tuple(
+            rope_angles(inputs[name], cfg.axes_dims_rope, cfg.theta)[None] for name in ("txt_ids", "img_ids")
+        )
+        mask = inputs.get("encoder_hidden_states_mask")
+        key_mask = None
+        if mask is not None:
+            image_keys = jnp.ones((mask.shape[0], img.shape[1]), bool)
+            key_mask = ctx.layout.join_local([mask.astype(bool), image_keys])
+        return (txt, img), QwenImageCond(temb, angles, key_mask)
+
+    def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
+        return streams
+
+    def run_block(self, stack: str, block: nnx.Module, streams: Any, cond: QwenImageCond, ctx: ShardContext):
+        return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, cond.key_mask, ctx)
+
+    def output(self, streams: Any, cond: QwenImageCond, ctx: ShardContext) -> jax.Array:
+        """The image tokens -> the velocity prediction [B, N, patch_size**2 * out_channels]."""
+        scale, shift = jnp.split(modulation(self.norm_out, cond.temb), 2, axis=-1)
+        x = layer_norm(streams[IMAGE], EPS) * (1.0 + scale[:, None]) + shift[:, None]
+        return self.proj_out(x.astype(self.dtype))
+
+    def __call__(
+        self,
+        hidden_states: jax.Array,
+        encoder_hidden_states: jax.Array,
+        timestep: jax.Array,
+        img_ids: jax.Array,
+        txt_ids: jax.Array,
+        encoder_hidden_states_mask: jax.Array | None = None,
+        *,
+        ctx: ShardContext | None = None,
+    ) -> jax.Array:
+        """Local view: this shard's tokens -> its image tokens' velocity prediction.
+
+        hidden_states [B, N, in_channels] packed latents, encoder_hidden_states [B, T, joint_attention_dim],
+        timestep [B] sigma in [0, 1], img_ids [N, 3] and txt_ids [T, 3] (``rope_positions``),
+        encoder_hidden_states_mask [B, T] (1 = real token) or None. Without ``ctx`` the call is the whole,
+        unsharded model. Returns [B, N, patch_size**2 * out_channels] in the model's dtype.
+        """
+        if ctx is None:
+            ctx = ShardContext(
+                ParallelConfig(), SequenceLayout((encoder_hidden_states.shape[1], hidden_states.shape[1]), 1)
+            )
+        inputs = dict(
+            hidden_states=hidden_states,
+            encoder_hidden_states=encoder_hidden_states,
+            timestep=timestep,
+            img_ids=img_ids,
+            txt_ids=txt_ids,
+        )
+        if encoder_hidden_states_mask is not None:
+            inputs["encoder_hidden_states_mask"] = encoder_hidden_states_mask
+        return staged_forward(self, inputs, ctx)
+
+
+def abstract_model(config: QwenImageConfig, dtype: Any = jnp.float32) -> QwenImageTransformer:
+    """The model with ``jax.ShapeDtypeStruct`` parameters: shapes and logical axes, nothing allocated."""
+    return nnx.eval_shape(lambda: QwenImageTransformer(config, dtype=dtype, rngs=nnx.Rngs(0)))
+
+
+def parameter_shapes(config: QwenImageConfig) -> dict[str, tuple[int, ...]]:
+    """Dotted parameter path -> shape (stacked blocks with their leading layer axis)."""
+    return partitioning.parameter_shapes(abstract_model(config))
+
+
+# --------------------------------------------------------------------------------------------------------
+# On a mesh
+# --------------------------------------------------------------------------------------------------------
+
+#: How the forward's inputs lie on the mesh (diffusers' argument names). Text tokens are token group 0 and
+#: image tokens group 1, so shard r holds [text_r; image_r]; the ids and the text mask are padded with
+#: their tokens (the mask with False).
+FORWARD_INPUTS: dict[str, Arg] = {
+    "hidden_states": Arg(("batch", "seq", None), IMAGE),
+    "encoder_hidden_states": Arg(("batch", "seq", None), TEXT, model_dtype=True),
+    "timestep": Arg(("batch",)),
+    "img_ids": Arg(("seq", None), IMAGE),
+    "txt_ids": Arg(("seq", None), TEXT),
+    "encoder_hidden_states_mask": Arg(("batch", "seq"), TEXT),
+}
+FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
+
+
+def _forward_body(model: QwenImageTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
+    return staged_forward(model, x, ctx)
+
+
+def sharded(
+    model: QwenImageTransformer,
+    mesh: Mesh,
+    *,
+    rules: Mapping[str, object] | None = None,
+    kernel: Mapping[str, int] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> ShardedForward:
+    """The model's forward as one jitted ``shard_map`` over ``mesh``, called with diffusers' argument
+    names on global arrays (see :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``."""
+    return ShardedForward(
+        model,
+        mesh,
+        inputs=FORWARD_INPUTS,
+        output=FORWARD_OUTPUT,
+        body=_forward_body,
+        num_heads=model.config.num_heads,
+        rules=rules,
+        kernel=kernel,
+        compiler_options=compiler_options,
+    )
