@@ -234,12 +234,36 @@ def check_run(r: GenerateRequest) -> None:
     parallel = r.parallel()
     _check_batch(r, parallel)
     _check_cfg_flags_matter(r)
+    _check_fp8(r, parallel)
     if r.guidance_scale is not None and not takes_guidance_scale(r):
         raise ValueError(
             f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
             "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
             "--true_cfg_scale and --negative_prompt"
         )
+
+
+def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
+    """FP8 combinations that cannot run, refused before anything loads."""
+    if r.quantize is None:
+        if r.fp8_mode is not None:
+            raise ValueError(f"--fp8_mode {r.fp8_mode} applies with --quantize fp8, which is not given")
+        return
+    if parallel.pipefusion > 1:
+        raise ValueError(
+            "--quantize fp8 runs on meshes without PipeFusion (drop --pipefusion_parallel_degree)"
+        )
+    if r.lora or r.lora_2:
+        raise ValueError(
+            "--lora cannot be fused into FP8 weights; fuse it first, then quantize: "
+            "jaxdit convert SRC DST --lora FILE --quantize fp8, and generate from DST"
+        )
+    builder = r.family.bundled_pipeline if r.source == "bundled" else None
+    if builder is None:
+        pipeline = r.family.pipeline_class
+        builder = pipeline.from_pretrained if r.source == "folder" else pipeline.from_checkpoint
+    if "fp8" not in inspect.signature(builder).parameters:
+        raise ValueError(f"--quantize fp8 is not available for {r.label} yet")
 
 
 def _check_cfg_flags_matter(r: GenerateRequest) -> None:

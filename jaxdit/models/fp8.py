@@ -20,18 +20,53 @@ checkpoint good for both.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 
-__all__ = ["E4M3", "E4M3_MAX", "MODES", "fp8_linear", "is_fp8", "quantize_kernel"]
+__all__ = ["E4M3", "E4M3_MAX", "MODES", "choose_mode", "fp8_linear", "is_fp8", "quantize_kernel"]
 
 E4M3 = jnp.float8_e4m3fn
 #: The largest finite float8_e4m3fn value (448): a scale maps each channel's largest magnitude onto it.
 E4M3_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)
 MODES = ("weight", "matmul")
+
+
+#: The first NVIDIA compute capability with FP8 tensor cores (Ada; Hopper is 9.0).
+FP8_COMPUTE_CAPABILITY = (8, 9)
+
+
+def _gpu_without_fp8(device) -> str | None:
+    """The compute capability of a GPU below FP8's, or None (an FP8 GPU, or not a GPU: the CPU emulates)."""
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return None
+    major, minor = (int(part) for part in str(capability).split(".")[:2])
+    return None if (major, minor) >= FP8_COMPUTE_CAPABILITY else str(capability)
+
+
+def choose_mode(requested: str | None, devices) -> str:
+    """The FP8 mode a run uses, decided before anything compiles: ``requested`` where the devices can
+    run it; FP8 matmuls by default on GPUs that have them, weight-only elsewhere; a requested ``matmul``
+    on a GPU without FP8 tensor cores falls back to ``weight`` with one warning."""
+    if requested is not None and requested not in MODES:
+        raise ValueError(f"fp8 mode {requested!r}: expected one of {', '.join(MODES)}")
+    devices = list(devices)
+    lacking = next((c for c in map(_gpu_without_fp8, devices) if c is not None), None)
+    if requested == "matmul" and lacking is not None:
+        warnings.warn(
+            f"FP8 matmuls need compute capability 8.9 or later; this GPU is {lacking}: running FP8 "
+            "weight-only instead (weights dequantized into bf16 matmuls)",
+            stacklevel=2,
+        )
+        return "weight"
+    if requested is not None:
+        return requested
+    gpus = all(d.platform == "gpu" for d in devices)
+    return "matmul" if gpus and lacking is None else "weight"
 
 
 def is_fp8(dtype) -> bool:

@@ -85,6 +85,7 @@ def folder_arguments(
     kernel: dict[str, Any] | None,
     compiler_options: dict[str, Any] | None,
     attention_backend: str | None,
+    fp8: str | None = None,
 ) -> Arguments:
     """A downloaded Wan folder's transformer(s) on the mesh, with its text encoder, VAE (decode, and the
     image conditioning of I2V / TI2V), scheduler settings and Wan 2.2 variant."""
@@ -115,8 +116,10 @@ def folder_arguments(
         encode_image = FirstFrameLatent(vae, mesh=mesh)
     second = None
     if len(experts) == 2:
+        if fp8 is not None:
+            raise ValueError(f"FP8 weights load one-expert Wan folders; {path} holds two (Wan 2.2 A14B)")
         second = _load_second(experts[1], mesh, dtype, None, offload_idle_expert)
-    model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
+    model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan, fp8=fp8)
 
     def decode(z: np.ndarray) -> np.ndarray:
         video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
