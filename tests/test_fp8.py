@@ -20,10 +20,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxdit import cli
-from jaxdit.families import convert_checkpoint, load_params
+from jaxdit.families import load_params
 from jaxdit.generate_checks import check_run
 from jaxdit.generate_request import GenerateRequest
 from jaxdit.mesh import ParallelConfig, single_device_mesh
