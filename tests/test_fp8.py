@@ -190,3 +190,74 @@ def test_matmul_falls_back_to_weight_only_on_a_gpu_without_fp8_with_one_warning(
     assert fp8.choose_mode(None, [Device("gpu", "8.6")]) == "weight"
     assert fp8.choose_mode(None, [Device("cpu")]) == "weight"
     assert fp8.choose_mode("matmul", [Device("cpu")]) == "matmul"  # emulated
+
+
+# ----------------------------------------------------------------------------------------------------
+# FP8 checkpoints as downloaded (ComfyUI's scaled and plain FP8 files)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _comfyui_fp8_file(path, *, scaled: bool, bad_scale: bool = False):
+    """tiny FLUX as ComfyUI writes FP8 files: ``model.diffusion_model.`` keys, the blocks' 2-D weights in
+    float8_e4m3fn with a per-tensor ``scale_weight`` (scaled) or cast as they are (plain); the source
+    file (fp32) is written beside it."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from converters.flux import BFL_PREFIX, write_bfl
+
+    source = write_bfl(
+        flux_tiny.config(True),
+        flux_tiny.state_dict(True),
+        path.with_suffix(".source.safetensors"),
+        prefix=BFL_PREFIX,
+    )
+    tensors = load_file(str(source))
+    out, rounded = {}, {}
+    for key, value in tensors.items():
+        if "blocks." in key and key.endswith(".weight") and value.ndim == 2:
+            scale = value.abs().max() / 448.0 if scaled else torch.tensor(1.0)
+            q = (value / scale).to(torch.float8_e4m3fn)
+            out[key] = q
+            if scaled:
+                out[key[: -len("weight")] + "scale_weight"] = scale.reshape(()).float()
+            rounded[key] = q.float() * scale
+        else:
+            out[key] = value
+    if scaled:
+        out["scaled_fp8"] = torch.zeros(0, dtype=torch.float8_e4m3fn)
+    if bad_scale:
+        key = next(k for k in out if k.endswith("scale_weight"))
+        out[key] = torch.ones(3)
+    save_file(out, str(path))
+    return path, tensors, rounded
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["scaled", "plain"])
+def test_a_comfyui_fp8_flux_file_loads_as_the_weights_it_stands_for(case, tmp_path, scaled):
+    from converters.checkpoint_files import open_checkpoint
+
+    path, _, rounded = _comfyui_fp8_file(tmp_path / "flux-fp8.safetensors", scaled=scaled)
+    files = open_checkpoint(path)
+    assert "scaled_fp8" not in files and not any(k.endswith("scale_weight") for k in files)
+    key = next(iter(rounded))
+    np.testing.assert_array_equal(files.read(key), rounded[key].numpy())  # value x scale, exactly
+    mesh = single_device_mesh()
+    _, model = load_params(path, mesh, jnp.float32, config=flux_tiny.config(True))
+    out = np.asarray(flux.sharded(model, mesh)(**case[0]))
+    _, bf16 = load_params(
+        path.with_suffix(".source.safetensors"), mesh, jnp.float32, config=flux_tiny.config(True)
+    )
+    reference = np.asarray(flux.sharded(bf16, mesh)(**case[0]))
+    error = _rel(out, reference)
+    print(f"ComfyUI {'scaled' if scaled else 'plain'} FP8 file vs its fp32 source: {error:.2e} relative")
+    assert 1e-4 < error < 2**-4
+
+
+def test_an_fp8_scale_of_another_shape_is_refused_by_name(tmp_path):
+    from converters.checkpoint_files import open_checkpoint
+    from converters.errors import CheckpointError
+
+    path, _, _ = _comfyui_fp8_file(tmp_path / "bad.safetensors", scaled=True, bad_scale=True)
+    with pytest.raises(CheckpointError, match=r"scale_weight' has shape \(3,\)"):
+        open_checkpoint(path)
