@@ -196,6 +196,13 @@ def _add_generate(sub) -> None:
     )
     _flag(
         gen,
+        "offload_encoders",
+        action="store_true",
+        help="pipeline folders: keep the text (and image) encoders' weights in host memory between prompts, "
+        "copied to the device for each encode, so the transformer gets the device's memory",
+    )
+    _flag(
+        gen,
         "lora",
         action="append",
         default=None,

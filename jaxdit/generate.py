@@ -50,6 +50,8 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
     # Two-expert models only (checked): the other families' builders do not take it.
     options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
+    if r.offload_encoders:  # checked: a pipeline folder
+        options["offload_encoders"] = True
     if r.quantize == "fp8":  # checked: the builder takes it
         from jaxdit.models.fp8 import choose_mode
 

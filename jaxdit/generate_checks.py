@@ -235,6 +235,14 @@ def check_run(r: GenerateRequest) -> None:
     _check_batch(r, parallel)
     _check_cfg_flags_matter(r)
     _check_fp8(r, parallel)
+    if r.offload_encoders:
+        if r.source != "folder":
+            raise ValueError(
+                "--offload_encoders moves a pipeline folder's text encoders to host memory between prompts; "
+                f"{r.label} runs no text encoder here, so it would change nothing"
+            )
+        if not _builder_takes(r, "offload_encoders"):
+            raise ValueError(f"--offload_encoders is not available for {r.label} yet")
     if r.guidance_scale is not None and not takes_guidance_scale(r):
         raise ValueError(
             f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
@@ -258,12 +266,18 @@ def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
             "--lora cannot be fused into FP8 weights; fuse it first, then quantize: "
             "jaxdit convert SRC DST --lora FILE --quantize fp8, and generate from DST"
         )
-    builder = r.family.bundled_pipeline if r.source == "bundled" else None
-    if builder is None:
+    if not _builder_takes(r, "fp8"):
+        raise ValueError(f"--quantize fp8 is not available for {r.label} yet")
+
+
+def _builder_takes(r: GenerateRequest, option: str) -> bool:
+    """Whether the function that builds this run's pipeline takes the keyword ``option``."""
+    if r.source == "bundled":
+        builder = r.family.bundled_pipeline
+    else:
         pipeline = r.family.pipeline_class
         builder = pipeline.from_pretrained if r.source == "folder" else pipeline.from_checkpoint
-    if "fp8" not in inspect.signature(builder).parameters:
-        raise ValueError(f"--quantize fp8 is not available for {r.label} yet")
+    return option in inspect.signature(builder).parameters
 
 
 def _check_cfg_flags_matter(r: GenerateRequest) -> None:

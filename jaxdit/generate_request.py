@@ -73,6 +73,7 @@ class GenerateRequest:
     attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
     quantize: str | None = None  # "fp8": the transformer blocks' linear weights in float8_e4m3fn
     fp8_mode: str | None = None  # weight | matmul (jaxdit.models.fp8); default: matmul where GPUs have FP8
+    offload_encoders: bool = False  # pipeline folders: encoder weights wait in host memory between prompts
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
     coordinator: str | None = None
     num_processes: int | None = None

@@ -159,6 +159,7 @@ class FluxKontextPipeline(FluxPipeline):
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
         fp8: str | None = None,
+        offload_encoders: bool = False,
     ) -> FluxKontextPipeline:
         """A downloaded ``FluxKontextPipeline`` folder on the mesh of ``parallel`` (see
         :meth:`FluxPipeline.from_pretrained`). ``transformer``: the Kontext transformer from another
@@ -167,6 +168,8 @@ class FluxKontextPipeline(FluxPipeline):
         ``FluxConfig`` where the weights cannot say it (a BFL file whose head_dim is not 128).
         ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
         (``jaxdit.models.fp8``; plain meshes, not PipeFusion).
+        ``offload_encoders``: the text encoders' weights wait in host memory between prompts (copied to
+        ``encoder_device`` for each encode), leaving the device to the transformer.
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
@@ -176,7 +179,11 @@ class FluxKontextPipeline(FluxPipeline):
         check_transformer(weights, mesh, CHECKPOINTS, config=transformer_config)
         dtype = as_dtype(dtype)
         encoders = load_flux_text_encoders(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+            folder.root,
+            dtype=dtype,
+            device=encoder_device,
+            compiler_options=compiler_options,
+            offload=offload_encoders,
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
         model = load_model(

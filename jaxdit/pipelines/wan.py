@@ -330,6 +330,7 @@ class WanPipeline(DiffusionPipeline):
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
         fp8: str | None = None,
+        offload_encoders: bool = False,
     ) -> WanPipeline:
         """A downloaded Wan folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or Wan's
         original release (Wan 2.1 T2V; Wan 2.2 A14B and TI2V-5B) -- with its umT5 text encoder, VAE (and
@@ -342,6 +343,8 @@ class WanPipeline(DiffusionPipeline):
         read. ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
         ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
         (``jaxdit.models.fp8``; plain meshes, not PipeFusion; one expert).
+        ``offload_encoders``: the text (and image) encoders' weights wait in host memory between prompts (copied to
+        ``encoder_device`` for each encode), leaving the device to the transformer.
         """
         model, mesh, arguments = folder_arguments(
             path,
@@ -354,6 +357,7 @@ class WanPipeline(DiffusionPipeline):
             compiler_options=compiler_options,
             attention_backend=attention_backend,
             fp8=fp8,
+            offload_encoders=offload_encoders,
         )
         return cls(model, mesh, **arguments)
 
