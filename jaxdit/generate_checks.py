@@ -234,6 +234,12 @@ def check_run(r: GenerateRequest) -> None:
     parallel = r.parallel()
     _check_batch(r, parallel)
     _check_cfg_flags_matter(r)
+    check_load_options(r, parallel)
+
+
+def check_load_options(r: GenerateRequest, parallel: Any) -> None:
+    """How the weights are held (``--quantize``, ``--fp8_mode``, ``--offload_encoders``): what cannot run
+    or would change nothing, refused before anything loads (generate and serve)."""
     _check_fp8(r, parallel)
     if r.offload_encoders:
         if r.source != "folder":

@@ -261,3 +261,13 @@ def test_an_fp8_scale_of_another_shape_is_refused_by_name(tmp_path):
     path, _, _ = _comfyui_fp8_file(tmp_path / "bad.safetensors", scaled=True, bad_scale=True)
     with pytest.raises(CheckpointError, match=r"scale_weight' has shape \(3,\)"):
         open_checkpoint(path)
+
+
+def test_serve_holds_fp8_weights_and_refuses_offloading_encoders_it_has_not():
+    from jaxdit.serve.engine import Engine
+
+    engine = Engine.load(None, _mesh(dict(ulysses=2)), quantize="fp8", fp8_mode="weight")
+    dtypes = {leaf.dtype for leaf in jax.tree.leaves(engine.pipe.forward.state)}
+    assert jnp.dtype(jnp.float8_e4m3fn) in dtypes
+    with pytest.raises(ValueError, match="--offload_encoders .* would change nothing"):
+        Engine.template_for(None, ParallelConfig(), offload_encoders=True)
