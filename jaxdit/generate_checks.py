@@ -369,6 +369,7 @@ def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) ->
         text_tokens=shapes["prompt_embeds"][1] if "prompt_embeds" in shapes else r.max_sequence_length,
         dtype=r.dtype or "bfloat16",
         family=r.family,
+        fp8=r.quantize == "fp8",
     )
     check_fits(workload, parallel, devices)
 

@@ -271,3 +271,39 @@ def test_serve_holds_fp8_weights_and_refuses_offloading_encoders_it_has_not():
     assert jnp.dtype(jnp.float8_e4m3fn) in dtypes
     with pytest.raises(ValueError, match="--offload_encoders .* would change nothing"):
         Engine.template_for(None, ParallelConfig(), offload_encoders=True)
+
+
+@pytest.mark.parametrize(
+    ("name", "degrees"),
+    [
+        ("flux-dev", dict(ulysses=8)),
+        ("flux-dev", dict(ulysses=4, tensor=2)),
+        ("wan2.1-t2v-14b", dict(ulysses=4, tensor=2)),
+    ],
+)
+def test_the_planner_prices_fp8_weights_as_the_sharded_model_holds_them(name, degrees):
+    from jaxdit.models import wan
+    from jaxdit.plan.cost import step_cost
+    from jaxdit.plan.workload import Workload
+
+    module = flux if name.startswith("flux") else wan
+    config = (flux.FluxConfig if module is flux else wan.WanConfig).preset(name)
+    parallel = ParallelConfig(**degrees)
+    model = module.abstract_model(config, jnp.bfloat16)
+    quantize_model(model, "weight")
+    held = module.sharded(model, _mesh(degrees)).param_bytes_per_device()
+    plain = step_cost(Workload.for_config(config, height=512, width=512), parallel).param_bytes
+    priced = step_cost(Workload.for_config(config, height=512, width=512, fp8=True), parallel).param_bytes
+    assert priced == held < plain
+    print(
+        f"{name} on {parallel.describe()}: {plain / 1e9:.2f} GB bf16 -> {priced / 1e9:.2f} GB fp8 per device"
+    )
+
+
+def test_the_planner_leaves_pipefusion_out_of_fp8_plans():
+    from jaxdit.plan.search import invalid_reasons
+    from jaxdit.plan.workload import Workload
+
+    w = Workload.for_config(flux.FluxConfig.preset("flux-dev"), height=512, width=512, fp8=True)
+    assert any("without PipeFusion" in r for r in invalid_reasons(w, ParallelConfig(pipefusion=2, ulysses=4)))
+    assert not invalid_reasons(w, ParallelConfig(ulysses=8))
