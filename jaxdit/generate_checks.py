@@ -234,12 +234,8 @@ def check_run(r: GenerateRequest) -> None:
     parallel = r.parallel()
     _check_batch(r, parallel)
     _check_cfg_flags_matter(r)
-    if r.guidance_scale is not None and not takes_guidance_scale(r):
-        raise ValueError(
-            f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
-            "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
-            "--true_cfg_scale and --negative_prompt"
-        )
+    if r.guidance_scale is not None and (why := _guidance_scale_ignored(r)) is not None:
+        raise ValueError(why)
 
 
 def _check_cfg_flags_matter(r: GenerateRequest) -> None:
@@ -263,12 +259,15 @@ def _check_cfg_flags_matter(r: GenerateRequest) -> None:
 
 
 def takes_guidance_scale(r: GenerateRequest) -> bool:
-    """Whether the model reads ``guidance_scale``: Wan's CFG scale, FLUX.1-dev's guidance embedding; a FLUX
-    model without that embedding (FLUX.1-schnell, tiny-digits) ignores it."""
+    """Whether the model reads ``guidance_scale`` (its family says: ``ModelFamily.guidance_scale_ignored``)."""
+    return _guidance_scale_ignored(r) is None
+
+
+def _guidance_scale_ignored(r: GenerateRequest) -> str | None:
     config = model_config(r)
     if config is None:
         config = r.family.checkpoints.open(r.folder["transformer"], None).config  # headers only
-    return getattr(config, "guidance_embed", None) is not False
+    return r.family.guidance_scale_ignored(config, r.label)
 
 
 def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:

@@ -115,6 +115,21 @@ def test_plan_prices_a_toy_preset(toy, capsys):
     assert "toy-small" in text and "ring2 x ulysses2" in text and "tensor4" in text
 
 
+def test_plan_ranks_the_pipefusion_it_cannot_run_last(toy, capsys):
+    """The toy has no PipeFusion stage layout: its PipeFusion configurations are 'modelled only' and come
+    after every configuration it can run, whatever their modelled latency, and the table says why."""
+    from jaxdit.plan.search import plan
+    from jaxdit.plan.workload import Workload
+
+    report = plan(Workload.create("toy-wide"), 4)
+    runs = [p.runnable for p in report.plans]
+    assert runs.count(False) == sum(p.config.pipefusion > 1 for p in report.plans) > 0
+    assert runs == sorted(runs, reverse=True), [p.name for p in report.plans]
+    assert cli.main(["plan", "--model", "toy-wide", "--devices", "4"]) == 0
+    text = capsys.readouterr().out
+    assert f"{runs.count(False)} configuration(s) marked 'modelled only' are ranked after" in text
+
+
 @pytest.mark.parametrize("command", ["generate", "plan"])
 def test_help_lists_the_toy_presets(toy, command, capsys):
     with pytest.raises(SystemExit) as exit_:
