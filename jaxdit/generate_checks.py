@@ -160,14 +160,21 @@ def _owners(argument: str) -> str:
     )
 
 
+def _check_family_flags(r: GenerateRequest) -> None:
+    """A family's own flag given to a family that does not declare it (``jaxdit.pipelines.call_options``)."""
+    own = {o.flag_name for o in r.family.pipeline_class.call_options}
+    declared = families.call_options()
+    for flag, _ in r.family_flags:
+        if flag not in own:
+            owners = " / ".join(f.display for f in declared[flag][1]) if flag in declared else "no"
+            raise ValueError(f"--{flag} applies to {owners} models; {r.family.display} does not take it")
+
+
 def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = True) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
-    if r.no_auto_resize and not takes(pipeline, "auto_resize"):
-        raise ValueError(
-            f"--no_auto_resize is {_owners('auto_resize')}'s; {family.display} takes no reference image"
-        )
-    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",), ("max_area",)):
+    _check_family_flags(r)
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
         if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
             owners = _owners(flags[0])
             if flags[0] == "guidance_scale_2":

@@ -108,6 +108,32 @@ def test_convert_then_generate_from_the_orbax_folder(toy_files, tmp_path, capsys
     np.testing.assert_array_equal(outputs[1], outputs[0])
 
 
+def test_the_toys_own_call_argument_goes_through_generate(toy_files, tmp_path, capsys):
+    """``--embedding_scale`` is declared by the toy's pipeline alone (``call_options``): ``jaxdit
+    generate`` parses it, passes it to the call, and the run equals the one whose embeddings file holds
+    the scaled embeddings; a family that does not declare it refuses it in one line."""
+    root, _ = toy_files
+    with np.load(root / "embeds.npz") as f:
+        np.savez(tmp_path / "scaled.npz", **{k: 2 * f[k] for k in f.files})
+    scaled, flagged = tmp_path / "scaled.npy", tmp_path / "flagged.npy"
+    argv = _generate_argv(toy_files, "--output", str(scaled))
+    argv[argv.index("--prompt_embeds") + 1] = str(tmp_path / "scaled.npz")
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert cli.main(_generate_argv(toy_files, "--embedding_scale", "2", "--output", str(flagged))) == 0
+    np.testing.assert_array_equal(np.load(flagged), np.load(scaled))
+    plain = tmp_path / "plain.npy"
+    assert cli.main(_generate_argv(toy_files, "--output", str(plain))) == 0, capsys.readouterr().err
+    assert not np.array_equal(np.load(plain), np.load(flagged))  # the flag changed the run
+    capsys.readouterr()
+    out = tmp_path / "digits.png"
+    assert cli.main(["generate", "--embedding-scale", "2", "--steps", "1", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "jaxdit generate: error: --embedding_scale applies to Toy DiT models; tiny-digits does not take it"
+    )
+    assert not out.exists()
+
+
 def test_plan_prices_a_toy_preset(toy, capsys):
     assert cli.main(["plan", "--model", "toy-small", "--devices", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
@@ -137,6 +163,8 @@ def test_help_lists_the_toy_presets(toy, command, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "toy-small" in out and "toy-wide" in out
+    if command == "generate":  # the toy's own flag, from its pipeline's declaration
+        assert "Toy DiT: multiply the prompt embeddings by this" in " ".join(out.split())
 
 
 def test_pipefusion_without_a_stage_layout_is_refused_in_one_line(toy_files, tmp_path, capsys):

@@ -28,6 +28,7 @@ from jaxdit.families.wan import WAN
 from jaxdit.mesh import ParallelConfig, mesh_for
 from jaxdit.models.sharded_forward import validate_forward
 from jaxdit.parallel.kernels import with_backend
+from jaxdit.pipelines.call_options import CallOption
 from jaxdit.pipelines.model_folder import ModelFolder, open_diffusers_folder
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "detect_family",
     "bundled",
     "bundled_names",
+    "call_options",
     "for_config",
     "get",
     "load_params",
@@ -93,6 +95,16 @@ def for_config(config: Any) -> ModelFamily:
         if family.variant_of is None and isinstance(config, family.checkpoints.config_class):
             return family
     raise ValueError(f"{type(config).__name__} is the config of no registered model family")
+
+
+def call_options() -> dict[str, tuple[CallOption, list[ModelFamily]]]:
+    """Every registered family's own call arguments (its pipeline's ``call_options``) by flag name: the
+    first declaration (what ``jaxdit generate`` parses the flag with) and every family that declares it."""
+    found: dict[str, tuple[CallOption, list[ModelFamily]]] = {}
+    for family in FAMILIES.values():
+        for option in family.pipeline_class.call_options:
+            found.setdefault(option.flag_name, (option, []))[1].append(family)
+    return found
 
 
 def presets() -> dict[str, tuple[ModelFamily, Preset]]:

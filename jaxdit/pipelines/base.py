@@ -37,6 +37,7 @@ from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import finite
 from jaxdit.pipelines.assemble import load_model, preset_check
+from jaxdit.pipelines.call_options import CallOption
 from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.preflight import check_prompts
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
@@ -113,6 +114,10 @@ class DiffusionPipeline:
     #: stage layout (a ``StagedModel`` class), set by each family's pipeline.
     checkpoints: ClassVar[CheckpointFormat]
     staged_model: ClassVar[type]
+    #: The call arguments of this family alone (keywords of ``__call__`` that are no ``GenerationRequest``
+    #: field) with their ``jaxdit generate`` flags; ``__call__`` passes them on with
+    #: ``GenerationRequest.of``, and they arrive in ``request.family_arguments``.
+    call_options: ClassVar[tuple[CallOption, ...]] = ()
 
     @classmethod
     def from_checkpoint(
@@ -229,7 +234,14 @@ class DiffusionPipeline:
             for f in dataclasses.fields(request)
             if getattr(request, f.name) is None and f.name in defaults
         }
-        return request.replace(**unset) if unset else request
+        own = request.family_arguments
+        unset_own = {
+            o.name: defaults[o.name]
+            for o in self.call_options
+            if own.get(o.name) is None and o.name in defaults
+        }
+        request = request.replace(**unset) if unset else request
+        return request.with_family_arguments(**unset_own)
 
     def generate(self, request: GenerationRequest) -> GenerationOutput:
         """Run one request: checks, conditioning, the denoising loop, decoding."""
