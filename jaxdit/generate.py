@@ -120,7 +120,7 @@ def run(r: GenerateRequest) -> int:
             f"{parallel.describe()} needs {parallel.num_devices} devices; {len(devices)} are available"
         )
     check_memory(r, parallel, devices[: parallel.num_devices])
-    mesh = parallel.make_mesh(devices[: parallel.num_devices])
+    mesh = parallel.device_mesh(devices[: parallel.num_devices])  # the mesh and its degrees, passed on
     note = r.family.describe_call(r.call())
     if note:
         say(note)
@@ -139,7 +139,7 @@ def run(r: GenerateRequest) -> int:
     if result.cache is not None:
         say(result.cache.describe())
     if r.compare_single_device:
-        single_mesh = ParallelConfig().make_mesh(jax.local_devices()[:1])
+        single_mesh = ParallelConfig().device_mesh(jax.local_devices()[:1])
         one = dataclasses.replace(r, **_single_device_degrees())
         single = generate(build(one, single_mesh), one)
         pick = lambda x: x.images if x.images is not None else x.latents

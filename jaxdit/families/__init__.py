@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jax.sharding import Mesh
-
 from converters import orbax_io
 from converters.errors import CheckpointError
 from converters.safetensors_io import open_checkpoint
@@ -25,7 +23,7 @@ from jaxdit.families.flux import FLUX
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.sharded_forward import validate_forward
 from jaxdit.parallel.kernels import with_backend
 from jaxdit.pipelines.call_options import CallOption
@@ -149,7 +147,7 @@ def detect_family(path: PathLike) -> ModelFamily:
 
 def load_params(
     path: PathLike,
-    mesh: Mesh,
+    mesh: MeshLike,
     dtype: Any = None,
     *,
     config: Any = None,
@@ -166,7 +164,7 @@ def load_params(
 
 def load_transformer(
     path: PathLike,
-    parallel: ParallelConfig | Mesh | None = None,
+    parallel: ParallelConfig | MeshLike | None = None,
     dtype: Any = None,
     *,
     config: Any = None,
@@ -192,11 +190,11 @@ def load_transformer(
     The callable is the family's (``FluxForward``, ``WanForward``).
     """
     kernel = with_backend(kernel, attention_backend)
-    mesh = mesh_for(parallel)
+    where = DeviceMesh.of(parallel)
     # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
-    check = lambda cfg: validate_forward(ParallelConfig.from_mesh(mesh), cfg.num_heads)
-    family, model = load_params(path, mesh, dtype, config=config, check=check)
-    return family.wrap(model, mesh, kernel=kernel, compiler_options=compiler_options)
+    check = lambda cfg: validate_forward(where.parallel, cfg.num_heads)
+    family, model = load_params(path, where, dtype, config=config, check=check)
+    return family.wrap(model, where.mesh, kernel=kernel, compiler_options=compiler_options)
 
 
 def convert_checkpoint(

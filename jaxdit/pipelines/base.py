@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 
 from converters.checkpoints import CheckpointFormat
 from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, read_loras, unfuse_loras
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import finite
@@ -141,7 +141,7 @@ class DiffusionPipeline:
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
-        mesh = mesh_for(parallel)
+        mesh = DeviceMesh.of(parallel)
         # The pipeline's own keyword arguments, checked now rather than after the weights load.
         inspect.signature(cls.__init__).bind(
             None, None, mesh, kernel=kernel, compiler_options=compiler_options, **options
@@ -150,9 +150,12 @@ class DiffusionPipeline:
         model = load_model(Path(path), mesh, dtype, cls.checkpoints, check, staged=cls.staged_model)
         return cls(model, mesh, kernel=kernel, compiler_options=compiler_options, **options)
 
-    def __init__(self, mesh: Mesh, *, encode: Any = None, decode: Any = None) -> None:
-        self.mesh = mesh
-        self.parallel = ParallelConfig.from_mesh(mesh)
+    def __init__(self, mesh: MeshLike, *, encode: Any = None, decode: Any = None) -> None:
+        #: The mesh and its degrees as one object (what the family's forward and loaders are given);
+        #: ``mesh`` is its jax mesh, ``parallel`` its degrees.
+        self.device_mesh = DeviceMesh.of(mesh)
+        self.mesh = self.device_mesh.mesh
+        self.parallel = self.device_mesh.parallel
         self.encode = encode
         self.decode = decode
         #: The LoRAs fused into the transformer's weights now (``load_lora``), or None.

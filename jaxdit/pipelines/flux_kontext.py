@@ -30,7 +30,7 @@ from jax.sharding import Mesh
 from converters.flux import CHECKPOINTS
 from jaxdit.loading.flux import load_flux_text_encoders
 from jaxdit.loading.vae import load_flux_vae
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
@@ -179,16 +179,17 @@ class FluxKontextPipeline(FluxPipeline):
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
-        mesh = mesh_for(parallel)
+        where = DeviceMesh.of(parallel)
+        mesh = where.mesh
         weights = Path(transformer) if transformer is not None else folder["transformer"]
-        check_transformer(weights, mesh, CHECKPOINTS, config=transformer_config)
+        check_transformer(weights, where, CHECKPOINTS, config=transformer_config)
         dtype = as_dtype(dtype)
         encoders = load_flux_text_encoders(
             folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
         model = load_model(
-            weights, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, config=transformer_config
+            weights, where, dtype, CHECKPOINTS, staged=PipeFusionFlux, config=transformer_config
         )
         c = vae.config
 
@@ -199,7 +200,7 @@ class FluxKontextPipeline(FluxPipeline):
         factor = 2 ** (len(c.block_out_channels) - 1)
         pipe = cls(
             model,
-            mesh,
+            where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
             encode=encoders,
             decode=lambda z: np.asarray(vae.decode_latents(z, mesh=mesh)),

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxdit import generate as cli_generate
 from jaxdit.generate_checks import PIPEFUSION_OPTIONS_ALONE, takes_guidance_scale
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
 from jaxdit.pipelines.output import save_video, to_uint8
 from jaxdit.pipelines.request import GenerationRequest
@@ -111,7 +111,7 @@ class Engine:
 
         self.pipe, self.template, self.card = pipe, template, card
         self.family = template.family
-        self.parallel = ParallelConfig.from_mesh(mesh)
+        self.parallel = DeviceMesh.of(mesh).parallel  # serve passes the DeviceMesh it built
         self.num_processes = jax.process_count()
         #: Shape keys whose programs exist (compiled at warm-up, or by an earlier request).
         self.compiled: frozenset[tuple] = frozenset()
@@ -136,6 +136,7 @@ class Engine:
         `jaxdit generate`'s flags, for every request."""
         import jax.numpy as jnp
 
+        mesh = DeviceMesh.of(mesh)  # read once; the pipeline and the engine are given this object
         template = cls.template_for(
             weights, mesh, dtype, warmup_steps=warmup_steps, num_pipeline_patch=num_pipeline_patch
         )
@@ -185,8 +186,10 @@ class Engine:
     ):
         """The `jaxdit generate` request every served request starts from; checks what cannot be served
         (before jax starts when given a ParallelConfig)."""
-        parallel = mesh_or_config if isinstance(mesh_or_config, ParallelConfig) else None
-        parallel = parallel or ParallelConfig.from_mesh(mesh_or_config)
+        if isinstance(mesh_or_config, ParallelConfig):
+            parallel = mesh_or_config
+        else:
+            parallel = DeviceMesh.of(mesh_or_config).parallel
         if parallel.pipefusion == 1 and (warmup_steps is not None or num_pipeline_patch is not None):
             raise ValueError(PIPEFUSION_OPTIONS_ALONE)
         template = cli_generate.GenerateRequest(
