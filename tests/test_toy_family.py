@@ -59,13 +59,22 @@ def test_the_toy_is_found_through_the_registry(toy, toy_files):
     assert families.for_config(ToyConfig()) is toy
 
 
-def test_generate_on_a_mesh_equals_one_device(toy_files, tmp_path, capsys):
+def test_generate_on_a_mesh_equals_one_device(toy_files, tmp_path, capsys, monkeypatch):
     """``jaxdit generate`` on ring2 x ulysses2 x tensor2 (8 emulated devices, in-process) against the same
-    request on one device: the latents agree to fp32 rounding, and the model moved them off the noise."""
+    request on one device: the latents agree to fp32 rounding, and the model moved them off the noise.
+    The run builds one ``DeviceMesh`` and passes it through: nothing reads the degrees back from a mesh."""
+    from jaxdit.mesh import ParallelConfig
+
+    read_back = []
+    from_mesh = ParallelConfig.from_mesh.__func__
+    monkeypatch.setattr(
+        ParallelConfig, "from_mesh", classmethod(lambda cls, m: read_back.append(m) or from_mesh(cls, m))
+    )
     mesh, single = tmp_path / "mesh.npy", tmp_path / "single.npy"
     degrees = ["--ring_degree", "2", "--ulysses_degree", "2", "--tensor_parallel_degree", "2"]
     argv = _generate_argv(toy_files, *degrees, "--emulate_devices", "8", "--output", str(mesh))
     assert cli.main(argv) == 0, capsys.readouterr().err
+    assert read_back == []  # before: the loaders, the pipeline, its forward and CFG's two helpers did
     printed = capsys.readouterr().out
     assert "toy-small: ring2 x ulysses2 x tensor2 on 8 cpu device(s)" in printed
     assert cli.main(_generate_argv(toy_files, "--output", str(single))) == 0, capsys.readouterr().err

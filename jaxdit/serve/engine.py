@@ -106,12 +106,14 @@ def _field_of(message: str) -> str | None:
 class Engine:
     """One pipeline on one mesh, with the card of what it serves. Build it with :meth:`load`."""
 
-    def __init__(self, pipe: Any, template: cli_generate.GenerateRequest, card: ModelCard, mesh: Any) -> None:
+    def __init__(
+        self, pipe: Any, template: cli_generate.GenerateRequest, card: ModelCard, mesh: DeviceMesh
+    ) -> None:
         import jax
 
         self.pipe, self.template, self.card = pipe, template, card
         self.family = template.family
-        self.parallel = DeviceMesh.of(mesh).parallel  # serve passes the DeviceMesh it built
+        self.parallel = mesh.parallel
         self.num_processes = jax.process_count()
         #: Shape keys whose programs exist (compiled at warm-up, or by an earlier request).
         self.compiled: frozenset[tuple] = frozenset()
