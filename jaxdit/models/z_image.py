@@ -163,7 +163,7 @@ class ZImageTransformer(nnx.Module):
         """The inputs of :data:`FORWARD_INPUTS` -> the fp32 (image, caption) streams and the conditioning."""
         cfg = self.config
         temb = self.t_embedder(time_features(inputs["timestep"], cfg.t_scale))
-        img = self.x_embedder(inputs["x"]).astype(jnp.float32)
+        img = self.x_embedder(inputs["hidden_states"]).astype(jnp.float32)
         img = jnp.where(inputs["x_pad"][None, :, None], self.x_pad_token[...].astype(jnp.float32), img)
         cap = rms_norm(inputs["cap_feats"], self.cap_norm[...], cfg.norm_eps).astype(self.dtype)
         cap = self.cap_embedder(cap).astype(jnp.float32)
@@ -196,7 +196,7 @@ class ZImageTransformer(nnx.Module):
         the whole, unsharded model."""
         mask = inputs.pop("cap_mask", None)
         if ctx is None:
-            lengths = (inputs["x"].shape[1], inputs["cap_feats"].shape[1])
+            lengths = (inputs["hidden_states"].shape[1], inputs["cap_feats"].shape[1])
             ctx = ShardContext(ParallelConfig(), SequenceLayout(lengths, 1))
         if mask is not None:
             ctx = ctx.with_key_mask([None, jnp.asarray(mask, bool)])
@@ -220,7 +220,7 @@ def parameter_shapes(config: ZImageConfig) -> dict[str, tuple[int, ...]]:
 #: How the forward's inputs lie on the mesh (built by ``models/z_image_tokens.py``). Image tokens are
 #: token group 0, caption tokens group 1; ``cap_mask`` (each prompt's padded length) becomes the key mask.
 FORWARD_INPUTS: dict[str, Arg] = {
-    "x": Arg(("batch", "seq", None), IMAGE, model_dtype=True),
+    "hidden_states": Arg(("batch", "seq", None), IMAGE, model_dtype=True),
     "x_pad": Arg(("seq",), IMAGE),
     "cap_feats": Arg(("batch", "seq", None), CAPTION, model_dtype=True),
     "cap_pad": Arg(("batch", "seq"), CAPTION),
@@ -236,6 +236,15 @@ def _forward_body(model: ZImageTransformer, ctx: ShardContext, **x: jax.Array) -
     return staged_forward(model, x, ctx)
 
 
+def _sigma_body(model: ZImageTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
+    """The forward as a flow-matching sampler calls it: ``timestep`` is sigma (1 = noise), and the
+    prediction is the velocity. diffusers' pipeline gives the model (1000 - 1000 sigma) / 1000 and
+    negates its output (the model predicts clean minus noise)."""
+    sigma = x.pop("timestep").astype(jnp.float32)
+    x["timestep"] = (1000.0 - sigma * 1000.0) / 1000.0
+    return -staged_forward(model, x, ctx)
+
+
 def sharded(
     model: ZImageTransformer,
     mesh: Mesh,
@@ -243,15 +252,17 @@ def sharded(
     rules: Mapping[str, object] | None = None,
     kernel: Mapping[str, int] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
+    sigma_time: bool = False,
 ) -> ShardedForward:
     """The model's forward as one jitted ``shard_map`` over ``mesh`` on global arrays (see
-    :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``."""
+    :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``. ``sigma_time``: the sampler's view
+    (timestep = sigma, output = velocity; see :func:`_sigma_body`), else diffusers' model call."""
     return ShardedForward(
         model,
         mesh,
         inputs=FORWARD_INPUTS,
         output=FORWARD_OUTPUT,
-        body=_forward_body,
+        body=_sigma_body if sigma_time else _forward_body,
         num_heads=model.config.num_heads,
         rules=rules,
         kernel=kernel,

@@ -75,7 +75,7 @@ def caption_inputs(feats: Sequence[np.ndarray]) -> dict[str, np.ndarray | None]:
 
 
 def image_inputs(latents: np.ndarray, caption_lengths: np.ndarray, patch: int) -> dict[str, np.ndarray]:
-    """[B, C, H, W] latents and each sample's padded caption length P_i -> the image group: ``x`` [B,
+    """[B, C, H, W] latents and each sample's padded caption length P_i -> the image group: ``hidden_states`` [B,
     Npad, p*p*C] (zeros past the image), ``x_pad`` [Npad] and ``img_ids`` [B, Npad, 3]."""
     b, _, h, w = latents.shape
     rows, cols = h // patch, w // patch
@@ -89,7 +89,7 @@ def image_inputs(latents: np.ndarray, caption_lengths: np.ndarray, patch: int) -
     ids[:, :n, 0] = np.asarray(caption_lengths)[:, None] + 1
     ids[:, :n, 1] = r.reshape(-1)
     ids[:, :n, 2] = c.reshape(-1)
-    return dict(x=x, x_pad=np.arange(total) >= n, img_ids=ids)
+    return dict(hidden_states=x, x_pad=np.arange(total) >= n, img_ids=ids)
 
 
 def sequence_inputs(latents: np.ndarray, feats: Sequence[np.ndarray], config: ZImageConfig) -> dict:
