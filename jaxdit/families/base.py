@@ -151,6 +151,8 @@ class ModelFamily:
     #: The call argument that, above 1, turns classifier-free guidance on, and what CFG needs, in words.
     cfg_scale_argument: ClassVar[str]
     cfg_needs: ClassVar[str]
+    #: CFG runs when that argument is above this (diffusers' pipelines: 1; Z-Image's guides for any g > 0).
+    cfg_above: ClassVar[float] = 1.0
     #: Forward passes per step a generation of this family makes by default (2: classifier-free guidance).
     default_branches: ClassVar[int] = 1
     #: Why CFG parallelism has nothing to split by default, if the family says so (for ``jaxdit plan``).

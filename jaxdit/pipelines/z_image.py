@@ -159,11 +159,15 @@ class ZImagePipeline(DiffusionPipeline):
             raise ValueError("cfg_normalization is not implemented for Z-Image yet; run without it")
         if not float(cfg_truncation) >= 0.0:
             raise ValueError(f"cfg_truncation must be >= 0, got {cfg_truncation}")
-        self._guidance = (float(guidance_scale), float(cfg_truncation))
         request = dict(locals())
         for name in ("self", "cfg_normalization", "cfg_truncation"):
             request.pop(name)
-        return self.generate(GenerationRequest(**request))
+        # The shared request has no truncation field: this call's value, for ``prepare`` alone.
+        self._truncation = float(cfg_truncation)
+        try:
+            return self.generate(GenerationRequest(**request))
+        finally:
+            self._truncation = 1.0
 
     # ------------------------------------------------------------------ family hook
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
@@ -183,7 +187,7 @@ class ZImagePipeline(DiffusionPipeline):
         return [e for e in embeds for _ in range(r.num_images_per_prompt)]
 
     def prepare(self, r: GenerationRequest) -> Prepared:
-        scale, truncation = getattr(self, "_guidance", (r.guidance_scale, 1.0))
+        scale, truncation = float(r.guidance_scale), getattr(self, "_truncation", 1.0)
         caps = self._captions(r.prompt, r.prompt_embeds, r)
         cfg = scale > 0
         self.check_cfg(cfg)
