@@ -77,6 +77,7 @@ class ZImageFamily(ModelFamily):
     pipeline_class = ZImagePipeline
     staged_model = None  # no PipeFusion stage layout yet
     cfg_scale_argument = "guidance_scale"
+    prediction_group = 0  # [image; caption]
     cfg_above = 0.0  # diffusers' ZImagePipeline guides for any scale > 0
     cfg_needs = (
         "--guidance_scale > 0 (the base model; Z-Image-Turbo runs with --guidance_scale 0, one branch)"
@@ -189,6 +190,7 @@ class ZImageFamily(ModelFamily):
             param_nonblock_bytes=params_nonblock * a,
             param_block_bytes=(modulated * a, plain * a, modulated * a),
             reductions=reductions,
+            attention_tokens=(n_img, n_cap, n_img + n_cap),
         )
 
 
