@@ -1,7 +1,8 @@
 """Z-Image's pipeline against diffusers' ``ZImagePipeline`` from the same tiny saved folder
 (``z_image_tiny.pipeline``: random weights, offline tokenizer) with the project's noise (numpy
 ``default_rng(seed).standard_normal`` in the latent grid): two prompts of different lengths, Turbo
-without guidance on ulysses2 x ring2, the base model's guidance (with truncation) on cfg2 x ulysses2.
+without guidance on ulysses2 x ring2, the base model's guidance (with truncation) on cfg2 x ulysses2 and its norm-capped guidance on
+ulysses2 x ring2.
 Final latents within 1e-4 relative, pictures within 1.5/255."""
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ def test_turbo_on_ulysses2_ring2_matches_diffusers(folder):
 def test_base_guidance_with_truncation_on_cfg2_ulysses2_matches_diffusers(folder):
     call = dict(guidance_scale=2.0, cfg_truncation=0.5, negative_prompt=["blue sky", "a dog"])
     _check(_ours(folder, ParallelConfig(cfg=2, ulysses=2), **call), _diffusers(folder, **call))
+
+
+def test_base_guidance_normalised_on_ring2_ulysses2_matches_diffusers(folder):
+    """``cfg_normalization=True`` caps each image's guided norm at its positive prediction's: the norms
+    add over the sequence shards and skip the pad tokens; without the cap diffusers lands elsewhere."""
+    call = dict(guidance_scale=4.0, cfg_normalization=True)
+    want = _diffusers(folder, **call)
+    _check(_ours(folder, ParallelConfig(ring=2, ulysses=2), **call), want)
+    uncapped = _diffusers(folder, guidance_scale=4.0)[0]
+    assert np.abs(uncapped - want[0]).max() > 100 * 1e-4 * np.abs(want[0]).max()
 
 
 def test_turbo_refuses_cfg_parallel(folder):

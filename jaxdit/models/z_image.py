@@ -238,11 +238,15 @@ def _forward_body(model: ZImageTransformer, ctx: ShardContext, **x: jax.Array) -
 
 def _sigma_body(model: ZImageTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
     """The forward as a flow-matching sampler calls it: ``timestep`` is sigma (1 = noise), and the
-    prediction is the velocity. diffusers' pipeline gives the model (1000 - 1000 sigma) / 1000 and
-    negates its output (the model predicts clean minus noise)."""
+    prediction is the velocity, zero at pad tokens. diffusers' pipeline gives the model
+    (1000 - 1000 sigma) / 1000 and negates its output (the model predicts clean minus noise)."""
     sigma = x.pop("timestep").astype(jnp.float32)
     x["timestep"] = (1000.0 - sigma * 1000.0) / 1000.0
-    return -staged_forward(model, x, ctx)
+    out = -staged_forward(model, x, ctx)
+    # Pad tokens (the image's to 32, the layout's to the shards) predict zero, so that norms over all
+    # tokens (CFG renormalisation) are the image's alone, and their latents stay as they are.
+    real = ctx.token_valid()[: ctx.layout.local_lengths[IMAGE]] & ~x["x_pad"]
+    return jnp.where(real[None, :, None], out, 0).astype(out.dtype)
 
 
 def sharded(

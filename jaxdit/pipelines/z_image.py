@@ -154,20 +154,25 @@ class ZImagePipeline(DiffusionPipeline):
     ) -> GenerationOutput:
         """Generate images as diffusers' ``ZImagePipeline`` does (its defaults; Turbo: 8 steps,
         ``guidance_scale=0``). ``prompt_embeds``: one [L_i, E] array per image. ``latents``: initial noise
-        [B, C, H/f, W/f] instead of the seed's. ``cfg_normalization`` is not implemented (refused)."""
-        if cfg_normalization:
-            raise ValueError("cfg_normalization is not implemented for Z-Image yet; run without it")
+        [B, C, H/f, W/f] instead of the seed's. ``cfg_normalization`` (True = 1, or a factor): the guided
+        prediction's norm is capped at that x the positive one's, per image, as diffusers does."""
+        if isinstance(cfg_normalization, bool):
+            cfg_normalization = 1.0 if cfg_normalization else 0.0
+        if not float(cfg_normalization) >= 0.0:
+            raise ValueError(
+                f"cfg_normalization must be False, True or a factor >= 0, got {cfg_normalization}"
+            )
         if not float(cfg_truncation) >= 0.0:
             raise ValueError(f"cfg_truncation must be >= 0, got {cfg_truncation}")
         request = dict(locals())
         for name in ("self", "cfg_normalization", "cfg_truncation"):
             request.pop(name)
-        # The shared request has no truncation field: this call's value, for ``prepare`` alone.
-        self._truncation = float(cfg_truncation)
+        # The shared request has no fields for these two: this call's values, for ``prepare`` alone.
+        self._cfg_options = (float(cfg_truncation), float(cfg_normalization))
         try:
             return self.generate(GenerationRequest(**request))
         finally:
-            self._truncation = 1.0
+            self._cfg_options = (1.0, 0.0)
 
     # ------------------------------------------------------------------ family hook
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
@@ -187,7 +192,8 @@ class ZImagePipeline(DiffusionPipeline):
         return [e for e in embeds for _ in range(r.num_images_per_prompt)]
 
     def prepare(self, r: GenerationRequest) -> Prepared:
-        scale, truncation = float(r.guidance_scale), getattr(self, "_truncation", 1.0)
+        scale = float(r.guidance_scale)
+        truncation, renorm = getattr(self, "_cfg_options", (1.0, 0.0))
         caps = self._captions(r.prompt, r.prompt_embeds, r)
         cfg = scale > 0
         self.check_cfg(cfg)
@@ -237,6 +243,7 @@ class ZImagePipeline(DiffusionPipeline):
             cfg=cfg,
             scale=1.0 + scale,
             scales=scales,
+            renorm=renorm if cfg else 0.0,
         )
         c, p = self.config.in_channels, self.config.patch_size
         return Prepared(inputs, lambda t: np.asarray(unpack(np.asarray(t), c, h, w, p)))
