@@ -1,9 +1,16 @@
 """Z-Image transformer checkpoints -> jaxdit parameters (``jaxdit/models/z_image.py``).
 
-Layout: diffusers ``ZImageTransformer2DModel``, a ``transformer/`` folder (``config.json`` + safetensors,
-sharded with an index as Tongyi-MAI ships it) or the pipeline folder holding it; a single safetensors file
-of the same keys (bare or under ``model.diffusion_model.`` / ``diffusion_model.``) with its config passed
-or inferred from the shapes.
+Layouts:
+
+- diffusers ``ZImageTransformer2DModel``: a ``transformer/`` folder (``config.json`` + safetensors,
+  sharded with an index as Tongyi-MAI ships it) or the pipeline folder holding it; a single file of the
+  same keys;
+- the original single file (Tongyi-MAI's, as ComfyUI loads it; bare or under ``model.diffusion_model.``
+  / ``diffusion_model.``): fused ``attention.qkv``, ``attention.out``, ``q_norm`` / ``k_norm``,
+  ``x_embedder`` / ``final_layer`` without diffusers' patch-size key, and an unused ``norm_final`` (as
+  diffusers' ``convert_z_image_transformer_checkpoint_to_diffusers`` reads it).
+
+A single file's config comes from its shapes unless passed.
 
 jaxdit's parameters keep diffusers' names where they are one tensor, so the table is one rule per tensor
 (torch ``Linear`` weights transposed to [in, out] kernels); every source key is consumed and a missing,
@@ -23,12 +30,29 @@ import numpy as np
 
 from converters.checkpoints import CheckpointFormat
 from converters.errors import CheckpointError
-from converters.keymap import IDENTITY, TRANSPOSE, KeyRule, KeyTable, StateDict, resolve, where
+from converters.keymap import (
+    IDENTITY,
+    TRANSPOSE,
+    KeyRule,
+    KeyTable,
+    Slice,
+    StateDict,
+    Without,
+    resolve,
+    where,
+)
 from converters.safetensors_io import CheckpointFiles, open_checkpoint
 from jaxdit.models.z_image import abstract_model
 from jaxdit.models.z_image_config import ZImageConfig
 
-__all__ = ["CHECKPOINTS", "ZImageCheckpoint", "detect", "diffusers_table", "diffusers_to_params"]
+__all__ = [
+    "CHECKPOINTS",
+    "ZImageCheckpoint",
+    "detect",
+    "diffusers_table",
+    "diffusers_to_params",
+    "original_table",
+]
 
 DIFFUSERS_CLASS = "ZImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
@@ -86,6 +110,42 @@ def diffusers_table(cfg: ZImageConfig) -> KeyTable:
     return KeyTable("Z-Image diffusers", tuple(rules), depths)
 
 
+#: The original file's key spellings -> diffusers' (key fragments, applied in order).
+_ORIGINAL_NAMES = (
+    (".attention.out.", ".attention.to_out.0."),
+    (".attention.q_norm.", ".attention.norm_q."),
+    (".attention.k_norm.", ".attention.norm_k."),
+)
+#: A tensor the original file carries that no layer reads (diffusers drops it too).
+UNUSED_ORIGINAL = "norm_final.weight"
+
+
+def original_table(cfg: ZImageConfig) -> KeyTable:
+    """The original single file (ComfyUI's) -> jaxdit parameters: diffusers' table with the original
+    names, q / k / v read as thirds of the fused ``attention.qkv.weight`` rows."""
+    diffusers = diffusers_table(cfg)
+    patch = f"all_x_embedder.{cfg.patch_size}-{cfg.f_patch_size}."
+    final = f"all_final_layer.{cfg.patch_size}-{cfg.f_patch_size}."
+    e = cfg.dim
+    rules = []
+    for rule in diffusers.rules:
+        (source,) = rule.sources
+        part = next(
+            (i for i, n in enumerate(("to_q", "to_k", "to_v")) if source.endswith(f".attention.{n}.weight")),
+            None,
+        )
+        if part is not None:
+            fused = source.rsplit(".attention.", 1)[0] + ".attention.qkv.weight"
+            hook = Slice(0, part * e, (part + 1) * e, transpose=True, label=f"split_qkv {'qkv'[part]}")
+            rules.append(KeyRule(rule.target, fused, hook, rule.stack))
+            continue
+        source = source.replace(patch, "x_embedder.").replace(final, "final_layer.")
+        for old, new in _ORIGINAL_NAMES:
+            source = source.replace(new, old)
+        rules.append(KeyRule(rule.target, source, rule.hook, rule.stack))
+    return KeyTable("Z-Image original", tuple(rules), diffusers.layers)
+
+
 @dataclasses.dataclass
 class ZImageCheckpoint:
     """An opened Z-Image transformer checkpoint: its files, key prefix and config."""
@@ -93,17 +153,22 @@ class ZImageCheckpoint:
     files: CheckpointFiles
     prefix: str
     config: ZImageConfig
+    layout: str = "diffusers"  # or "original"
 
     @property
     def table(self) -> KeyTable:
-        return diffusers_table(self.config)
+        return original_table(self.config) if self.layout == "original" else diffusers_table(self.config)
 
     @property
     def dtype(self) -> np.dtype:
         return self.files.dtype(self.prefix + "x_pad_token")
 
     def resolve(self, expected: Mapping[str, tuple[int, ...]]):
-        return resolve(self.table, self.files, expected, prefix=self.prefix)
+        source: Any = self.files
+        unused = self.prefix + UNUSED_ORIGINAL
+        if self.layout == "original" and unused in set(self.files.keys()):
+            source = Without(self.files, {unused})
+        return resolve(self.table, source, expected, prefix=self.prefix)
 
 
 def _diffusers_folder(path: Path) -> Path | None:
@@ -123,14 +188,16 @@ def _diffusers_folder(path: Path) -> Path | None:
 def config_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> ZImageConfig:
     """A single file without its config.json: the config from the tensors' shapes (diffusers keys). The
     head count and RoPE split are not in the weights: a head_dim other than the released 128 is refused."""
-    embedders = [k for k in shapes if k.startswith("all_x_embedder.") and k.endswith(".weight")]
-    if len(embedders) != 1:
-        raise CheckpointError(f"expected one all_x_embedder, found {len(embedders)}")
-    patch, f_patch = (int(v) for v in embedders[0].split(".")[1].split("-"))
-    dim, features = shapes[embedders[0]]
-    head_dim = (
-        shapes["layers.0.attention.norm_q.weight"][0] if "layers.0.attention.norm_q.weight" in shapes else 128
-    )
+    if "x_embedder.weight" in shapes:  # the original file: patch size 2 x 1, as released
+        patch, f_patch, embedder, norm_q = 2, 1, "x_embedder.weight", "layers.0.attention.q_norm.weight"
+    else:
+        embedders = [k for k in shapes if k.startswith("all_x_embedder.") and k.endswith(".weight")]
+        if len(embedders) != 1:
+            raise CheckpointError(f"expected one all_x_embedder, found {len(embedders)}")
+        patch, f_patch = (int(v) for v in embedders[0].split(".")[1].split("-"))
+        embedder, norm_q = embedders[0], "layers.0.attention.norm_q.weight"
+    dim, features = shapes[embedder]
+    head_dim = shapes[norm_q][0] if norm_q in shapes else 128
     if head_dim != 128:
         raise CheckpointError(f"head_dim {head_dim}: pass the config (the RoPE split is not in the weights)")
 
@@ -200,7 +267,8 @@ def detect(
             config = config_from_shapes({k[n:]: files.shape(k) for k in keys if k.startswith(prefix)})
         except KeyError as e:
             raise CheckpointError(f"{where(files)}: cannot infer the Z-Image config, no tensor {e}") from None
-    return ZImageCheckpoint(files, prefix, config)
+    layout = "original" if prefix + "x_embedder.weight" in keys else "diffusers"
+    return ZImageCheckpoint(files, prefix, config, layout)
 
 
 def diffusers_to_params(cfg: ZImageConfig, state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:

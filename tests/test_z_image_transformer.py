@@ -130,3 +130,72 @@ def test_a_missing_tensor_is_named(tmp_path):
             checkpoints=CHECKPOINTS,
             config=ZImageConfig.from_diffusers(tiny.CONFIG),
         )
+
+
+def _original_layout(state: dict) -> dict:
+    """A diffusers state dict written in the original single-file layout (ComfyUI's): fused qkv, the
+    original names, the unused ``norm_final``, under ``model.diffusion_model.``."""
+    out = {}
+    for key, value in state.items():
+        if ".attention.to_k." in key or ".attention.to_v." in key:
+            continue
+        if ".attention.to_q." in key:
+            parts = [state[key.replace("to_q", n)] for n in ("to_q", "to_k", "to_v")]
+            key, value = key.replace("to_q", "qkv"), np.concatenate(parts)
+        key = key.replace("all_final_layer.2-1.", "final_layer.").replace(
+            "all_x_embedder.2-1.", "x_embedder."
+        )
+        key = key.replace(".attention.to_out.0.", ".attention.out.")
+        key = key.replace(".attention.norm_q.", ".attention.q_norm.").replace(
+            ".attention.norm_k.", ".attention.k_norm."
+        )
+        out["model.diffusion_model." + key] = value
+    out["model.diffusion_model.norm_final.weight"] = np.ones(tiny.CONFIG["dim"], np.float32)
+    return out
+
+
+def test_original_single_file_loads_the_same_parameters(case, tmp_path):
+    """ComfyUI's single file: what diffusers' own converter turns into this model's state dict, read into
+    exactly the parameters the diffusers folder gives (config inferred from the shapes but the RoPE
+    split, which a file does not carry)."""
+    import torch
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    from converters.safetensors_write import write_safetensors
+
+    folder, _, _ = case
+    state = {k: v.numpy() for k, v in tiny.transformer().state_dict().items()}
+    original = _original_layout(state)
+    back = convert_z_image_transformer_checkpoint_to_diffusers(
+        {k: torch.from_numpy(v) for k, v in original.items()}
+    )
+    assert set(back) == set(state) and all(np.array_equal(back[k].numpy(), state[k]) for k in state)
+    write_safetensors(tmp_path / "z_image_turbo.safetensors", original)
+    opened = detect(tmp_path / "z_image_turbo.safetensors", ZImageConfig.from_diffusers(tiny.CONFIG))
+    assert (opened.layout, opened.prefix) == ("original", "model.diffusion_model.")
+    got = _params(tmp_path / "z_image_turbo.safetensors", opened.config)
+    want = _params(folder)
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
+
+
+def _params(path, config=None) -> dict:
+    from flax import nnx
+
+    from jaxdit.loading.params import flat_path
+
+    mesh = ParallelConfig().make_mesh(jax.devices()[:1])
+    model = load_params(path, mesh, checkpoints=CHECKPOINTS, config=config)
+    return {flat_path(p): np.asarray(v.get_value()) for p, v in nnx.to_flat_state(nnx.state(model))}
+
+
+def test_jaxdit_convert_round_trips(case, tmp_path):
+    """``jaxdit convert`` of the diffusers folder: an orbax folder of family z-image holding the same
+    parameters."""
+    from jaxdit import families
+
+    folder, _, _ = case
+    assert families.detect_family(folder).name == "z-image"
+    out = families.convert_checkpoint(folder, tmp_path / "zimage-orbax")
+    assert families.detect_family(out).name == "z-image"
+    got, want = _params(out), _params(folder)
+    assert set(got) == set(want) and all(np.array_equal(got[k], want[k]) for k in got)
