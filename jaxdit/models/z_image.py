@@ -56,6 +56,7 @@ __all__ = [
     "abstract_model",
     "parameter_shapes",
     "rope_tables",
+    "sampler_view",
     "sharded",
     "time_features",
 ]
@@ -68,6 +69,7 @@ class ZImageCond(NamedTuple):
     """What every block reads besides the streams."""
 
     temb: jax.Array  # [B, adaln] fp32 timestep embedding
+    image_real: jax.Array  # [N_local] bool: this shard's image tokens that are neither pad nor padding
     angles: tuple[jax.Array, jax.Array, jax.Array]  # image, caption, joint [B, *, D/2] fp32 (this shard's)
 
 
@@ -147,6 +149,8 @@ class ZImageTransformer(nnx.Module):
         self.layers = _stack(block(True), cfg.n_layers, rngs)
         self.final_modulation = Linear(cfg.adaln_dim, e, ("adaln", "embed_out"), rngs=rngs, dtype=dtype)
         self.final_linear = Linear(e, cfg.output_features, ("embed", "out_features"), rngs=rngs, dtype=dtype)
+        #: The sampler's view (:func:`sampler_view`): timestep = sigma in, velocity out; else diffusers'.
+        self.sampler_view = False
 
     @property
     def dtype(self) -> Any:
@@ -162,7 +166,11 @@ class ZImageTransformer(nnx.Module):
     def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, ZImageCond]:
         """The inputs of :data:`FORWARD_INPUTS` -> the fp32 (image, caption) streams and the conditioning."""
         cfg = self.config
-        temb = self.t_embedder(time_features(inputs["timestep"], cfg.t_scale))
+        timestep = inputs["timestep"]
+        if self.sampler_view:  # sigma in, as diffusers' pipeline turns it into the model's time
+            sigma = timestep.astype(jnp.float32)
+            timestep = (1000.0 - sigma * 1000.0) / 1000.0
+        temb = self.t_embedder(time_features(timestep, cfg.t_scale))
         img = self.x_embedder(inputs["hidden_states"]).astype(jnp.float32)
         img = jnp.where(inputs["x_pad"][None, :, None], self.x_pad_token[...].astype(jnp.float32), img)
         cap = rms_norm(inputs["cap_feats"], self.cap_norm[...], cfg.norm_eps).astype(self.dtype)
@@ -170,7 +178,8 @@ class ZImageTransformer(nnx.Module):
         cap = jnp.where(inputs["cap_pad"][..., None], self.cap_pad_token[...].astype(jnp.float32), cap)
         img_angles, cap_angles = self._angles(inputs["img_ids"]), self._angles(inputs["cap_ids"])
         joint = ctx.layout.join_local([img_angles, cap_angles])
-        return (img, cap), ZImageCond(temb, (img_angles, cap_angles, joint))
+        real = ctx.token_valid()[: ctx.layout.local_lengths[IMAGE]] & ~inputs["x_pad"]
+        return (img, cap), ZImageCond(temb, real, (img_angles, cap_angles, joint))
 
     def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
         return ctx.layout.join_local(list(streams)) if stack == "layers" else streams
@@ -189,7 +198,16 @@ class ZImageTransformer(nnx.Module):
         img = ctx.layout.split_after(streams, IMAGE)[0]
         scale = 1.0 + linear_fp32(self.final_modulation, jax.nn.silu(cond.temb))
         x = layer_norm(img, FINAL_EPS) * scale[:, None]
-        return self.final_linear(x.astype(self.dtype))
+        out = self.final_linear(x.astype(self.dtype))
+        if not self.sampler_view:
+            return out
+        # The velocity is minus the model's prediction; pad tokens predict zero, so that norms over all
+        # tokens (CFG renormalisation) are the image's alone and their latents stay as they are.
+        return jnp.where(cond.image_real[None, :, None], -out, 0).astype(out.dtype)
+
+    def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """First-Block-Cache compares the image stream: (it, its tokens that are not layout padding)."""
+        return streams[IMAGE], ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
 
     def __call__(self, *, ctx: ShardContext | None = None, **inputs: jax.Array) -> jax.Array:
         """Local view on the inputs of :data:`FORWARD_INPUTS` (``cap_mask`` may be None); without ``ctx``
@@ -201,6 +219,15 @@ class ZImageTransformer(nnx.Module):
         if mask is not None:
             ctx = ctx.with_key_mask([None, jnp.asarray(mask, bool)])
         return staged_forward(self, inputs, ctx)
+
+
+def sampler_view(model: ZImageTransformer) -> ZImageTransformer:
+    """The same parameters as a flow-matching sampler calls the model: ``timestep`` is sigma (1 =
+    noise), the model sees diffusers' (1000 - 1000 sigma) / 1000, and the output is the velocity (minus
+    the model's prediction, as diffusers' pipeline negates it), zero at pad tokens."""
+    view = nnx.merge(*nnx.split(model))
+    view.sampler_view = True
+    return view
 
 
 def abstract_model(config: ZImageConfig, dtype: Any = jnp.float32) -> ZImageTransformer:
@@ -236,19 +263,6 @@ def _forward_body(model: ZImageTransformer, ctx: ShardContext, **x: jax.Array) -
     return staged_forward(model, x, ctx)
 
 
-def _sigma_body(model: ZImageTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    """The forward as a flow-matching sampler calls it: ``timestep`` is sigma (1 = noise), and the
-    prediction is the velocity, zero at pad tokens. diffusers' pipeline gives the model
-    (1000 - 1000 sigma) / 1000 and negates its output (the model predicts clean minus noise)."""
-    sigma = x.pop("timestep").astype(jnp.float32)
-    x["timestep"] = (1000.0 - sigma * 1000.0) / 1000.0
-    out = -staged_forward(model, x, ctx)
-    # Pad tokens (the image's to 32, the layout's to the shards) predict zero, so that norms over all
-    # tokens (CFG renormalisation) are the image's alone, and their latents stay as they are.
-    real = ctx.token_valid()[: ctx.layout.local_lengths[IMAGE]] & ~x["x_pad"]
-    return jnp.where(real[None, :, None], out, 0).astype(out.dtype)
-
-
 def sharded(
     model: ZImageTransformer,
     mesh: Mesh,
@@ -256,17 +270,16 @@ def sharded(
     rules: Mapping[str, object] | None = None,
     kernel: Mapping[str, int] | None = None,
     compiler_options: Mapping[str, Any] | None = None,
-    sigma_time: bool = False,
 ) -> ShardedForward:
     """The model's forward as one jitted ``shard_map`` over ``mesh`` on global arrays (see
-    :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``. ``sigma_time``: the sampler's view
-    (timestep = sigma, output = velocity; see :func:`_sigma_body`), else diffusers' model call."""
+    :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``. A :func:`sampler_view` of the model
+    takes sigma and predicts the velocity."""
     return ShardedForward(
         model,
         mesh,
         inputs=FORWARD_INPUTS,
         output=FORWARD_OUTPUT,
-        body=_sigma_body if sigma_time else _forward_body,
+        body=_forward_body,
         num_heads=model.config.num_heads,
         rules=rules,
         kernel=kernel,

@@ -89,7 +89,7 @@ class ZImagePipeline(DiffusionPipeline):
         self.scheduler = scheduler or DEFAULT_SCHEDULER
         self.sampler = EulerSampler(self.scheduler)
         self.vae_scale_factor = vae_scale_factor
-        self.forward = z_image.sharded(model, mesh, kernel=kernel, sigma_time=True)
+        self.forward = z_image.sharded(z_image.sampler_view(model), mesh, kernel=kernel)
         self.denoiser = Denoiser(
             self.forward, self.sampler, dtype=model.dtype, compiler_options=compiler_options
         )
@@ -151,6 +151,7 @@ class ZImagePipeline(DiffusionPipeline):
         output_type: str = "np",
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
+        cache: Any = None,
     ) -> GenerationOutput:
         """Generate images as diffusers' ``ZImagePipeline`` does (its defaults; Turbo: 8 steps,
         ``guidance_scale=0``). ``prompt_embeds``: one [L_i, E] array per image. ``latents``: initial noise
