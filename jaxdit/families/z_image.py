@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters import z_image as z_image_converters
+from converters.lora import z_image as z_image_lora
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.models import z_image
 from jaxdit.models.z_image_config import TIME_HIDDEN, ZImageConfig
@@ -69,6 +70,7 @@ class ZImageFamily(ModelFamily):
     name = "z-image"
     display = "Z-Image"
     checkpoints = z_image_converters.CHECKPOINTS
+    lora = z_image_lora.LORA
     presets = {
         "z-image-turbo": Preset(steps=8, height=1024, width=1024, kind="z-image"),
         "z-image": Preset(steps=50, height=1024, width=1024, branches=2, kind="z-image"),
