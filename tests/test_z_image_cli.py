@@ -71,3 +71,50 @@ def test_cli_turbo_refuses_cfg_parallel(folder, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "--use_cfg_parallel needs classifier-free guidance" in err[-1], err
     assert not out.exists()
+
+
+def test_cli_pipefusion_refused_in_one_line(folder, tmp_path, capsys):
+    argv = [*_argv(folder, 0.0, "--pipefusion_parallel_degree", "2"), "--output", str(tmp_path / "p.png")]
+    assert cli.main(argv) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "Z-Image has no PipeFusion stage layout" in err[-1], err
+
+
+def test_cli_transformer_and_embeddings_file(folder, tmp_path):
+    """A transformer checkpoint alone with a ``--prompt_embeds`` file ([B, L, cap_feat_dim]) gives the
+    library's latents for the same embeddings."""
+    import jax
+
+    from jaxdit.mesh import ParallelConfig
+    from jaxdit.pipelines.z_image import ZImagePipeline
+
+    embeds = np.random.default_rng(0).standard_normal((1, 7, 32)).astype(np.float32)
+    np.savez(tmp_path / "emb.npz", prompt_embeds=embeds)
+    argv = [
+        "generate",
+        "--weights",
+        str(folder / "transformer"),
+        "--prompt_embeds",
+        str(tmp_path / "emb.npz"),
+    ]
+    argv += [
+        "--height",
+        "32",
+        "--width",
+        "48",
+        "--steps",
+        "2",
+        "--guidance_scale",
+        "0",
+        "--ulysses_degree",
+        "2",
+    ]
+    assert cli.main([*argv, "--output", str(tmp_path / "z.npy")]) == 0
+    pipe = ZImagePipeline.from_checkpoint(
+        folder / "transformer", ParallelConfig(ulysses=2).make_mesh(jax.devices()[:2])
+    )
+    want = pipe(
+        prompt_embeds=list(embeds), height=32, width=48, num_inference_steps=2, guidance_scale=0.0,
+        output_type="latent", progress=False,
+    ).latents  # fmt: skip
+    np.testing.assert_array_equal(np.load(tmp_path / "z.npy"), want)
