@@ -16,6 +16,7 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.z_image import ZImagePipeline
 
+FAST = {"xla_backend_optimization_level": 0}  # quick CPU compiles; numerics are what is tested
 PROMPTS = ["a photo of a cat on a mat", "a big blue house with a tree at sunset and a small dog on a red mat"]
 HEIGHT, WIDTH, STEPS, SEED = 32, 48, 3, 7
 
@@ -45,7 +46,9 @@ def _diffusers(folder, **call):
 
 
 def _ours(folder, pc, **call):
-    pipe = ZImagePipeline.from_pretrained(folder, pc.make_mesh(jax.devices()[: pc.num_devices]))
+    pipe = ZImagePipeline.from_pretrained(
+        folder, pc.make_mesh(jax.devices()[: pc.num_devices]), compiler_options=FAST
+    )
     out = pipe(
         list(PROMPTS),
         height=HEIGHT,
