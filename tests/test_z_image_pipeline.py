@@ -96,3 +96,9 @@ def test_turbo_refuses_cfg_parallel(folder):
     pipe = ZImagePipeline.from_pretrained(folder, ParallelConfig(cfg=2).make_mesh(jax.devices()[:2]))
     with pytest.raises(ValueError, match="cfg=2 .*runs no classifier-free guidance"):
         pipe(PROMPTS, height=HEIGHT, width=WIDTH, num_inference_steps=1, guidance_scale=0.0, progress=False)
+
+
+def test_embeddings_of_the_wrong_width_are_named(folder):
+    pipe = ZImagePipeline.from_pretrained(folder, ParallelConfig().make_mesh(jax.devices()[:1]))
+    with pytest.raises(ValueError, match=r"shape \(7, 16\): this model takes \[L_i, 32\]"):
+        pipe(prompt_embeds=[np.zeros((7, 16), np.float32)], height=HEIGHT, width=WIDTH, guidance_scale=0.0)

@@ -190,6 +190,10 @@ class ZImagePipeline(DiffusionPipeline):
         if embeds is None:
             raise ValueError("pass a prompt, or prompt_embeds (one [L_i, E] array per image)")
         embeds = [np.asarray(e, np.float32) for e in embeds]
+        width = self.config.cap_feat_dim
+        bad = next((e.shape for e in embeds if e.ndim != 2 or e.shape[0] < 1 or e.shape[1] != width), None)
+        if bad is not None:
+            raise ValueError(f"prompt embeddings of shape {bad}: this model takes [L_i, {width}] per image")
         return [e for e in embeds for _ in range(r.num_images_per_prompt)]
 
     def prepare(self, r: GenerationRequest) -> Prepared:
