@@ -23,6 +23,7 @@ from jaxdit.families.flux import FLUX
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
+from jaxdit.families.z_image import Z_IMAGE
 from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.sharded_forward import validate_forward
 from jaxdit.parallel.kernels import with_backend
@@ -66,6 +67,7 @@ register(
     FLUX_KONTEXT
 )  # a variant of FLUX: a bare FLUX.1-shaped checkpoint is FLUX's until a folder says Kontext
 register(TINY_DIGITS)
+register(Z_IMAGE)
 
 
 def get(name: str) -> ModelFamily:
