@@ -14,7 +14,8 @@ import tolerance as tol
 import torch
 
 from converters.errors import CheckpointError
-from jaxdit.vae.flux2_vae import load_flux2_vae, patchify, unpatchify
+from jaxdit.loading.flux2_vae import load_flux2_vae
+from jaxdit.vae.flux2_vae import patchify, unpatchify
 
 ROWS, COLS = 3, 2  # token grid: 6 x 4 latents, 12 x 8 pixels (two levels: 2x down-sampling)
 PIXELS_PER_TOKEN = 4

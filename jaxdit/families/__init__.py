@@ -22,6 +22,7 @@ from converters.safetensors_io import open_checkpoint
 from jaxdit import loading
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
+from jaxdit.families.flux2 import FLUX2
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
@@ -66,6 +67,7 @@ register(
     FLUX_KONTEXT
 )  # a variant of FLUX: a bare FLUX.1-shaped checkpoint is FLUX's until a folder says Kontext
 register(TINY_DIGITS)
+register(FLUX2)
 
 
 def get(name: str) -> ModelFamily:

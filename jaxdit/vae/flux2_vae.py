@@ -10,19 +10,15 @@ reference picture into tokens by encoding (the posterior mean), patchifying and 
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxdit.loading.vae import filled
-from jaxdit.vae import autoencoder_kl
 from jaxdit.vae.autoencoder_kl import FluxVAE
 
-__all__ = ["Flux2VAE", "load_flux2_vae", "pack", "patchify", "unpack", "unpatchify"]
+__all__ = ["Flux2VAE", "pack", "patchify", "unpack", "unpatchify"]
 
 
 def patchify(z: jax.Array, p: tuple[int, int] = (2, 2)) -> jax.Array:
@@ -81,14 +77,3 @@ class Flux2VAE:
         z, _ = self.vae.encode(pixels, mesh)
         z = (patchify(z.astype(jnp.float32), self.patch_size) - mean) / std
         return pack(z), z.shape[2], z.shape[3]
-
-
-def load_flux2_vae(path: str | os.PathLike[str], dtype: Any = None) -> Flux2VAE:
-    """A diffusers ``AutoencoderKLFlux2`` folder (or a pipeline folder holding one in ``vae/``)."""
-    from converters.vae_flux2 import detect
-
-    ckpt = detect(path)
-    dtype = jnp.dtype(dtype or ckpt.dtype)
-    model = filled(autoencoder_kl.abstract_model(ckpt.vae.config, dtype), ckpt.vae.resolve, dtype)
-    std = np.sqrt(ckpt.running_var.astype(np.float64) + ckpt.eps).astype(np.float32)
-    return Flux2VAE(FluxVAE(model), ckpt.running_mean, std, ckpt.patch_size)
