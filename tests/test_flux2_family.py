@@ -94,4 +94,17 @@ def test_load_transformer_reads_a_diffusers_folder(tmp_path):
     x = tiny.inputs(1, TEXT, (ROWS, COLS), ((2, 2),), seed=2)
     forward = jaxdit.load_transformer(tmp_path, ParallelConfig(ulysses=2))
     assert families.detect_family(tmp_path).name == "flux2"
+    # A BFL file is FLUX.2's, not FLUX.1's (whose detection takes any file holding img_in.weight).
+    from converters.flux2 import bfl_table, diffusers_to_params
+    from converters.keymap import invert
+    from converters.safetensors_io import write_safetensors
+
+    cfg = Flux2Config(**tiny.CONFIG)
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    bfl = invert(bfl_table(cfg), diffusers_to_params(cfg, sd))
+    for prefix in ("", "model.diffusion_model."):
+        path = write_safetensors(
+            tmp_path / f"bfl{len(prefix)}.safetensors", {prefix + k: v for k, v in bfl.items()}
+        )
+        assert families.detect_family(path).name == "flux2"
     tol.check(np.asarray(forward(**x)), tiny.reference(model, x), tol.TORCH_FORWARD, "load_transformer")

@@ -18,7 +18,8 @@ import tolerance as tol
 import torch
 
 from converters.errors import CheckpointError
-from converters.flux2 import CHECKPOINTS, detect
+from converters.flux2 import CHECKPOINTS, bfl_table, config_from_bfl_shapes, detect, diffusers_to_params
+from converters.keymap import invert
 from converters.safetensors_io import write_safetensors
 from jaxdit.loading.params import load_params
 from jaxdit.mesh import ParallelConfig
@@ -109,6 +110,37 @@ def test_rope_ids_are_diffusers(case):
     np.testing.assert_allclose(np.repeat(np.sin(angles), 2, axis=-1), sin.numpy(), atol=2e-6)
 
 
+def test_bfl_single_file_reads_like_the_folder(case, tmp_path):
+    """A BFL file made from the diffusers weights by diffusers' own single-file converter run backwards:
+    the file our BFL table writes converts back (by diffusers) to the saved state dict, and loads to the
+    same parameters as the folder."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    folder, model, _, _ = case
+    cfg = Flux2Config(**tiny.CONFIG)
+    sd = {k: v.numpy() for k, v in model.state_dict().items()}
+    bfl = invert(bfl_table(cfg), diffusers_to_params(cfg, sd))
+    back = convert_flux2_transformer_checkpoint_to_diffusers({k: torch.from_numpy(v) for k, v in bfl.items()})
+    assert sorted(back) == sorted(sd) and all(np.array_equal(back[k].numpy(), sd[k]) for k in sd)
+    path = write_safetensors(
+        tmp_path / "flux2.safetensors", {f"model.diffusion_model.{k}": v for k, v in bfl.items()}
+    )
+    with pytest.raises(CheckpointError, match="head_dim is 16: the RoPE axes split"):
+        detect(path)  # only head_dim 128's split is FLUX.2's known one
+    opened = detect(path, cfg)
+    assert (opened.layout, opened.prefix) == ("bfl", "model.diffusion_model.")
+    assert config_from_bfl_shapes(
+        {k: v.shape for k, v in bfl.items()}, axes_dims_rope=cfg.axes_dims_rope
+    ) == Flux2Config.from_diffusers(folder / "config.json")
+    mesh = ParallelConfig().make_mesh(jax.devices()[:1])
+    a = load_params(path, mesh, checkpoints=CHECKPOINTS, config=cfg)
+    b = load_params(folder, mesh, checkpoints=CHECKPOINTS)
+    for (pa, va), (pb, vb) in zip(
+        jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves_with_path(b), strict=True
+    ):
+        assert pa == pb and np.array_equal(np.asarray(va), np.asarray(vb)), pa
+
+
 def test_bad_checkpoints_are_refused(case, tmp_path):
     folder, model, _, _ = case
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
@@ -127,7 +159,7 @@ def test_bad_checkpoints_are_refused(case, tmp_path):
             detect(tmp_path, cfg).resolve(flux2.parameter_shapes(cfg))
         path.unlink()
     with pytest.raises(CheckpointError, match="not a FLUX.2 transformer"):
-        detect(write_safetensors(tmp_path / "loose.safetensors", sd))
+        detect(write_safetensors(tmp_path / "loose.safetensors", sd))  # diffusers keys need their folder
     with pytest.raises(ValueError, match="axes_dims_rope"):
         Flux2Config(**{**tiny.CONFIG, "axes_dims_rope": (4, 4, 4, 2)})
 

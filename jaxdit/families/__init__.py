@@ -61,13 +61,14 @@ def register(family: ModelFamily) -> None:
     FAMILIES[family.name] = family
 
 
+# Tried first: FLUX.1's detection claims any file holding img_in.weight, BFL's FLUX.2 files included.
+register(FLUX2)
 register(FLUX)
 register(WAN)
 register(
     FLUX_KONTEXT
 )  # a variant of FLUX: a bare FLUX.1-shaped checkpoint is FLUX's until a folder says Kontext
 register(TINY_DIGITS)
-register(FLUX2)
 
 
 def get(name: str) -> ModelFamily:
