@@ -68,6 +68,25 @@ def test_references_change_the_prediction(case, one_device):
     assert np.abs(got - one_device).max() > 1e-3
 
 
+def test_text_key_mask_is_dropping_the_masked_tokens(case, one_device):
+    """An optional text mask (diffusers' FLUX.2 pipelines pass none) makes the masked tokens no key of
+    any attention: the same as diffusers run on the prompt cut to its real tokens (their ids are the
+    first ones, so nothing else changes)."""
+    folder, model, x, _ = case
+    lengths = [TEXT, 3]
+    mask = np.arange(TEXT)[None] < np.asarray(lengths)[:, None]
+    got = _forward(folder, ParallelConfig(ulysses=2), {**x, "encoder_attention_mask": mask})
+    for i, n in enumerate(lengths):
+        one = {
+            k: (v[i : i + 1] if np.ndim(v) and k not in ("img_ids", "txt_ids", "reference_ids") else v)
+            for k, v in x.items()
+        }
+        one = {**one, "encoder_hidden_states": one["encoder_hidden_states"][:, :n], "txt_ids": text_ids(n)}
+        want = tiny.reference(model, one)
+        tol.check(got[i : i + 1], want, tol.TORCH_FORWARD, f"masked prompt {i} vs cut")
+    assert tol.max_error(one_device[1:], want) > 1e-3  # unmasked, the two tokens do matter
+
+
 @pytest.mark.parametrize(
     "pc",
     [ParallelConfig(ulysses=2, ring=2), ParallelConfig(tensor=2, ulysses=2), ParallelConfig(cfg=2, ring=2)],

@@ -171,11 +171,6 @@ class Flux2Transformer(nnx.Module):
         x = layer_norm(x, self.config.eps) * (1.0 + scale[:, None]) + shift[:, None]
         return self.proj_out(x.astype(self.dtype))
 
-    # ------------------------------------------------------------------ feature-cache hook (jaxdit.cache)
-    def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
-        """First-Block-Cache compares the image stream (as diffusers' hook does): (it, its real tokens)."""
-        return streams[1], ctx.layout.split_after(ctx.token_valid(), TEXT, axis=0)[1]
-
     def __call__(
         self,
         hidden_states: jax.Array,
