@@ -20,6 +20,7 @@ from converters.safetensors_io import open_checkpoint
 from jaxdit import loading
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
+from jaxdit.families.flux2 import FLUX2
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
@@ -61,6 +62,8 @@ def register(family: ModelFamily) -> None:
     FAMILIES[family.name] = family
 
 
+# Tried first: FLUX.1's detection claims any file holding img_in.weight, BFL's FLUX.2 files included.
+register(FLUX2)
 register(FLUX)
 register(WAN)
 register(
