@@ -23,6 +23,7 @@ from jaxdit import loading
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
+from jaxdit.families.qwen_image import QWEN_IMAGE
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
 from jaxdit.mesh import ParallelConfig, mesh_for
@@ -66,6 +67,7 @@ register(
     FLUX_KONTEXT
 )  # a variant of FLUX: a bare FLUX.1-shaped checkpoint is FLUX's until a folder says Kontext
 register(TINY_DIGITS)
+register(QWEN_IMAGE)
 
 
 def get(name: str) -> ModelFamily:

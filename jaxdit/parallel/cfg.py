@@ -9,6 +9,8 @@ stay replicated over cfg. With cfg=1 both halves live on every device and no com
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -37,11 +39,15 @@ def interleave_branches(uncond: jax.Array, cond: jax.Array, data: int) -> jax.Ar
     return pairs.reshape(2 * uncond.shape[0], *uncond.shape[1:])
 
 
-def combine_branches(prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: bool = False) -> jax.Array:
+def combine_branches(
+    prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: bool = False, rule: Callable = guidance
+) -> jax.Array:
     """Predictions laid out by :func:`interleave_branches`, batch over (data, cfg) -> guided [B, ...].
 
     The output batch is split over data only (replicated over cfg). ``seq_sharded``: axis 1 is a token
     axis in the model's padded shard layout, split over (ring, ulysses); it stays where it is.
+    ``rule(uncond, cond, scale)``: how a family combines the branches (default :func:`guidance`); it runs
+    on each device's shard, so it may only mix a token's own features.
     """
     config = ParallelConfig.from_mesh(mesh)
     if prediction.shape[0] % (2 * config.data):
@@ -57,7 +63,7 @@ def combine_branches(prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: b
         def local(pred, scale):
             # This data shard holds its own [uncond; cond] pair: split locally, nothing moves.
             uncond, cond = jnp.split(pred, 2, axis=0)
-            return guidance(uncond, cond, scale)
+            return rule(uncond, cond, scale)
 
         in_spec = PartitionSpec("data", *rest)
     else:
@@ -65,7 +71,7 @@ def combine_branches(prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: b
         def local(pred, scale):
             other = lax.ppermute(pred, CFG_AXIS, [(0, 1), (1, 0)])
             is_cond = lax.axis_index(CFG_AXIS) == 1
-            return guidance(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
+            return rule(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
 
         in_spec = PartitionSpec(("data", CFG_AXIS), *rest)
 
