@@ -13,13 +13,17 @@ relative, PNG 1.5/255), errors printed (``pytest -s``).
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+
 import decoder_lm_tiny
 import numpy as np
 import pytest
 import qwen_image_tiny
 from PIL import Image
 
-from jaxdit import cli
+from jaxdit import cli, generate
 from jaxdit.pipelines import latents as latent_ops
 
 torch = pytest.importorskip("torch")
@@ -100,11 +104,20 @@ def _argv(folder, *mesh):
     return argv + ["--seed", str(SEED), *mesh]
 
 
-def _check_against_diffusers(case, tmp_path, mesh):
+def _check_against_diffusers(case, tmp_path, monkeypatch, mesh):
+    """One ``jaxdit generate`` run to a PNG; its final latents are read where the run writes its result
+    (one run per mesh instead of a second one to a .npy: the compiles dominate this test's time)."""
     folder, want_latents, want_pixels = case
-    assert cli.main([*_argv(folder, *mesh), "--output", str(tmp_path / "z.npy")]) == 0
+    results = []
+
+    def write(r, result):
+        results.append(np.asarray(result.latents))
+        return written(r, result)
+
+    written = generate.write
+    monkeypatch.setattr(generate, "write", write)
     assert cli.main([*_argv(folder, *mesh), "--output", str(tmp_path / "picture.png")]) == 0
-    latents = np.load(tmp_path / "z.npy")
+    (latents,) = results
     png = np.asarray(Image.open(tmp_path / "picture.png"), np.float32)
     assert latents.shape == want_latents.shape == (1, 4, H // 2, W // 2)
     rel = np.linalg.norm(latents - want_latents) / np.linalg.norm(want_latents)
@@ -114,16 +127,110 @@ def _check_against_diffusers(case, tmp_path, mesh):
     assert png.shape == (H, W, 3) and worst <= PNG_STEPS, worst
 
 
-def test_cli_cfg2_ulysses2_matches_diffusers(case, tmp_path):
-    _check_against_diffusers(case, tmp_path, ["--use_cfg_parallel", "--ulysses_degree", "2"])
+def test_cli_cfg2_ulysses2_matches_diffusers(case, tmp_path, monkeypatch):
+    _check_against_diffusers(case, tmp_path, monkeypatch, ["--use_cfg_parallel", "--ulysses_degree", "2"])
 
 
-def test_cli_ulysses2_ring2_matches_diffusers(case, tmp_path):
-    _check_against_diffusers(case, tmp_path, ["--ulysses_degree", "2", "--ring_degree", "2"])
+def test_cli_ulysses2_ring2_matches_diffusers(case, tmp_path, monkeypatch):
+    _check_against_diffusers(case, tmp_path, monkeypatch, ["--ulysses_degree", "2", "--ring_degree", "2"])
 
 
-def test_cli_pipefusion2_ulysses2_matches_diffusers(case, tmp_path):
+def test_cli_pipefusion2_ulysses2_matches_diffusers(case, tmp_path, monkeypatch):
     """Every step a warm-up step: PipeFusion's synchronous steps are the serial forward; the text mask of
     both prompts reaches its patch attention."""
     mesh = ["--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", str(STEPS)]
-    _check_against_diffusers(case, tmp_path, mesh)
+    _check_against_diffusers(case, tmp_path, monkeypatch, mesh)
+
+
+# ------------------------------------------------------------------ bad input, before any weight loads
+
+
+def _refused(argv, tmp_path, capsys, message):
+    out = tmp_path / "never.png"
+    assert cli.main([*argv, "--output", str(out)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_guidance_scale_is_refused(case, tmp_path, capsys):
+    """Qwen-Image embeds no guidance scale (as FLUX.1-schnell): the flag would change nothing."""
+    _refused([*_argv(case[0]), "--guidance_scale", "3.5"], tmp_path, capsys, "--guidance_scale feeds")
+
+
+def test_folders_without_a_qwen_text_encoder_are_refused(case, tmp_path_factory, tmp_path, capsys):
+    root = tmp_path_factory.mktemp("broken")
+    missing = shutil.copytree(case[0], root / "no-encoder", ignore=shutil.ignore_patterns("text_encoder"))
+    _refused(
+        _argv(str(missing)), tmp_path, capsys, f"{missing} (QwenImagePipeline) is missing: text_encoder/"
+    )
+    other = shutil.copytree(case[0], root / "t5-encoder")
+    config = other / "text_encoder" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "model_type": "t5"}))
+    _refused(
+        _argv(str(other)),
+        tmp_path,
+        capsys,
+        f"a 't5' text encoder; Qwen-Image's is Qwen2.5-VL (model_type 'qwen2_5_vl') in {other / 'text_encoder'}",
+    )
+
+
+def test_one_step_and_long_max_sequence_length_are_refused(case, tmp_path, capsys):
+    argv = _argv(case[0])
+    steps = argv.index("--steps") + 1
+    one = [*argv[:steps], "1", *argv[steps + 1 :]]
+    _refused(one, tmp_path, capsys, "--steps 1: this scheduler stretches its schedule to end at sigma 0.02")
+    _refused(
+        [*argv, "--max_sequence_length", "2000"],
+        tmp_path,
+        capsys,
+        "--max_sequence_length must be in 1..1024 (the prompt tokens Qwen-Image keeps",
+    )
+
+
+def test_a_long_prompt_is_cut_with_a_warning(case, tmp_path, caplog):
+    """1030 words + the template's 39 tokens: beyond Qwen-Image's 1024 + 34, cut as diffusers cuts it,
+    the count said (the CLI's stderr shows the warning: Python's last-resort handler prints it)."""
+    long = " ".join(["cat"] * 1030)
+    argv = ["generate", "--weights", case[0], "--prompt", long, "--true_cfg_scale", "1", "--height", "16"]
+    argv += ["--width", "16", "--steps", "2", "--output", str(tmp_path / "z.npy")]
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(argv) == 0
+    assert "prompt 0 has 1069 tokens" in caplog.text and "cut to 1058" in caplog.text
+    assert np.isfinite(np.load(tmp_path / "z.npy")).all()
+
+
+def test_masked_text_is_no_key_in_pipelined_pipefusion(case):
+    """Past its warm-up PipeFusion attends to stale K/V of other patches, which diffusers has no
+    counterpart of; what must still hold exactly is the mask: text tokens a prompt's mask leaves out are
+    no key anywhere, fresh or stale, so filling them with large values changes nothing."""
+    from jaxdit import ParallelConfig
+    from jaxdit.pipelines.qwen_image import QwenImagePipeline
+
+    pipe = QwenImagePipeline.from_pretrained(
+        case[0],
+        ParallelConfig(pipefusion=2, ulysses=2),
+        compiler_options={"xla_backend_optimization_level": 0},
+    )
+    rng = np.random.default_rng(0)
+    embeds = rng.standard_normal((2, 7, pipe.config.joint_attention_dim)).astype(np.float32)
+    mask = np.arange(7)[None] < np.array([[7], [3]])  # prompt rows of 7 and 3 real tokens
+    run = lambda x: (
+        pipe(
+            prompt_embeds=x[:1],
+            prompt_embeds_mask=mask[:1],
+            negative_prompt_embeds=x[1:],
+            negative_prompt_embeds_mask=mask[1:],
+            height=H,
+            width=W,
+            num_inference_steps=3,
+            warmup_steps=1,
+            num_pipeline_patch=2,
+            output_type="latent",
+            progress=False,
+        ).latents
+    )
+    clean = run(np.where(mask[..., None], embeds, 0))
+    noisy = run(np.where(mask[..., None], embeds, 100 * embeds))
+    np.testing.assert_allclose(noisy, clean, rtol=0, atol=1e-5)
+    assert np.isfinite(clean).all()

@@ -157,6 +157,9 @@ class ModelFamily:
     cfg_note: ClassVar[str] = ""
     #: Arrays a ``--prompt_embeds`` file may hold (the pipeline's call arguments of those names).
     embedding_names: ClassVar[tuple[str, ...]]
+    #: The most text tokens ``--max_sequence_length`` may ask for, and why, in words (None: the T5
+    #: encoders' 512).
+    text_token_limit: ClassVar[tuple[int, str] | None] = None
     #: A prompt that shows what the model takes (start-up checks of ``jaxdit serve``, examples).
     example_prompt: ClassVar[str] = "a photograph"
     #: A regular expression every prompt of the service must match, and what it means in words (None:

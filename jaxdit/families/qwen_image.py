@@ -119,6 +119,7 @@ class QwenImageFamily(ModelFamily):
         "negative_prompt_embeds",
         "negative_prompt_embeds_mask",
     )
+    text_token_limit = (MAX_PROMPT_TOKENS, "the prompt tokens Qwen-Image keeps, as diffusers")
     example_prompt = "a coffee shop entrance with a chalkboard sign reading 'Qwen Coffee'"
 
     def preset_config(self, name: str) -> QwenImageConfig:
@@ -166,11 +167,13 @@ class QwenImageFamily(ModelFamily):
         return 2**levels * 2
 
     def check_generate(self, request: Any, config: QwenImageConfig | None, parallel: Any) -> None:
-        """``max_sequence_length`` within the prompt limit; an embeddings file against the model."""
-        limit = getattr(request, "max_sequence_length", None)
-        if limit is not None and not 1 <= limit <= MAX_PROMPT_TOKENS:
+        """Enough steps for the folder's terminal stretch; an embeddings file against the model."""
+        scheduler = getattr(getattr(request, "folder", None), "scheduler_config", None) or {}
+        if scheduler.get("shift_terminal") and request.num_inference_steps < 2:
             raise ValueError(
-                f"--max_sequence_length must be 1..{MAX_PROMPT_TOKENS} for Qwen-Image, got {limit}"
+                f"--steps {request.num_inference_steps}: this scheduler stretches its schedule to end at sigma "
+                f"{scheduler['shift_terminal']:g}, which a single step from pure noise cannot (diffusers gives "
+                "NaN there); use 2 or more steps"
             )
         shapes = getattr(request, "embeddings", None)
         if config is None or shapes is None:

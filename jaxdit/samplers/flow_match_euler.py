@@ -137,6 +137,12 @@ def stretch_to_terminal(sigmas: np.ndarray, terminal: float) -> np.ndarray:
     """Scale ``1 - sigma`` so that the last sigma is ``terminal`` (LTX-Video's ``rf.py``, diffusers'
     ``stretch_shift_to_terminal``), in the dtype of ``sigmas``."""
     one_minus = 1 - sigmas
+    if one_minus[-1] <= 0:
+        raise ValueError(
+            f"the schedule ends at sigma {float(sigmas[-1]):g}, which shift_terminal={terminal:g} cannot stretch "
+            "(diffusers divides by zero there: NaN sigmas); a single step from pure noise has no stretch: "
+            "use 2 or more steps"
+        )
     return 1 - one_minus / (one_minus[-1] / (1 - terminal))
 
 
