@@ -80,6 +80,9 @@ class StepTerms:
     param_block_bytes: tuple[int, ...]
     reductions: tuple[Reduction, ...] = ()
     context_bytes: int = 0
+    #: Whether self-attention takes a per-sample key mask (prompts that keep their own lengths): the
+    #: forward gathers it once over the sequence axes (``ShardContext.with_key_mask``).
+    masked_keys: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

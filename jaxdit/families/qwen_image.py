@@ -252,6 +252,7 @@ class QwenImageFamily(ModelFamily):
             param_nonblock_bytes=param_nonblock * a,
             param_block_bytes=((2 * stream + 4 * d) * a,),
             reductions=reductions,
+            masked_keys=True,
         )
 
 

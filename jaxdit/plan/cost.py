@@ -59,7 +59,7 @@ __all__ = [
 ]
 
 #: Bytes per element of the dtypes the programs move.
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "bool": 1}
 
 
 def wire_bytes(dtype: str, cpu: bool = False) -> int:
@@ -281,6 +281,19 @@ def _collectives(
                 block,
                 act,
                 c.ulysses,
+            )
+        )
+    if terms.masked_keys and c.sequence_degree > 1 and c.pipefusion == 1:
+        # PipeFusion's programs take the mask replicated over the sequence axes instead (no gather).
+        out.append(
+            CollectiveCost(
+                "ulysses" if c.ulysses > 1 else "ring",
+                "all-gather",
+                "the prompts' key mask over the sequence shards, once per forward",
+                1,
+                b * n,
+                "bool",
+                c.sequence_degree,
             )
         )
     if c.ring > 1:
