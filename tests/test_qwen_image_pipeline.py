@@ -234,3 +234,72 @@ def test_masked_text_is_no_key_in_pipelined_pipefusion(case):
     noisy = run(np.where(mask[..., None], embeds, 100 * embeds))
     np.testing.assert_allclose(noisy, clean, rtol=0, atol=1e-5)
     assert np.isfinite(clean).all()
+
+
+# ------------------------------------------------------------------ LoRA layouts
+
+
+def test_loras_of_every_layout_match_diffusers(case, tmp_path):
+    """A kohya LoRA (``lora_unet_`` + underscored module names, alpha), the same factors in ComfyUI's
+    layout (``diffusion_model.`` + module names) and a PEFT LoRA written by diffusers, each fused on a
+    2-device mesh, against diffusers' ``load_lora_weights`` on the reloaded folder (2 steps with CFG)."""
+    import lora_tiny
+    from safetensors.numpy import load_file
+
+    from converters.safetensors_io import write_safetensors
+    from jaxdit import ParallelConfig
+    from jaxdit.pipelines.qwen_image import QwenImagePipeline
+
+    folder = case[0]
+    ref = diffusers.QwenImagePipeline.from_pretrained(folder)
+    shapes = {k: tuple(v.shape) for k, v in ref.transformer.state_dict().items()}
+    modules = [
+        "transformer_blocks.0.attn.to_q",
+        "transformer_blocks.0.attn.add_k_proj",
+        "transformer_blocks.1.attn.to_out.0",
+        "transformer_blocks.1.img_mlp.net.0.proj",
+        "transformer_blocks.0.txt_mlp.net.2",
+        "transformer_blocks.1.txt_mod.1",
+        "img_in",
+    ]
+    kohya = lora_tiny.write_kohya_style(
+        tmp_path / "kohya.safetensors", shapes, modules, prefix="lora_unet_", underscore=True
+    )
+    tensors = load_file(kohya)
+    comfy = {
+        k.replace("lora_unet_", "diffusion_model.").replace(m.replace(".", "_"), m): v
+        for k, v in tensors.items()
+        for m in modules
+        if k.startswith("lora_unet_" + m.replace(".", "_") + ".")
+    }
+    write_safetensors(tmp_path / "comfy.safetensors", comfy)
+    peft = lora_tiny.write_peft(
+        ref.transformer, tmp_path / "peft.safetensors", ["to_v", "add_q_proj", "img_mlp.net.2"], pipeline=ref
+    )
+    noise = torch.from_numpy(latent_ops.pack(latent_ops.initial_noise(SEED, (1, 4, H // 2, W // 2))))
+    call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG, height=H, width=W)
+
+    def reference(lora):
+        pipe = diffusers.QwenImagePipeline.from_pretrained(folder)
+        pipe.load_lora_weights(str(lora))
+        with torch.no_grad():
+            packed = pipe(**call, num_inference_steps=2, latents=noise, output_type="latent").images
+        return latent_ops.unpack(packed.numpy(), H // 2, W // 2)
+
+    pipe = QwenImagePipeline.from_pretrained(
+        folder, ParallelConfig(ulysses=2), compiler_options={"xla_backend_optimization_level": 0}
+    )
+    run = lambda: pipe(**call, num_inference_steps=2, seed=SEED, output_type="latent", progress=False).latents
+    plain = run()
+    got = {}
+    for name in ("kohya", "comfy", "peft"):
+        pipe.load_lora(str(tmp_path / f"{name}.safetensors"))
+        got[name] = run()
+        pipe.unload_lora()
+    np.testing.assert_allclose(got["comfy"], got["kohya"], rtol=0, atol=1e-6)  # one delta, two layouts
+    for name, lora in (("kohya", kohya), ("peft", peft)):
+        want = reference(lora)
+        rel = np.linalg.norm(got[name] - want) / np.linalg.norm(want)
+        without = np.linalg.norm(plain - want) / np.linalg.norm(want)
+        print(f"{name} LoRA vs diffusers: {rel:.2e} relative (without it: {without:.2e})")
+        assert rel < LATENT_REL < without, (rel, without)

@@ -18,6 +18,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters import qwen_image as qwen_converters
+from converters.lora import qwen_image as qwen_lora
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.loading.qwen_image_encoder import check_text_encoder_folder
@@ -94,6 +95,7 @@ class QwenImageFamily(ModelFamily):
     name = "qwen-image"
     display = "Qwen-Image"
     checkpoints = qwen_converters.CHECKPOINTS
+    lora = qwen_lora.LORA
     # The model card's sizes per aspect ratio (width x height); 4:3 and 3:4 list 1140, which is no
     # multiple of 16: diffusers floors it to 1136 (with a warning), the size these presets draw.
     presets = {
