@@ -303,3 +303,29 @@ def test_loras_of_every_layout_match_diffusers(case, tmp_path):
         without = np.linalg.norm(plain - want) / np.linalg.norm(want)
         print(f"{name} LoRA vs diffusers: {rel:.2e} relative (without it: {without:.2e})")
         assert rel < LATENT_REL < without, (rel, without)
+
+
+# ------------------------------------------------------------------ the service
+
+
+def test_served_picture_matches_diffusers(case):
+    """``jaxdit serve``'s engine on the folder (ulysses2): an image request with a negative prompt and
+    true_cfg_scale answers diffusers' picture; ``guidance`` is refused by name (no guidance embedding)."""
+    import io
+
+    import jax
+
+    from jaxdit import ParallelConfig
+    from jaxdit.serve import schema
+    from jaxdit.serve.engine import Engine
+
+    config = ParallelConfig(ulysses=2)
+    engine = Engine.load(case[0], config.make_mesh(jax.devices()[:2]))
+    body = {"prompt": PROMPT, "negative_prompt": NEGATIVE, "true_cfg_scale": CFG, "size": f"{W}x{H}"}
+    g = schema.image_request({**body, "steps": STEPS, "seed": SEED}, engine.card)
+    png = np.asarray(Image.open(io.BytesIO(engine.generate(g).files[0])), np.float32)
+    worst = np.abs(png - case[2] * 255).max()
+    print(f"served: PNG {worst:.2f}/255")
+    assert png.shape == (H, W, 3) and worst <= PNG_STEPS, worst
+    with pytest.raises(schema.RequestError, match="guidance feeds"):
+        schema.image_request({**body, "guidance": 3.5}, engine.card)
