@@ -149,6 +149,24 @@ class QwenImageTransformer(nnx.Module):
     def run_block(self, stack: str, block: nnx.Module, streams: Any, cond: QwenImageCond, ctx: ShardContext):
         return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx)
 
+    # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
+    def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """First-Block-Cache compares the image stream (as diffusers' hook does): (it, its real tokens)."""
+        return streams[IMAGE], ctx.layout.split_after(ctx.token_valid(), TEXT, axis=0)[1]
+
+    def teacache_input(
+        self, block: DualStreamBlock, streams: Any, cond: QwenImageCond, ctx: ShardContext
+    ) -> tuple[jax.Array, jax.Array]:
+        """TeaCache's metric input: the first block's modulated image input, LN(img) * (1 + scale1) +
+        shift1 (as TeaCache reads FLUX's), and the image's real tokens."""
+        shift, scale = jnp.split(modulation(block.img_mod, cond.temb), 6, axis=-1)[:2]
+        x = layer_norm(streams[IMAGE], EPS) * (1.0 + scale[:, None]) + shift[:, None]
+        return x, self.cache_metric_stream(streams, ctx)[1]
+
+    def teacache_defaults(self, grid: tuple[int, ...]) -> None:
+        """No TeaCache coefficients are published for Qwen-Image: pass TeaCache(threshold=, coefficients=)."""
+        return None
+
     def output(self, streams: Any, cond: QwenImageCond, ctx: ShardContext) -> jax.Array:
         """The image tokens -> the velocity prediction [B, N, patch_size**2 * out_channels]."""
         scale, shift = jnp.split(modulation(self.norm_out, cond.temb), 2, axis=-1)

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from converters.lora import qwen_image as _lora_layouts  # noqa: F401  registers them: pipe.load_lora reads
 from converters.qwen_image import CHECKPOINTS
 from jaxdit.loading.qwen_image_encoder import check_text_encoder_folder, load_qwen_image_prompt_encoder
 from jaxdit.loading.wan import load_wan_vae
