@@ -29,7 +29,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     loras = [parse_lora(arg) for arg in args.lora or ()]
     try:
-        out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras)
+        out = convert_checkpoint(
+            args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras, fp8=args.quantize == "fp8"
+        )
     except OSError as e:  # reading the source (FileExistsError is the caller's: DST exists)
         if isinstance(e, FileExistsError):
             raise
@@ -174,6 +176,30 @@ def _add_generate(sub) -> None:
         default="auto",
         help="per-device attention kernel (default auto: cuDNN on NVIDIA GPUs for bf16/fp16, splash on TPUs, "
         "XLA otherwise); one that cannot serve falls back with a warning",
+    )
+    _flag(
+        gen,
+        "quantize",
+        choices=("fp8",),
+        default=None,
+        help="fp8: the transformer blocks' linear weights in float8_e4m3fn with per-channel scales (half the "
+        "memory of bfloat16); embedders, modulation, norms, attention and the sampler stay as --dtype",
+    )
+    _flag(
+        gen,
+        "fp8_mode",
+        choices=("weight", "matmul"),
+        default=None,
+        help="with --quantize fp8: weight (weights dequantized into bf16/fp32 matmuls) or matmul (FP8 "
+        "matmuls with per-token activation scales; GPUs of compute capability 8.9+, emulated on CPU). "
+        "Default: matmul where every GPU has FP8, else weight",
+    )
+    _flag(
+        gen,
+        "offload_encoders",
+        action="store_true",
+        help="pipeline folders: keep the text (and image) encoders' weights in host memory between prompts, "
+        "copied to the device for each encode, so the transformer gets the device's memory",
     )
     _flag(
         gen,
@@ -324,6 +350,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("dst", help="the folder to write (must not exist unless --overwrite)")
     convert.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
+    convert.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        default=None,
+        help="write the transformer blocks' linear weights as float8_e4m3fn with per-channel scales (after "
+        "any --lora is fused); generate then loads them as they are, half the memory of bfloat16",
+    )
     convert.add_argument(
         "--lora",
         action="append",

@@ -50,8 +50,14 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
     # Two-expert models only (checked): the other families' builders do not take it.
     options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
+    if r.offload_encoders:  # checked: a pipeline folder
+        options["offload_encoders"] = True
+    if r.quantize == "fp8":  # checked: the builder takes it
+        from jaxdit.models.fp8 import choose_mode
+
+        options["fp8"] = choose_mode(r.fp8_mode, mesh.devices.flat)
     if r.source == "bundled":
-        pipe = r.family.bundled_pipeline(mesh, kernel=kernel, dtype=dtype)
+        pipe = r.family.bundled_pipeline(mesh, kernel=kernel, dtype=dtype, **options)
     elif r.source == "folder":
         pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel, **options)
     else:

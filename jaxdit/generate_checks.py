@@ -232,12 +232,56 @@ def check_run(r: GenerateRequest) -> None:
     parallel = r.parallel()
     _check_batch(r, parallel)
     _check_cfg_flags_matter(r)
+    check_load_options(r, parallel)
+
+
+def check_load_options(r: GenerateRequest, parallel: Any) -> None:
+    """How the weights are held (``--quantize``, ``--fp8_mode``, ``--offload_encoders``): what cannot run
+    or would change nothing, refused before anything loads (generate and serve)."""
+    _check_fp8(r, parallel)
+    if r.offload_encoders:
+        if r.source != "folder":
+            raise ValueError(
+                "--offload_encoders moves a pipeline folder's text encoders to host memory between prompts; "
+                f"{r.label} runs no text encoder here, so it would change nothing"
+            )
+        if not _builder_takes(r, "offload_encoders"):
+            raise ValueError(f"--offload_encoders is not available for {r.label} yet")
     if r.guidance_scale is not None and not takes_guidance_scale(r):
         raise ValueError(
             f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
             "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
             "--true_cfg_scale and --negative_prompt"
         )
+
+
+def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
+    """FP8 combinations that cannot run, refused before anything loads."""
+    if r.quantize is None:
+        if r.fp8_mode is not None:
+            raise ValueError(f"--fp8_mode {r.fp8_mode} applies with --quantize fp8, which is not given")
+        return
+    if parallel.pipefusion > 1:
+        raise ValueError(
+            "--quantize fp8 runs on meshes without PipeFusion (drop --pipefusion_parallel_degree)"
+        )
+    if r.lora or r.lora_2:
+        raise ValueError(
+            "--lora cannot be fused into FP8 weights; fuse it first, then quantize: "
+            "jaxdit convert SRC DST --lora FILE --quantize fp8, and generate from DST"
+        )
+    if not _builder_takes(r, "fp8"):
+        raise ValueError(f"--quantize fp8 is not available for {r.label} yet")
+
+
+def _builder_takes(r: GenerateRequest, option: str) -> bool:
+    """Whether the function that builds this run's pipeline takes the keyword ``option``."""
+    if r.source == "bundled":
+        builder = r.family.bundled_pipeline
+    else:
+        pipeline = r.family.pipeline_class
+        builder = pipeline.from_pretrained if r.source == "folder" else pipeline.from_checkpoint
+    return option in inspect.signature(builder).parameters
 
 
 def _check_cfg_flags_matter(r: GenerateRequest) -> None:
@@ -323,6 +367,7 @@ def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) ->
         text_tokens=shapes["prompt_embeds"][1] if "prompt_embeds" in shapes else r.max_sequence_length,
         dtype=r.dtype or "bfloat16",
         family=r.family,
+        fp8=r.quantize == "fp8",
     )
     check_fits(workload, parallel, devices)
 

@@ -71,6 +71,9 @@ class GenerateRequest:
     lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
     lora_2: tuple[str, ...] = ()  # Wan 2.2 A14B: LoRA files for the low-noise expert (transformer_2)
     attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
+    quantize: str | None = None  # "fp8": the transformer blocks' linear weights in float8_e4m3fn
+    fp8_mode: str | None = None  # weight | matmul (jaxdit.models.fp8); default: matmul where GPUs have FP8
+    offload_encoders: bool = False  # pipeline folders: encoder weights wait in host memory between prompts
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
     coordinator: str | None = None
     num_processes: int | None = None

@@ -197,12 +197,20 @@ def convert_checkpoint(
     config: Any = None,
     overwrite: bool = False,
     loras: Any = (),
+    fp8: bool = False,
 ) -> Path:
     """Convert any supported checkpoint into a jaxdit (orbax) folder, atomically; ``loras`` ((path,
-    scale) pairs) are fused into the weights first."""
+    scale) pairs) are fused into the weights first; ``fp8``: the block stacks' linear layers in FP8."""
     family = detect_family(src)
     return loading.convert_checkpoint(
-        src, dst, dtype, checkpoints=family.checkpoints, config=config, overwrite=overwrite, loras=loras
+        src,
+        dst,
+        dtype,
+        checkpoints=family.checkpoints,
+        config=config,
+        overwrite=overwrite,
+        loras=loras,
+        fp8=fp8,
     )
 
 

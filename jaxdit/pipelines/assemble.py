@@ -74,11 +74,17 @@ def load_model(
     check: Callable[[Any], None] | None = None,
     staged: Any = None,
     config: Any = None,
+    fp8: str | None = None,
 ) -> Any:
     """The transformer's parameters on ``mesh``: on a mesh with ``pipefusion > 1`` the family's PipeFusion
     stage layout (``staged``, a ``StagedModel`` class: each device reads only its own stages' blocks),
-    else the plain model (every layer on every device). ``check(config)`` runs before any tensor is read."""
+    else the plain model (every layer on every device). ``check(config)`` runs before any tensor is read.
+    ``fp8``: ``"weight"`` or ``"matmul"`` (``jaxdit.models.fp8``), plain meshes only."""
     parallel = ParallelConfig.from_mesh(mesh)
+    if fp8 is not None and parallel.pipefusion > 1:
+        raise ValueError(
+            f"FP8 weights run on meshes without PipeFusion; this one has pipefusion={parallel.pipefusion}"
+        )
 
     def checks(config: Any) -> None:
         if check is not None:
@@ -94,7 +100,9 @@ def load_model(
         if config is not None:
             raise ValueError("a transformer config override loads on plain meshes only (not pipefusion)")
         return staged._load(path, mesh, as_dtype(dtype), checks)
-    return load_params(path, mesh, as_dtype(dtype), checkpoints=checkpoints, check=checks, config=config)
+    return load_params(
+        path, mesh, as_dtype(dtype), checkpoints=checkpoints, check=checks, config=config, fp8=fp8
+    )
 
 
 def preset_check(

@@ -125,6 +125,7 @@ class DiffusionPipeline:
         kernel: Mapping[str, Any] | None = None,
         compiler_options: Mapping[str, Any] | None = None,
         attention_backend: str | None = None,
+        fp8: str | None = None,
         **options: Any,
     ) -> Self:
         """A transformer checkpoint alone (a diffusers, original or ``jaxdit convert`` folder, a BFL file):
@@ -133,6 +134,8 @@ class DiffusionPipeline:
         ``preset`` (e.g. ``"flux-dev"``): the checkpoint must be that architecture. The preset, the mesh's
         heads, the kernel options and the pipeline's ``options`` are all checked before any weight is read.
         On a mesh with ``pipefusion > 1`` each device reads only its stages' blocks.
+        ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
+        (``jaxdit.models.fp8``; plain meshes, not PipeFusion).
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
@@ -142,7 +145,7 @@ class DiffusionPipeline:
             None, None, mesh, kernel=kernel, compiler_options=compiler_options, **options
         )
         check = preset_check(path, cls.checkpoints, preset)
-        model = load_model(Path(path), mesh, dtype, cls.checkpoints, check, staged=cls.staged_model)
+        model = load_model(Path(path), mesh, dtype, cls.checkpoints, check, staged=cls.staged_model, fp8=fp8)
         return cls(model, mesh, kernel=kernel, compiler_options=compiler_options, **options)
 
     def __init__(self, mesh: Mesh, *, encode: Any = None, decode: Any = None) -> None:

@@ -158,12 +158,19 @@ class FluxKontextPipeline(FluxPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        fp8: str | None = None,
+        offload_encoders: bool = False,
     ) -> FluxKontextPipeline:
         """A downloaded ``FluxKontextPipeline`` folder on the mesh of ``parallel`` (see
         :meth:`FluxPipeline.from_pretrained`). ``transformer``: the Kontext transformer from another
         checkpoint instead of the folder's ``transformer/``: BFL's ``flux1-kontext-dev.safetensors``, a
         ComfyUI file (``model.diffusion_model.`` keys) or a diffusers folder; ``transformer_config``: its
-        ``FluxConfig`` where the weights cannot say it (a BFL file whose head_dim is not 128)."""
+        ``FluxConfig`` where the weights cannot say it (a BFL file whose head_dim is not 128).
+        ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
+        (``jaxdit.models.fp8``; plain meshes, not PipeFusion).
+        ``offload_encoders``: the text encoders' weights wait in host memory between prompts (copied to
+        ``encoder_device`` for each encode), leaving the device to the transformer.
+        """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
@@ -172,11 +179,15 @@ class FluxKontextPipeline(FluxPipeline):
         check_transformer(weights, mesh, CHECKPOINTS, config=transformer_config)
         dtype = as_dtype(dtype)
         encoders = load_flux_text_encoders(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+            folder.root,
+            dtype=dtype,
+            device=encoder_device,
+            compiler_options=compiler_options,
+            offload=offload_encoders,
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
         model = load_model(
-            weights, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, config=transformer_config
+            weights, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, config=transformer_config, fp8=fp8
         )
         c = vae.config
 

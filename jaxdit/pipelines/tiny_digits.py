@@ -130,14 +130,16 @@ def tiny_digits(
     compiler_options: dict[str, Any] | None = None,
     kernel: dict[str, Any] | None = None,
     dtype: Any = None,
+    fp8: str | None = None,
 ) -> FluxPipeline:
     """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789").
     ``dtype``: its weights' and activations' type (default float32, as it was trained; bfloat16 runs the
-    fused GPU kernels). A PipeFusion mesh gets the PipeFusion pipeline, as every family's does."""
+    fused GPU kernels). A PipeFusion mesh gets the PipeFusion pipeline, as every family's does.
+    ``fp8``: ``"weight"`` or ``"matmul"``, the blocks' linear layers in FP8 (``jaxdit.models.fp8``)."""
     mesh = mesh_for(parallel)
     folder = Path(folder or asset_dir())
     dtype = jnp.float32 if dtype is None else as_dtype(dtype)
-    model = load_model(folder, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
+    model = load_model(folder, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, fp8=fp8)
     labels = LabelEncoder.load(folder)
 
     def encode(prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -85,6 +85,8 @@ def folder_arguments(
     kernel: dict[str, Any] | None,
     compiler_options: dict[str, Any] | None,
     attention_backend: str | None,
+    fp8: str | None = None,
+    offload_encoders: bool = False,
 ) -> Arguments:
     """A downloaded Wan folder's transformer(s) on the mesh, with its text encoder, VAE (decode, and the
     image conditioning of I2V / TI2V), scheduler settings and Wan 2.2 variant."""
@@ -99,14 +101,22 @@ def folder_arguments(
         raise ValueError(f"offload_idle_expert applies to two-expert folders (Wan 2.2 A14B); {path} has one")
     dtype = as_dtype(dtype)
     text = load_wan_text_encoder(
-        folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+        folder.root,
+        dtype=dtype,
+        device=encoder_device,
+        compiler_options=compiler_options,
+        offload=offload_encoders,
     )
     vae = load_wan_vae(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
     factors = dict(temporal=vae.config.temporal_factor, spatial=vae.config.spatial_factor)
     encode_image = None
     if "image_encoder" in folder:
         image_encoder = load_wan_image_encoder(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+            folder.root,
+            dtype=dtype,
+            device=encoder_device,
+            compiler_options=compiler_options,
+            offload=offload_encoders,
         )
         encode_image = ImageCondition(image_encoder, vae, mesh=mesh, **factors)
     elif config.condition_channels:
@@ -115,8 +125,10 @@ def folder_arguments(
         encode_image = FirstFrameLatent(vae, mesh=mesh)
     second = None
     if len(experts) == 2:
+        if fp8 is not None:
+            raise ValueError(f"FP8 weights load one-expert Wan folders; {path} holds two (Wan 2.2 A14B)")
         second = _load_second(experts[1], mesh, dtype, None, offload_idle_expert)
-    model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
+    model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan, fp8=fp8)
 
     def decode(z: np.ndarray) -> np.ndarray:
         video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]

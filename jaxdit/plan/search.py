@@ -70,6 +70,8 @@ def invalid_reasons(w: Workload, c: ParallelConfig) -> list[str]:
     shallowest = min(s for s in w.stack_depths if s > 0)
     if c.pipefusion > shallowest:
         reasons.append(f"pipefusion={c.pipefusion} stages for a stack of {shallowest} blocks")
+    if w.fp8 and c.pipefusion > 1:
+        reasons.append("FP8 weights run on meshes without PipeFusion (not supported yet)")
     if c.sequence_degree > min(w.tokens):
         reasons.append(f"ring x ulysses = {c.sequence_degree} shards for a token group of {min(w.tokens)}")
     return reasons
