@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from jaxdit.cli_family_flags import FamilyHelp, parse_family_flags
 from jaxdit.cli_help import RegistryHelp
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -55,7 +56,9 @@ def _add_generate(sub) -> None:
         "generate",
         help="generate images with a model on a (possibly emulated) device mesh",
         formatter_class=RegistryHelp,
+        add_help=False,
     )
+    gen.add_argument("-h", "--help", action=FamilyHelp, help="show this help message and exit")
     _flag(
         gen,
         "model",
@@ -101,13 +104,6 @@ def _add_generate(sub) -> None:
         default=None,
         help="a picture file: Wan I2V / TI2V's first frame (TI2V without it: text only), FLUX.1 Kontext's "
         "reference image to edit (pipeline folders)",
-    )
-    _flag(gen, "max_area", type=int, default=None, help="FLUX.1 Kontext: output pixels (default 1048576)")
-    _flag(
-        gen,
-        "no_auto_resize",
-        action="store_true",
-        help="FLUX.1 Kontext: keep the reference image's size instead of its preferred resolutions",
     )
     _flag(
         gen,
@@ -370,7 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # a family's own flags (jaxdit generate), else what parse_args would refuse
+        if args.command != "generate":
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.family_flags = parse_family_flags(extras, parser.error)
     from converters.errors import CheckpointError
     from jaxdit.distributed import StartupError
 

@@ -158,14 +158,21 @@ def _owners(argument: str) -> str:
     )
 
 
+def _check_family_flags(r: GenerateRequest) -> None:
+    """A family's own flag given to a family that does not declare it (``jaxdit.pipelines.call_options``)."""
+    own = {o.flag_name for o in r.family.pipeline_class.call_options}
+    declared = families.call_options()
+    for flag, _ in r.family_flags:
+        if flag not in own:
+            owners = " / ".join(f.display for f in declared[flag][1]) if flag in declared else "no"
+            raise ValueError(f"--{flag} applies to {owners} models; {r.family.display} does not take it")
+
+
 def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = True) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
-    if r.no_auto_resize and not takes(pipeline, "auto_resize"):
-        raise ValueError(
-            f"--no_auto_resize is {_owners('auto_resize')}'s; {family.display} takes no reference image"
-        )
-    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",), ("max_area",)):
+    _check_family_flags(r)
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
         if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
             owners = _owners(flags[0])
             if flags[0] == "guidance_scale_2":
@@ -233,6 +240,8 @@ def check_run(r: GenerateRequest) -> None:
     _check_batch(r, parallel)
     _check_cfg_flags_matter(r)
     check_load_options(r, parallel)
+    if r.guidance_scale is not None and (why := _guidance_scale_ignored(r)) is not None:
+        raise ValueError(why)
 
 
 def check_load_options(r: GenerateRequest, parallel: Any) -> None:
@@ -247,12 +256,6 @@ def check_load_options(r: GenerateRequest, parallel: Any) -> None:
             )
         if not _builder_takes(r, "offload_encoders"):
             raise ValueError(f"--offload_encoders is not available for {r.label} yet")
-    if r.guidance_scale is not None and not takes_guidance_scale(r):
-        raise ValueError(
-            f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
-            "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
-            "--true_cfg_scale and --negative_prompt"
-        )
 
 
 def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
@@ -305,12 +308,15 @@ def _check_cfg_flags_matter(r: GenerateRequest) -> None:
 
 
 def takes_guidance_scale(r: GenerateRequest) -> bool:
-    """Whether the model reads ``guidance_scale``: Wan's CFG scale, FLUX.1-dev's guidance embedding; a FLUX
-    model without that embedding (FLUX.1-schnell, tiny-digits) ignores it."""
+    """Whether the model reads ``guidance_scale`` (its family says: ``ModelFamily.guidance_scale_ignored``)."""
+    return _guidance_scale_ignored(r) is None
+
+
+def _guidance_scale_ignored(r: GenerateRequest) -> str | None:
     config = model_config(r)
     if config is None:
         config = r.family.checkpoints.open(r.folder["transformer"], None).config  # headers only
-    return getattr(config, "guidance_embed", None) is not False
+    return r.family.guidance_scale_ignored(config, r.label)
 
 
 def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:

@@ -91,7 +91,12 @@ def _refused(argv, tmp_path, capsys, message):
 
 def test_guidance_scale_is_refused(case, tmp_path, capsys):
     """Qwen-Image embeds no guidance scale (as FLUX.1-schnell): the flag would change nothing."""
-    _refused([*_argv(case[0]), "--guidance_scale", "3.5"], tmp_path, capsys, "--guidance_scale feeds")
+    _refused(
+        [*_argv(case[0]), "--guidance_scale", "3.5"],
+        tmp_path,
+        capsys,
+        "embeds no guidance scale, so it would change nothing",
+    )
 
 
 def test_folders_without_a_qwen_text_encoder_are_refused(case, tmp_path_factory, tmp_path, capsys):

@@ -191,6 +191,13 @@ class QwenImageFamily(ModelFamily):
                     f"{key} has shape {tuple(got)}; this model takes [B, T, {config.joint_attention_dim}]"
                 )
 
+    def guidance_scale_ignored(self, config: QwenImageConfig, label: str) -> str | None:
+        """Qwen-Image embeds no guidance scale (diffusers ignores ``guidance_scale`` with a warning)."""
+        return (
+            f"--guidance_scale: Qwen-Image ({label}) embeds no guidance scale, so it would change nothing; "
+            "its classifier-free guidance is --true_cfg_scale with --negative_prompt"
+        )
+
     def check_pipefusion(self, request: Any, config: QwenImageConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole rows of packed tokens that ring x ulysses splits; 1 <= warm-up <= steps."""
         rows, cols = request.height // multiple, request.width // multiple

@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 from converters import orbax_io
 from converters.checkpoints import CheckpointFormat, Source
@@ -27,7 +26,7 @@ from converters.checks import check_compute_dtype
 from converters.errors import CheckpointError
 from converters.keymap import place_params
 from jaxdit.lora import fuse_loras, read_loras
-from jaxdit.mesh import ParallelConfig, single_device_mesh
+from jaxdit.mesh import DeviceMesh, MeshLike, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
 from jaxdit.models.quantize import quantize_model
 from sharding_rules import rules_for
@@ -79,7 +78,7 @@ def checkpoint_config(path: PathLike, checkpoints: CheckpointFormat) -> Any:
 
 def load_params(
     path: PathLike,
-    mesh: Mesh,
+    mesh: MeshLike,
     dtype: Any = None,
     *,
     checkpoints: CheckpointFormat,
@@ -99,7 +98,8 @@ def load_params(
     """
     check_compute_dtype(dtype)
     path = Path(path)
-    degrees = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)
+    mesh, degrees = where.mesh, where.parallel
     rules = rules if rules is not None else rules_for(tensor=degrees.tensor, pipefusion=degrees.pipefusion)
     if orbax_io.is_orbax_checkpoint(path):
         meta, recorded = _orbax_config(path, checkpoints)

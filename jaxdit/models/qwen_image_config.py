@@ -70,11 +70,6 @@ class QwenImageConfig:
         return self.num_attention_heads * self.attention_head_dim
 
     @property
-    def guidance_embed(self) -> bool:
-        """Qwen-Image embeds no guidance scale (its guidance is true CFG against a negative prompt)."""
-        return False
-
-    @property
     def num_heads(self) -> int:
         return self.num_attention_heads
 

@@ -14,9 +14,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, MeshLike
 
 CFG_AXIS = "cfg"
 
@@ -40,7 +40,7 @@ def interleave_branches(uncond: jax.Array, cond: jax.Array, data: int) -> jax.Ar
 
 
 def combine_branches(
-    prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: bool = False, rule: Callable = guidance
+    prediction: jax.Array, scale, mesh: MeshLike, *, seq_sharded: bool = False, rule: Callable = guidance
 ) -> jax.Array:
     """Predictions laid out by :func:`interleave_branches`, batch over (data, cfg) -> guided [B, ...].
 
@@ -49,7 +49,8 @@ def combine_branches(
     ``rule(uncond, cond, scale)``: how a family combines the branches (default :func:`guidance`); it runs
     on each device's shard, so it may only mix a token's own features.
     """
-    config = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
+    mesh, config = where.mesh, where.parallel
     if prediction.shape[0] % (2 * config.data):
         raise ValueError(f"CFG batch {prediction.shape[0]} is not 2 x a multiple of data={config.data}")
     rest = (
@@ -85,7 +86,7 @@ def combine_branches(
     return fn(prediction, jnp.asarray(scale, jnp.float32))
 
 
-def replicate_branches(x: jax.Array, mesh: Mesh, *, seq_sharded: bool = False) -> jax.Array:
+def replicate_branches(x: jax.Array, mesh: MeshLike, *, seq_sharded: bool = False) -> jax.Array:
     """Latents [B, ...] (requests over data, replicated over cfg) -> the model batch [2B, ...] in
     :func:`interleave_branches`' order, batch over (data, cfg), without communication.
 
@@ -94,7 +95,8 @@ def replicate_branches(x: jax.Array, mesh: Mesh, *, seq_sharded: bool = False) -
     ``shard_map`` because XLA's partitioner, given the global stack of the latents with themselves, moves
     them with all-to-alls over cfg instead (measured: three per step).
     """
-    config = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
+    mesh, config = where.mesh, where.parallel
     seq = (("ring", "ulysses"),) if seq_sharded else ()
     rest = seq + (None,) * (x.ndim - 1 - len(seq))
     local = (lambda t: t) if config.cfg == 2 else (lambda t: jnp.concatenate([t, t], axis=0))

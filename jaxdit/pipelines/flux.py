@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from converters.flux import CHECKPOINTS
 from jaxdit.loading.flux import load_flux_text_encoders
 from jaxdit.loading.vae import load_flux_vae
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models import flux
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
@@ -144,8 +144,9 @@ class FluxPipeline(DiffusionPipeline):
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
-        mesh = mesh_for(parallel)
-        check_transformer(folder["transformer"], mesh, CHECKPOINTS)
+        where = DeviceMesh.of(parallel)
+        mesh = where.mesh
+        check_transformer(folder["transformer"], where, CHECKPOINTS)
         dtype = as_dtype(dtype)
         encoders = load_flux_text_encoders(
             folder.root,
@@ -155,10 +156,10 @@ class FluxPipeline(DiffusionPipeline):
             offload=offload_encoders,
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, fp8=fp8)
+        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionFlux, fp8=fp8)
         return cls(
             model,
-            mesh,
+            where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
             encode=encoders,
             decode=lambda z: np.asarray(vae.decode_latents(z, mesh=mesh)),

@@ -38,7 +38,7 @@ from converters.lora import qwen_image as _lora_layouts  # noqa: F401  registers
 from converters.qwen_image import CHECKPOINTS
 from jaxdit.loading.qwen_image_encoder import check_text_encoder_folder, load_qwen_image_prompt_encoder
 from jaxdit.loading.wan import load_wan_vae
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models import qwen_image
 from jaxdit.models.qwen_image_config import QwenImageConfig, rope_positions
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
@@ -179,13 +179,14 @@ class QwenImagePipeline(DiffusionPipeline):
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
-        mesh = mesh_for(parallel)
-        check_transformer(folder["transformer"], mesh, CHECKPOINTS)
+        where = DeviceMesh.of(parallel)
+        mesh = where.mesh
+        check_transformer(folder["transformer"], where, CHECKPOINTS)
         check_text_encoder_folder(folder.root)
         dtype = as_dtype(dtype)
         encoder = load_qwen_image_prompt_encoder(folder.root, device=encoder_device, dtype=dtype)
         vae = load_wan_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=PipeFusionQwenImage)
+        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionQwenImage)
 
         def decode(z: np.ndarray) -> np.ndarray:
             frames = vae.decode_latents(np.asarray(z, np.float32)[:, :, None], mesh=mesh)  # [B, 3, 1, H, W]
@@ -193,7 +194,7 @@ class QwenImagePipeline(DiffusionPipeline):
 
         return cls(
             model,
-            mesh,
+            where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
             encode=encoder,
             decode=decode,

@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from converters.flux import CHECKPOINTS
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models.flux import FluxConfig
 from jaxdit.pipelines.assemble import as_dtype, load_model
 from jaxdit.pipelines.flux import FluxPipeline
@@ -136,7 +136,7 @@ def tiny_digits(
     ``dtype``: its weights' and activations' type (default float32, as it was trained; bfloat16 runs the
     fused GPU kernels). A PipeFusion mesh gets the PipeFusion pipeline, as every family's does.
     ``fp8``: ``"weight"`` or ``"matmul"``, the blocks' linear layers in FP8 (``jaxdit.models.fp8``)."""
-    mesh = mesh_for(parallel)
+    mesh = DeviceMesh.of(parallel)
     folder = Path(folder or asset_dir())
     dtype = jnp.float32 if dtype is None else as_dtype(dtype)
     model = load_model(folder, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, fp8=fp8)

@@ -179,7 +179,7 @@ class PlanReport:
     hardware: Hardware
     devices: int
     single: Plan  # one device, the baseline
-    plans: tuple[Plan, ...]  # valid: the recommended one first, then by modelled latency
+    plans: tuple[Plan, ...]  # valid: the recommended one first, then by modelled latency (modelled-only last)
     invalid: tuple[Plan, ...]
     recommended: Plan | None
 
@@ -226,8 +226,10 @@ TIE_TOLERANCE = 0.03
 
 
 def _rank(p: Plan) -> tuple:
-    """Fitting configurations by modelled latency, then by bytes; those that do not fit last."""
-    return (not p.fits, p.timing.generation, p.cost.bytes_sent())
+    """Configurations jaxdit can run before those it only models (a family without a PipeFusion stage
+    layout cannot run a PipeFusion configuration however fast it is modelled to be); within each, fitting
+    ones by modelled latency, then by bytes; those that do not fit last."""
+    return (not p.runnable, not p.fits, p.timing.generation, p.cost.bytes_sent())
 
 
 def recommend(plans: list[Plan], tolerance: float = TIE_TOLERANCE) -> Plan | None:
@@ -243,7 +245,8 @@ def recommend(plans: list[Plan], tolerance: float = TIE_TOLERANCE) -> Plan | Non
 
 def plan(w: Workload, devices: int, hw: Hardware | None = None) -> PlanReport:
     """Evaluate every configuration of ``devices`` for ``w``: the recommended one first, then the other
-    valid ones by modelled latency, then the invalid ones with their reasons."""
+    valid ones that run by modelled latency, then the modelled-only ones, then the invalid ones with their
+    reasons."""
     hw = hw or Hardware()
     evaluated = [evaluate(w, c, hw) for c in all_configs(devices)]
     valid = sorted((p for p in evaluated if p.valid), key=_rank)

@@ -157,7 +157,7 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
     if config.pipefusion > 1:
         raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
-    mesh = config.make_mesh(devices)
+    where = config.device_mesh(devices)
     if w.fp8:  # a fresh model: quantizing changes it in place, and _abstract_model's are shared
         from jaxdit.models.quantize import quantize_model
 
@@ -165,7 +165,7 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
         quantize_model(model, "weight")
     else:
         model = _abstract_model(w.model, w.dtype)
-    pipe = w.family.bare_pipeline(model, mesh, compiler_options=FAST_COMPILE)
+    pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     return pipe.denoiser.lower(inputs), pipe.forward
 
@@ -332,9 +332,9 @@ def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1,
     if not 1 <= warmup_steps <= w.steps:
         raise ValueError(f"warmup_steps={warmup_steps} for {w.steps} steps")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
-    mesh = config.make_mesh(devices)
-    model = w.family.staged_model.abstract(w.model, mesh, jnp.dtype(w.dtype))
-    pipe = w.family.bare_pipeline(model, mesh, compiler_options=FAST_COMPILE)
+    where = config.device_mesh(devices)
+    model = w.family.staged_model.abstract(w.model, where.mesh, jnp.dtype(w.dtype))
+    pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
     return pipe.denoiser.lower(inputs, warmup_steps=warmup_steps, num_pipeline_patch=patches)
@@ -354,9 +354,9 @@ def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None
 
     from jaxdit.plan.cost import pipeline_shape
 
-    mesh = config.make_mesh(jax.devices()[: config.num_devices])
-    model = w.family.staged_model.abstract(w.model, mesh, jnp.dtype(w.dtype))
-    pipe = w.family.bare_pipeline(model, mesh, compiler_options=FAST_COMPILE)
+    where = config.device_mesh(jax.devices()[: config.num_devices])
+    model = w.family.staged_model.abstract(w.model, where.mesh, jnp.dtype(w.dtype))
+    pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
     try:

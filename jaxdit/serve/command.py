@@ -272,7 +272,7 @@ def load(args: argparse.Namespace, plan: _Plan):
         raise ValueError(
             f"{plan.config.describe()} needs {plan.config.num_devices} devices; {len(devices)} are available"
         )
-    mesh = plan.config.make_mesh(devices[: plan.config.num_devices])
+    mesh = plan.config.device_mesh(devices[: plan.config.num_devices])  # the mesh and its degrees
     limits = EngineLimits(
         max_steps=args.max_steps, max_batch=args.max_batch, max_prompt_chars=args.max_prompt_chars
     )

@@ -38,7 +38,7 @@ import numpy as np
 
 from jaxdit import generate as cli_generate
 from jaxdit.generate_checks import PIPEFUSION_OPTIONS_ALONE, check_load_options, takes_guidance_scale
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
 from jaxdit.pipelines.output import save_video, to_uint8
 from jaxdit.pipelines.request import GenerationRequest
@@ -106,12 +106,14 @@ def _field_of(message: str) -> str | None:
 class Engine:
     """One pipeline on one mesh, with the card of what it serves. Build it with :meth:`load`."""
 
-    def __init__(self, pipe: Any, template: cli_generate.GenerateRequest, card: ModelCard, mesh: Any) -> None:
+    def __init__(
+        self, pipe: Any, template: cli_generate.GenerateRequest, card: ModelCard, mesh: DeviceMesh
+    ) -> None:
         import jax
 
         self.pipe, self.template, self.card = pipe, template, card
         self.family = template.family
-        self.parallel = ParallelConfig.from_mesh(mesh)
+        self.parallel = mesh.parallel
         self.num_processes = jax.process_count()
         #: Shape keys whose programs exist (compiled at warm-up, or by an earlier request).
         self.compiled: frozenset[tuple] = frozenset()
@@ -142,6 +144,7 @@ class Engine:
 
         from jaxdit.models.fp8 import choose_mode
 
+        mesh = DeviceMesh.of(mesh)  # read once; the pipeline and the engine are given this object
         template = cls.template_for(
             weights,
             mesh,
@@ -154,7 +157,7 @@ class Engine:
         )
         family, folder = template.family, template.folder
         dtype = jnp.dtype(dtype) if dtype else None
-        options = {"fp8": choose_mode(fp8_mode, mesh.devices.flat)} if quantize == "fp8" else {}
+        options = {"fp8": choose_mode(fp8_mode, mesh.mesh.devices.flat)} if quantize == "fp8" else {}
         if template.source == "bundled":
             pipe = family.bundled_pipeline(mesh, compiler_options=compiler_options, dtype=dtype, **options)
         else:
@@ -204,8 +207,10 @@ class Engine:
     ):
         """The `jaxdit generate` request every served request starts from; checks what cannot be served
         (before jax starts when given a ParallelConfig)."""
-        parallel = mesh_or_config if isinstance(mesh_or_config, ParallelConfig) else None
-        parallel = parallel or ParallelConfig.from_mesh(mesh_or_config)
+        if isinstance(mesh_or_config, ParallelConfig):
+            parallel = mesh_or_config
+        else:
+            parallel = DeviceMesh.of(mesh_or_config).parallel
         if parallel.pipefusion == 1 and (warmup_steps is not None or num_pipeline_patch is not None):
             raise ValueError(PIPEFUSION_OPTIONS_ALONE)
         template = cli_generate.GenerateRequest(
