@@ -122,11 +122,9 @@ def _check_folder(r: GenerateRequest) -> None:
     for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
         if prompt is not None:
             preflight.check_prompts([prompt], flag)
-    if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= MAX_SEQUENCE_LENGTH:
-        raise ValueError(
-            f"--max_sequence_length must be in 1..{MAX_SEQUENCE_LENGTH} (the T5 encoders' length), "
-            f"got {r.max_sequence_length}"
-        )
+    limit, why = family.text_token_limit or (MAX_SEQUENCE_LENGTH, "the T5 encoders' length")
+    if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= limit:
+        raise ValueError(f"--max_sequence_length must be in 1..{limit} ({why}), got {r.max_sequence_length}")
 
 
 def _check_checkpoint(r: GenerateRequest) -> None:

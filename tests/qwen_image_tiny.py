@@ -22,11 +22,12 @@ CONFIG = dict(
 )
 
 
-def transformer(seed: int = 0, scale: float = 0.1) -> torch.nn.Module:
+def transformer(seed: int = 0, scale: float = 0.1, **overrides) -> torch.nn.Module:
+    """``CONFIG`` with ``overrides`` (e.g. the text width of a tiny encoder)."""
     from diffusers import QwenImageTransformer2DModel
 
     torch.manual_seed(seed)
-    model = QwenImageTransformer2DModel(**CONFIG)
+    model = QwenImageTransformer2DModel(**{**CONFIG, **overrides})
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():

@@ -22,6 +22,7 @@ from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
 from jaxdit.families.flux2 import FLUX2
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
+from jaxdit.families.qwen_image import QWEN_IMAGE
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
 from jaxdit.families.z_image import Z_IMAGE
@@ -71,6 +72,7 @@ register(
 )  # a variant of FLUX: a bare FLUX.1-shaped checkpoint is FLUX's until a folder says Kontext
 register(TINY_DIGITS)
 register(Z_IMAGE)
+register(QWEN_IMAGE)
 
 
 def get(name: str) -> ModelFamily:

@@ -83,6 +83,9 @@ class StepTerms:
     #: Per stack, this device's tokens its self-attention covers (Z-Image's refiners attend over one token
     #: group); empty: every stack attends over all of them.
     attention_tokens: tuple[int, ...] = ()
+    #: Whether self-attention takes a per-sample key mask (prompts that keep their own lengths): the
+    #: forward gathers it once over the sequence axes (``ShardContext.with_key_mask``).
+    masked_keys: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +168,9 @@ class ModelFamily:
     cfg_note: ClassVar[str] = ""
     #: Arrays a ``--prompt_embeds`` file may hold (the pipeline's call arguments of those names).
     embedding_names: ClassVar[tuple[str, ...]]
+    #: The most text tokens ``--max_sequence_length`` may ask for, and why, in words (None: the T5
+    #: encoders' 512).
+    text_token_limit: ClassVar[tuple[int, str] | None] = None
     #: A prompt that shows what the model takes (start-up checks of ``jaxdit serve``, examples).
     example_prompt: ClassVar[str] = "a photograph"
     #: A regular expression every prompt of the service must match, and what it means in words (None:

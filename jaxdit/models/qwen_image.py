@@ -16,8 +16,10 @@ Parallel plan (model code never names a mesh axis; it calls the :class:`ShardCon
 
 - Text and image tokens are token groups 0 and 1 of the :class:`SequenceLayout`, sequence-sharded over
   (ring, ulysses) and padded where the degrees do not divide them; shard r holds [text_r; image_r] and
-  nothing is concatenated globally. The prompts' key mask travels with the text tokens (padded with
-  False) and is joined with the image's all-True mask per shard.
+  nothing is concatenated globally. The prompts' key mask is a key-mask input (``Arg(key_mask=True)``):
+  it travels with the text tokens (padded with False) and becomes the :class:`ShardContext`'s key mask,
+  gathered once per forward, so every block calls ``ctx.attention`` (PipeFusion's stale-K/V attention
+  included) without carrying it.
 - Every op but attention is per token (RoPE included: each token brings its own (frame, row, column)
   id), so only attention communicates over the sequence axes.
 - Tensor parallel (Megatron): q/k/v (both streams) and each MLP's first projection column-parallel,
@@ -69,7 +71,6 @@ class QwenImageCond(NamedTuple):
 
     temb: jax.Array  # [B, E] fp32 timestep embedding
     angles: tuple[jax.Array, jax.Array]  # (text [1, T, D/2], image [1, N, D/2]) fp32, this shard's
-    key_mask: jax.Array | None  # [B, T+N] bool: this shard's real [text; image] keys, or None
 
 
 def time_features(sigma: jax.Array) -> jax.Array:
@@ -121,29 +122,50 @@ class QwenImageTransformer(nnx.Module):
         return self.img_in.kernel.dtype
 
     # ------------------------------------------------------------------ staged forward
-    def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, QwenImageCond]:
-        """diffusers-named inputs (:data:`FORWARD_INPUTS`) -> the fp32 (text, image) streams and the
-        conditioning every block reads."""
-        cfg = self.config
-        temb = self.time_embed(time_features(inputs["timestep"]).astype(self.dtype)).astype(jnp.float32)
-        txt = rms_norm(inputs["encoder_hidden_states"], self.txt_norm[...], EPS).astype(self.dtype)
+    def time_embedding(self, sigma: jax.Array) -> jax.Array:
+        """[B] sigma -> [B, E] fp32: the AdaLN vector of every block and the output layer."""
+        return self.time_embed(time_features(sigma).astype(self.dtype)).astype(jnp.float32)
+
+    def embed_tokens(self, text: jax.Array, latents: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Text features [B, T, C'] and packed latents [B, N, K] -> the fp32 (text, image) streams."""
+        txt = rms_norm(text, self.txt_norm[...], EPS).astype(self.dtype)
         txt = self.txt_in(txt).astype(jnp.float32)
-        img = self.img_in(inputs["hidden_states"]).astype(jnp.float32)
-        angles = tuple(
-            rope_angles(inputs[name], cfg.axes_dims_rope, cfg.theta)[None] for name in ("txt_ids", "img_ids")
-        )
-        mask = inputs.get("encoder_hidden_states_mask")
-        key_mask = None
-        if mask is not None:
-            image_keys = jnp.ones((mask.shape[0], img.shape[1]), bool)
-            key_mask = ctx.layout.join_local([mask.astype(bool), image_keys])
-        return (txt, img), QwenImageCond(temb, angles, key_mask)
+        return txt, self.img_in(latents).astype(jnp.float32)
+
+    def rope(self, ids: jax.Array) -> jax.Array:
+        """[n, 3] (frame, row, column) ids -> [n, D/2] fp32 RoPE angles."""
+        return rope_angles(ids, self.config.axes_dims_rope, self.config.theta)
+
+    def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, QwenImageCond]:
+        """diffusers-named inputs (:data:`FORWARD_INPUTS`, the text mask already in ``ctx``) -> the fp32
+        (text, image) streams and the conditioning every block reads."""
+        streams = self.embed_tokens(inputs["encoder_hidden_states"], inputs["hidden_states"])
+        angles = tuple(self.rope(inputs[name])[None] for name in ("txt_ids", "img_ids"))
+        return streams, QwenImageCond(self.time_embedding(inputs["timestep"]), angles)
 
     def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
         return streams
 
     def run_block(self, stack: str, block: nnx.Module, streams: Any, cond: QwenImageCond, ctx: ShardContext):
-        return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, cond.key_mask, ctx)
+        return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx)
+
+    # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
+    def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """First-Block-Cache compares the image stream (as diffusers' hook does): (it, its real tokens)."""
+        return streams[IMAGE], ctx.layout.split_after(ctx.token_valid(), TEXT, axis=0)[1]
+
+    def teacache_input(
+        self, block: DualStreamBlock, streams: Any, cond: QwenImageCond, ctx: ShardContext
+    ) -> tuple[jax.Array, jax.Array]:
+        """TeaCache's metric input: the first block's modulated image input, LN(img) * (1 + scale1) +
+        shift1 (as TeaCache reads FLUX's), and the image's real tokens."""
+        shift, scale = jnp.split(modulation(block.img_mod, cond.temb), 6, axis=-1)[:2]
+        x = layer_norm(streams[IMAGE], EPS) * (1.0 + scale[:, None]) + shift[:, None]
+        return x, self.cache_metric_stream(streams, ctx)[1]
+
+    def teacache_defaults(self, grid: tuple[int, ...]) -> None:
+        """No TeaCache coefficients are published for Qwen-Image: pass TeaCache(threshold=, coefficients=)."""
+        return None
 
     def output(self, streams: Any, cond: QwenImageCond, ctx: ShardContext) -> jax.Array:
         """The image tokens -> the velocity prediction [B, N, patch_size**2 * out_channels]."""
@@ -180,8 +202,8 @@ class QwenImageTransformer(nnx.Module):
             img_ids=img_ids,
             txt_ids=txt_ids,
         )
-        if encoder_hidden_states_mask is not None:
-            inputs["encoder_hidden_states_mask"] = encoder_hidden_states_mask
+        if encoder_hidden_states_mask is not None:  # as ShardedForward binds a key-mask input
+            ctx = ctx.with_key_mask([encoder_hidden_states_mask, None])
         return staged_forward(self, inputs, ctx)
 
 
@@ -201,14 +223,14 @@ def parameter_shapes(config: QwenImageConfig) -> dict[str, tuple[int, ...]]:
 
 #: How the forward's inputs lie on the mesh (diffusers' argument names). Text tokens are token group 0 and
 #: image tokens group 1, so shard r holds [text_r; image_r]; the ids and the text mask are padded with
-#: their tokens (the mask with False).
+#: their tokens (the mask with False); the mask is the context's key mask, not a model input.
 FORWARD_INPUTS: dict[str, Arg] = {
     "hidden_states": Arg(("batch", "seq", None), IMAGE),
     "encoder_hidden_states": Arg(("batch", "seq", None), TEXT, model_dtype=True),
     "timestep": Arg(("batch",)),
     "img_ids": Arg(("seq", None), IMAGE),
     "txt_ids": Arg(("seq", None), TEXT),
-    "encoder_hidden_states_mask": Arg(("batch", "seq"), TEXT),
+    "encoder_hidden_states_mask": Arg(("batch", "seq"), TEXT, key_mask=True),
 }
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 

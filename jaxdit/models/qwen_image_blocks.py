@@ -18,7 +18,6 @@ from flax import nnx
 
 from jaxdit.models.layers import Linear, apply_rope, gelu_tanh, layer_norm, param, rms_norm
 from jaxdit.models.qwen_image_config import TEXT, QwenImageConfig
-from jaxdit.parallel.attention import attention_in_shard
 from jaxdit.parallel.context import ShardContext
 
 __all__ = ["DualStreamBlock", "FeedForward", "TimestepEmbedder", "modulation"]
@@ -109,11 +108,10 @@ class DualStreamBlock(nnx.Module):
         img: jax.Array,
         temb: jax.Array,
         angles: tuple[jax.Array, jax.Array],
-        key_mask: jax.Array | None,
         ctx: ShardContext,
     ) -> tuple[jax.Array, jax.Array]:
-        """txt [B, T, E], img [B, N, E] fp32 streams; temb [B, E]; angles (text, image) [1, *, D/2];
-        key_mask [B, T+N] bool (this shard's [text; image] keys that are real) or None."""
+        """txt [B, T, E], img [B, N, E] fp32 streams; temb [B, E]; angles (text, image) [1, *, D/2]. The
+        prompts' key mask is ``ctx``'s (``ctx.attention`` masks it)."""
         dtype = self.to_q.dtype
         img_mods = jnp.split(modulation(self.img_mod, temb), 6, axis=-1)
         txt_mods = jnp.split(modulation(self.txt_mod, temb), 6, axis=-1)
@@ -133,7 +131,7 @@ class DualStreamBlock(nnx.Module):
         )
         # Joint attention over [text; image], joined per shard only (the layout's group order).
         q, k, v = (ctx.layout.join_local(pair) for pair in ((t_q, i_q), (t_k, i_k), (t_v, i_v)))
-        out = attention_in_shard(q, k, v, ctx.layout, ctx.config, key_mask, **dict(ctx.kernel))
+        out = ctx.attention(q, k, v)
         attn_txt, attn_img = ctx.layout.split_after(out.reshape(*out.shape[:2], -1), TEXT)
 
         img = img + img_mods[2][:, None] * self.to_out(attn_img, ctx).astype(jnp.float32)

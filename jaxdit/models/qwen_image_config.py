@@ -20,7 +20,7 @@ TEXT, IMAGE = 0, 1
 MAX_BLOCKS = 1000
 #: diffusers' switches of the later Qwen-Image variants (Edit-2511's zero-timestep reference tokens,
 #: Layered's extra condition and 3-D layer RoPE), not implemented here.
-_VARIANT_SWITCHES = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope")
+_VARIANT_SWITCHES = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,8 @@ stay replicated over cfg. With cfg=1 both halves live on every device and no com
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -53,24 +55,32 @@ def renormalized(guided: jax.Array, cond: jax.Array, factor: float, seq_sharded:
 
 
 def combine_branches(
-    prediction: jax.Array, scale, mesh: MeshLike, *, seq_sharded: bool = False, renorm: float = 0.0
+    prediction: jax.Array,
+    scale,
+    mesh: MeshLike,
+    *,
+    seq_sharded: bool = False,
+    rule: Callable = guidance,
+    renorm: float = 0.0,
 ) -> jax.Array:
     """Predictions laid out by :func:`interleave_branches`, batch over (data, cfg) -> guided [B, ...].
 
     The output batch is split over data only (replicated over cfg). ``seq_sharded``: axis 1 is a token
     axis in the model's padded shard layout, split over (ring, ulysses); it stays where it is.
-    ``renorm`` > 0: the guided prediction's norm is capped at ``renorm`` x the conditional one's
-    (:func:`renormalized`; the predictions of padded tokens must be zero).
+    ``rule(uncond, cond, scale)``: how a family combines the branches (default :func:`guidance`); it runs
+    on each device's shard, so it may only mix a token's own features (Qwen-Image's per-token rescale).
+    ``renorm`` > 0: then the guided prediction's norm per sample is capped at ``renorm`` x the
+    conditional one's (:func:`renormalized`, summed over the sequence shards; Z-Image's option; the
+    predictions of padded tokens must be zero).
     """
     where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
     mesh, config = where.mesh, where.parallel
     if renorm > 0:
-        plain = guidance
 
         def guidance_fn(uncond, cond, scale):
-            return renormalized(plain(uncond, cond, scale), cond, renorm, seq_sharded)
+            return renormalized(rule(uncond, cond, scale), cond, renorm, seq_sharded)
     else:
-        guidance_fn = guidance
+        guidance_fn = rule
     if prediction.shape[0] % (2 * config.data):
         raise ValueError(f"CFG batch {prediction.shape[0]} is not 2 x a multiple of data={config.data}")
     rest = (

@@ -204,16 +204,17 @@ def stage_index() -> jax.Array:
     return lax.axis_index(PIPE_AXIS)
 
 
-def guide_patch(pred: jax.Array, scale: jax.Array, cfg: int) -> jax.Array:
+def guide_patch(pred: jax.Array, scale: jax.Array, cfg: int, rule: Any = cfg_guidance) -> jax.Array:
     """Classifier-free guidance of one patch's prediction, laid out [uncond; cond] by
     ``interleave_branches``: over the local branches (cfg=1) or with the other cfg device's branch
-    (cfg=2: one permute of this patch's prediction). Inside ``shard_map``."""
+    (cfg=2: one permute of this patch's prediction). ``rule(uncond, cond, scale)``: the family's
+    combination (default: plain CFG), per token. Inside ``shard_map``."""
     if cfg == 1:
         uncond, cond = jnp.split(pred, 2, axis=0)
-        return cfg_guidance(uncond, cond, scale)
+        return rule(uncond, cond, scale)
     other = lax.ppermute(pred, CFG_AXIS, [(0, 1), (1, 0)])
     is_cond = lax.axis_index(CFG_AXIS) == 1
-    return cfg_guidance(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
+    return rule(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
 
 
 # --------------------------------------------------------------------------------------------------------

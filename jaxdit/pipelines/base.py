@@ -183,17 +183,24 @@ class DiffusionPipeline:
         token_hooks: Any = None,
         dtype: Any = None,
         experts: Any = None,
+        guidance: Callable[..., Any] | None = None,
     ) -> Any:
         """The denoising loop for this mesh: the PipeFusion runner over ``model``'s stages (``patches``:
         the family's patch geometry class) where the mesh has ``pipefusion > 1``, else the plain loop over
-        ``self.forward`` (:meth:`plain_forward`). Every family's pipeline gets its denoiser here."""
+        ``self.forward`` (:meth:`plain_forward`). Every family's pipeline gets its denoiser here.
+        ``guidance``: the family's CFG rule for PipeFusion's patches (the plain loop takes it from
+        ``token_hooks``)."""
         if self.parallel.pipefusion > 1:
             if patches is None:
                 raise ValueError(
                     f"{type(self).__name__} does not run PipeFusion yet: use ulysses/ring/tensor/cfg"
                 )
             runner = PipeFusionRunner(
-                patches(model.config), model, kernel=kernel, compiler_options=compiler_options
+                patches(model.config),
+                model,
+                kernel=kernel,
+                compiler_options=compiler_options,
+                guidance=guidance,
             )
             return PipeFusionDenoiser(runner, sampler, experts=experts)
         # XLA options belong to the outermost jit (the step); jax rejects them on a nested one.

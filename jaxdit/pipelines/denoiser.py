@@ -44,6 +44,7 @@ from jaxdit.cache.cached_forward import CachedForward, resolve
 from jaxdit.distributed import fetch
 from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.cfg import combine_branches, replicate_branches
+from jaxdit.parallel.cfg import guidance as cfg_guidance
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.pipelines import finite
 from jaxdit.samplers.sampler import Sampler
@@ -101,11 +102,14 @@ class TokenHooks:
     ``model_input(x, extras)``: the ``hidden_states`` of the forward from the latent tokens ``x`` [B, N, K]
     and the per-token extras (default: ``x`` itself). ``prediction(v)``: the model's output as an update
     of ``x``'s features (default: as is). ``extra_features``: features ``model_input`` adds per token.
+    ``guidance(uncond, cond, scale)``: how the two CFG branches' predictions combine, per token (default:
+    plain classifier-free guidance, ``jaxdit.parallel.cfg.guidance``).
     """
 
     model_input: Callable[[jax.Array, Mapping[str, jax.Array]], jax.Array] = lambda x, extras: x
     prediction: Callable[[jax.Array], jax.Array] = lambda v: v
     extra_features: int = 0
+    guidance: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] = cfg_guidance
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,7 +258,7 @@ class Denoiser:
         def update(v, x, state, i, schedule, scale):
             prediction = v
             if cfg:
-                v = combine_branches(v, scale, where, seq_sharded=True, renorm=renorm)
+                v = combine_branches(v, scale, where, seq_sharded=True, rule=hooks.guidance, renorm=renorm)
             x, state = sampler.step(schedule, i, state, x, hooks.prediction(v))
             # Per device: are its shards of the prediction and of the update finite (no collective).
             seen = finite.shard_flags(mesh, [(prediction, prediction_spec), (x, self.latent_sharding.spec)])

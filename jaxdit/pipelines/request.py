@@ -73,6 +73,9 @@ class GenerationRequest:
     flow_shift: float | None = None  # Wan: UniPC sigma shift (default: the scheduler's or by resolution)
     seed: int = 0
     latents: Any = None  # initial noise instead of the seed's, shaped like the family's latents
+    sigmas: Any = None  # the unshifted sigmas, one per step, instead of the family's default grid
+    prompt_embeds_mask: Any = None  # Qwen-Image: [B, T] real tokens of prompt_embeds (None: all)
+    negative_prompt_embeds_mask: Any = None
     max_sequence_length: int | None = None
     num_images_per_prompt: int = 1
     output_type: str = "np"

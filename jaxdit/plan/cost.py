@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 #: Bytes per element of the dtypes the programs move.
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "bool": 1}
 
 
 def wire_bytes(dtype: str, cpu: bool = False) -> int:
@@ -310,6 +310,19 @@ def _collectives(
                     overlap_flops=terms.attention_flops / c.ring / 2,
                 )
             )
+    if terms.masked_keys and c.sequence_degree > 1 and c.pipefusion == 1:
+        # PipeFusion's programs take the mask replicated over the sequence axes instead (no gather).
+        out.append(
+            CollectiveCost(
+                "ulysses" if c.ulysses > 1 else "ring",
+                "all-gather",
+                "the prompts' key mask over the sequence shards, once per forward",
+                1,
+                b * n,
+                "bool",
+                c.sequence_degree,
+            )
+        )
     if c.tensor > 1:
         for r in terms.reductions:
             layers = _stage_layers(w.stack_depths[r.stack], c.pipefusion)

@@ -9,8 +9,9 @@ al., arXiv 2403.03206) or by FLUX's resolution-dependent ``mu`` ("dynamic shifti
 Follows diffusers' ``FlowMatchEulerDiscreteScheduler`` (schedulers/scheduling_flow_match_euler_discrete.py,
 diffusers 0.42.1) and ``calculate_shift`` in pipelines/flux/pipeline_flux.py, as a functional contract:
 ``set_timesteps`` runs on the host in numpy and returns arrays, ``step`` is a pure function of arrays and
-runs under ``jax.jit`` / ``lax.scan``. Only the default "exponential" time shift is supported; karras /
-exponential / beta sigmas, ``shift_terminal``, ``invert_sigmas`` and stochastic sampling are not.
+runs under ``jax.jit`` / ``lax.scan``. Only the default "exponential" time shift is supported, optionally
+stretched to end at ``shift_terminal`` (Qwen-Image); karras / exponential / beta sigmas,
+``invert_sigmas`` and stochastic sampling are not.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ __all__ = [
     "dynamic_shift_mu",
     "linear_sigmas",
     "set_timesteps",
+    "stretch_to_terminal",
     "step",
 ]
 
@@ -45,6 +47,8 @@ class FlowMatchEulerConfig:
     max_shift: float = 1.15
     base_image_seq_len: int = 256
     max_image_seq_len: int = 4096
+    #: The last sigma the shifted schedule is stretched to end at (None / 0: no stretch).
+    shift_terminal: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_train_timesteps < 1:
@@ -56,6 +60,8 @@ class FlowMatchEulerConfig:
                 f"base_image_seq_len and max_image_seq_len must differ (the mu line needs two points), "
                 f"got {self.base_image_seq_len} for both"
             )
+        if self.shift_terminal is not None and not 0 <= self.shift_terminal < 1:
+            raise ValueError(f"shift_terminal must be in [0, 1), got {self.shift_terminal}")
 
     @classmethod
     def from_diffusers(cls, config: Mapping[str, Any]) -> FlowMatchEulerConfig:
@@ -64,7 +70,6 @@ class FlowMatchEulerConfig:
         Raises ``ValueError`` for options this sampler does not implement, rather than ignoring them.
         """
         for key in (
-            "shift_terminal",
             "invert_sigmas",
             "use_karras_sigmas",
             "use_exponential_sigmas",
@@ -128,6 +133,19 @@ def _shift(config: FlowMatchEulerConfig, sigmas: np.ndarray, mu: float | None) -
     return config.shift * sigmas / (1 + (config.shift - 1) * sigmas)
 
 
+def stretch_to_terminal(sigmas: np.ndarray, terminal: float) -> np.ndarray:
+    """Scale ``1 - sigma`` so that the last sigma is ``terminal`` (LTX-Video's ``rf.py``, diffusers'
+    ``stretch_shift_to_terminal``), in the dtype of ``sigmas``."""
+    one_minus = 1 - sigmas
+    if one_minus[-1] <= 0:
+        raise ValueError(
+            f"the schedule ends at sigma {float(sigmas[-1]):g}, which shift_terminal={terminal:g} cannot stretch "
+            "(diffusers divides by zero there: NaN sigmas); a single step from pure noise has no stretch: "
+            "use 2 or more steps"
+        )
+    return 1 - one_minus / (one_minus[-1] / (1 - terminal))
+
+
 def set_timesteps(
     config: FlowMatchEulerConfig,
     num_steps: int | None = None,
@@ -165,7 +183,10 @@ def set_timesteps(
         t = config.num_train_timesteps
         sigmas = np.linspace(float(train[0]) * t, float(train[-1]) * t, num_steps) / t
 
-    sigmas = _shift(config, sigmas, mu).astype(np.float32)
+    sigmas = _shift(config, sigmas, mu)
+    if config.shift_terminal:
+        sigmas = stretch_to_terminal(sigmas, config.shift_terminal)
+    sigmas = sigmas.astype(np.float32)
     timesteps = sigmas * np.float32(config.num_train_timesteps)
     sigmas = np.concatenate([sigmas, np.zeros(1, np.float32)])
     return FlowMatchEulerSchedule(sigmas=sigmas, timesteps=timesteps)

@@ -53,7 +53,7 @@ class ModelCard:
     default_size: tuple[int, int]  # (width, height)
     size_multiple: int
     default_steps: int
-    default_guidance: float
+    default_guidance: float | None  # None: the model takes no guidance scale
     default_true_cfg: float | None = None  # None: the model takes no true_cfg_scale (FLUX's CFG scale)
     default_negative: str | None = None
     default_frames: int | None = None  # videos
@@ -86,7 +86,7 @@ class Generation:
     width: int
     height: int
     steps: int
-    guidance: float
+    guidance: float | None
     seed: int
     n: int = 1
     negative_prompt: str | None = None
@@ -246,7 +246,10 @@ def _common(body: dict, card: ModelCard, allowed: set[str]) -> dict[str, Any]:
         width=width,
         height=height,
         steps=_integer(body, "steps", card.default_steps, 1, card.max_steps),
-        guidance=_number(body, "guidance", card.default_guidance, 0.0, card.max_guidance),
+        # None: a model with no guidance scale of its own (its CFG scale is true_cfg_scale), refused above.
+        guidance=None
+        if card.default_guidance is None
+        else _number(body, "guidance", card.default_guidance, 0.0, card.max_guidance),
         seed=_integer(body, "seed", 0, 0, MAX_SEED),
         true_cfg_scale=true_cfg,
     )

@@ -38,6 +38,11 @@ class PatchPieces(Protocol):
     def prediction(self, pred: jax.Array) -> jax.Array:
         """The model's ``output`` -> the latent tokens' feature order."""
 
+    #: Optional (None where every prompt is padded alike): per token group, a [b, M, S, g] bool array of
+    #: each local model-batch row's real tokens in each piece (Qwen-Image's prompt lengths), or None for a
+    #: group whose real tokens are the geometry's. The programs then mask keys per row.
+    sample_valid: tuple[jax.Array | None, ...] | None
+
 
 class PatchFamily(Protocol):
     """A model family's adapter (``pipefusion/flux.py``, ``pipefusion/wan.py``): how one generation's

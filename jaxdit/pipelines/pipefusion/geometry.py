@@ -10,7 +10,9 @@ derives the rest the same way for every family:
   patches on one device in the warm-up (``[group0 of every patch; group1 of every patch; ...]``), as
   :class:`SequenceLayout` s, so that a model's blocks join/split their token groups as they always do;
 - the key masks of fresh K/V (per ring position, as ``ring_attention`` gathers them) and of the K/V
-  buffer, None where nothing is padded;
+  buffer, None where nothing is padded; with per-sample masks of a group's real tokens (a family whose
+  prompts keep their own lengths: :attr:`~jaxdit.pipelines.pipefusion.family.PatchPieces.sample_valid`)
+  the same masks per batch row, traced (:meth:`PatchGeometry.sample_masks`);
 - :meth:`PatchGeometry.to_slots`: the warm-up's gathered K/V in the buffer's per-patch order.
 
 Shape letters: M patches, S sequence shards (R ring x U ulysses), g_i the piece of group i, L = S * sum g_i
@@ -25,7 +27,7 @@ import numpy as np
 
 from jaxdit.parallel.layout import SequenceLayout
 
-__all__ = ["PatchGeometry"]
+__all__ = ["PatchGeometry", "SampleMasks"]
 
 
 class PatchGeometry:
@@ -119,6 +121,11 @@ class PatchGeometry:
             return jnp.repeat(others[:, 0], length)
         return (jnp.asarray(buffer) & others).reshape(-1)
 
+    def sample_masks(self, samples) -> SampleMasks:
+        """The key masks above per batch row, inside the program: ``samples`` holds per group a
+        [b, M, S, g] bool array (this device's model batch rows; real tokens of each piece) or None."""
+        return SampleMasks(self, samples)
+
     def to_slots(self, x: jax.Array) -> jax.Array:
         """Warm-up K/V in gathered order [B, S*(M*g_0 + M*g_1 + ...), h, D] -> the buffer's order
         [B, M, S*(g_0 + g_1 + ...), h, D]."""
@@ -129,3 +136,42 @@ class PatchGeometry:
         groups = [part.reshape(b, s, m, -1, h, d) for part in jnp.split(x, bounds, axis=2)]
         x = groups[0] if len(groups) == 1 else jnp.concatenate(groups, axis=3)  # [B, S, M, piece, h, D]
         return jnp.swapaxes(x, 1, 2).reshape(b, m, s * self.piece, h, d)
+
+
+class SampleMasks:
+    """:class:`PatchGeometry`'s key masks with a leading batch row axis (b, this device's model batch), for
+    groups whose real tokens differ per sample; each is the geometry's static mask AND the samples' (traced
+    arrays, inside the program). Shapes as ``patch_attention`` takes them: fresh keys per ring position
+    first, then the row."""
+
+    def __init__(self, g: PatchGeometry, samples) -> None:
+        self.g = g
+        batch = next(s.shape[0] for s in samples if s is not None)
+        static = g._valid()
+        groups = []
+        for i, piece in enumerate(g.pieces):
+            shape = (batch, g.patches, g.seq, piece)
+            fixed = jnp.ones(shape, bool) if static is None else jnp.broadcast_to(static[i][None], shape)
+            groups.append(fixed if samples[i] is None else fixed & samples[i].astype(bool).reshape(shape))
+        self.groups = groups  # per group [b, M, S, g]
+        self.batch = batch
+
+    def patch_valid(self) -> jax.Array:
+        """[M, R, b, U*piece]: per patch and ring position, each row's real keys of the gathered block."""
+        g = self.g
+        valid = jnp.concatenate(self.groups, -1).reshape(self.batch, g.patches, g.ring, -1)
+        return valid.transpose(1, 2, 0, 3)
+
+    def stale_valid(self, patch: jax.Array) -> jax.Array:
+        """[b, M*L]: the buffer keys each row of ``patch`` reads as stale (the other patches' real keys)."""
+        g = self.g
+        buffer = jnp.concatenate(self.groups, -1).reshape(self.batch, g.patches, -1)
+        others = (jnp.arange(g.patches) != patch)[None, :, None]
+        return (buffer & others).reshape(self.batch, -1)
+
+    def full_valid(self) -> jax.Array:
+        """[R, b, U*M*piece]: each row's real keys of the gathered full sequence in warm-up order."""
+        g = self.g
+        by_shard = [v.transpose(0, 2, 1, 3).reshape(self.batch, g.seq, -1) for v in self.groups]
+        valid = jnp.concatenate(by_shard, -1).reshape(self.batch, g.ring, -1)
+        return valid.transpose(1, 0, 2)

@@ -39,6 +39,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdit.parallel.cfg import guidance as cfg_guidance
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.pipefusion import (
@@ -85,7 +86,8 @@ class Wire:
 class PipeFusionPrograms:
     """The warm-up step and the pipelined phase of a family's model for one geometry ``g``, compiled
     lazily. ``guided``: the calls run classifier-free guidance (both branches in the model batch);
-    ``kernel``: attention tile sizes; ``compiler_options``: XLA options of the compiled programs."""
+    ``kernel``: attention tile sizes; ``compiler_options``: XLA options of the compiled programs;
+    ``guidance(uncond, cond, scale)``: the family's per-token CFG combination (None: plain CFG)."""
 
     def __init__(
         self,
@@ -96,8 +98,10 @@ class PipeFusionPrograms:
         sampler: Sampler,
         kernel: Mapping[str, int] | None = None,
         compiler_options: Mapping[str, Any] | None = None,
+        guidance: Callable | None = None,
     ) -> None:
         self.family, self.model, self.g, self.guided, self.sampler = family, model, g, guided, sampler
+        self.guidance = cfg_guidance if guidance is None else guidance
         self.kernel = tuple(sorted((kernel or {}).items()))  # attention tile sizes, hashable
         self.compiler_options = dict(compiler_options) if compiler_options else None
         self.parallel = model.parallel
@@ -193,7 +197,13 @@ class PipeFusionPrograms:
         return jnp.concatenate([x, x], 0) if self.guided and self.parallel.cfg == 1 else x
 
     def _guide(self, pred: jax.Array, scale: jax.Array) -> jax.Array:
-        return guide_patch(pred, scale, self.parallel.cfg) if self.guided else pred
+        return guide_patch(pred, scale, self.parallel.cfg, self.guidance) if self.guided else pred
+
+    @staticmethod
+    def _sample_masks(pieces: Any, g: PatchGeometry) -> Any:
+        """The per-row key masks of a family whose pieces carry ``sample_valid`` (None: the geometry's)."""
+        samples = getattr(pieces, "sample_valid", None)  # optional member of PatchPieces
+        return None if samples is None else g.sample_masks(samples)
 
     def _run_slots(
         self,
@@ -261,6 +271,8 @@ class PipeFusionPrograms:
         def local(params, lat, state, kv, context, schedule, i, scale):
             model = nnx.merge(self.model.graphdef, params)
             pieces = self.family.pieces(model, context, g, full=True, batch=self._model_batch)
+            masks = self._sample_masks(pieces, g)
+            keys = valid if masks is None else masks.full_valid()
             ctx, wire, s = ShardContext(pc, layout, self.kernel), Wire(), stage_index()
             flat = lambda a: a[0].reshape(a.shape[1], -1, a.shape[-1])  # [b, M*n, K]: every patch
             x_lat, sampler_state = flat(lat), tuple(flat(a) for a in state)
@@ -271,9 +283,7 @@ class PipeFusionPrograms:
 
                 def tick(c, position):
                     x, kb, vb = c
-                    streams, (k, v) = self._run_slots(
-                        model, stack, wire.unpack(stack, x), cond, layout, valid
-                    )
+                    streams, (k, v) = self._run_slots(model, stack, wire.unpack(stack, x), cond, layout, keys)
                     active = sched.position(pass_index, s) == position  # the sequence is on this device
                     kb = jnp.where(active, jax.vmap(g.to_slots)(k).astype(kb.dtype), kb)
                     vb = jnp.where(active, jax.vmap(g.to_slots)(v).astype(vb.dtype), vb)
@@ -316,7 +326,11 @@ class PipeFusionPrograms:
             # Every step's conditioning once per call, indexed by the step of each tick's items.
             times = jax.vmap(lambda j: sampler.model_time(schedule, first_step + j))(jnp.arange(steps))
             step_conds = jax.vmap(pieces.step_cond)(times)
+            masks = self._sample_masks(pieces, g)
             fresh = None if patch_valid is None else jnp.asarray(patch_valid)
+            if masks is not None:
+                fresh = masks.patch_valid()
+            stale_valid = g.stale_valid if masks is None else masks.stale_valid
             lat, state = lat[0], tuple(a[0] for a in state)  # [b, M, n, K]; used where the step ends
 
             def tick(carry, t):
@@ -329,7 +343,7 @@ class PipeFusionPrograms:
                     if v == 0:  # stage 0 embeds the patch that enters the pipeline
                         entering = model.enter(stack, pieces.embed(pick(lat, m), m), ctx)
                         x = jnp.where(s == 0, wire.pack(stack, entering), x)
-                    stale = (kv[2 * v], kv[2 * v + 1], g.stale_valid(m))
+                    stale = (kv[2 * v], kv[2 * v + 1], stale_valid(m))
                     mask = None if fresh is None else fresh[m]
                     streams, (k, vv) = self._run_slots(
                         model, stack, wire.unpack(stack, x), cond, layout, mask, stale

@@ -69,7 +69,8 @@ class PipeFusionRunner:
     """A family's model laid out in stages, and the compiled programs of the geometries it has run.
 
     See the module docstring for the call. ``kernel``: attention tile sizes; ``compiler_options``: XLA
-    options of the compiled programs.
+    options of the compiled programs; ``guidance(uncond, cond, scale)``: the family's per-token CFG
+    combination (None: plain CFG).
     """
 
     def __init__(
@@ -79,9 +80,10 @@ class PipeFusionRunner:
         *,
         kernel: Mapping[str, int] | None = None,
         compiler_options: Mapping[str, Any] | None = None,
+        guidance: Callable | None = None,
     ) -> None:
         self.family, self.model, self.parallel = family, model, model.parallel
-        self.kernel, self.compiler_options = kernel, compiler_options
+        self.kernel, self.compiler_options, self.guidance = kernel, compiler_options, guidance
         #: (geometry, guided) -> its programs.
         self.programs: dict[tuple[PatchGeometry, bool], PipeFusionPrograms] = {}
         #: After a call: (warm-up fn, its abstract args) and (pipelined fn, its abstract args) or None
@@ -95,7 +97,7 @@ class PipeFusionRunner:
         programs = self.programs.get((g, guided))
         if programs is None or type(programs.sampler) is not type(sampler):
             programs = PipeFusionPrograms(
-                self.family, self.model, g, guided, sampler, self.kernel, self.compiler_options
+                self.family, self.model, g, guided, sampler, self.kernel, self.compiler_options, self.guidance
             )
             self.programs[(g, guided)] = programs
         return programs
