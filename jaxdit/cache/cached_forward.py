@@ -346,4 +346,5 @@ class CachedForward:
             always_run=self.policy.always_run,
             bytes_per_device=self.bytes_per_device(shapes),
             per_device=ran,
+            setting=self.policy.describe(),
         )

@@ -107,7 +107,7 @@ def magcache_pattern(
     """bool [steps]: the steps that compute every block (module docstring). ``ratios`` [branches, steps]."""
     ratios = np.asarray(ratios, np.float64)
     branches, steps = ratios.shape
-    kept = int(retention * steps + 0.5)
+    kept = int(retention * steps)  # the authors: cnt >= int(num_steps * retention_ratio)
     forced = {s for s in forced if 0 <= s < steps}
     acc_ratio, acc_err, skipped = [1.0] * branches, [0.0] * branches, [0] * branches
     run = np.ones((steps,), bool)
