@@ -12,7 +12,8 @@ difference estimates of its derivatives over the step index::
 then uses ``sum_i D_i k^i / i!``. Order 0 is plain reuse.
 
 :class:`TaylorSeer` alone computes every block on a fixed schedule (the first ``warmup`` steps, then
-every ``interval``-th step) and forecasts the others; the schedule depends on the step index only, so
+every ``interval``-th step counted from the last of them, as TaylorSeer's ``cal_type`` counts: N - 1
+forecast steps between two full ones) and forecasts the others; the schedule depends on the step index only, so
 the host plans it. On top of First-Block-Cache, DBCache or MagCache (their ``taylor_order``), those
 caches decide as before and the skip branch forecasts.
 """
@@ -67,9 +68,10 @@ class TaylorSeer:
 
 
 def taylorseer_pattern(steps: int, interval: int, warmup: int, forced: Any = ()) -> np.ndarray:
-    """bool [steps]: the steps that compute every block (the warm-up, then every ``interval``-th)."""
+    """bool [steps]: the steps that compute every block (the warm-up, then every ``interval``-th counted
+    from the warm-up's last step)."""
     i = np.arange(steps)
-    run = (i < warmup) | ((i - warmup) % interval == 0)
+    run = (i < warmup) | ((i - (warmup - 1)) % interval == 0)
     run[[s for s in forced if 0 <= s < steps]] = True
     return run
 
