@@ -25,7 +25,7 @@ import sys
 DEFAULT_SETTINGS = [
     "default:magcache",
     "magcache:threshold=0.06",
-    "magcache:threshold=0.25",
+    "magcache:threshold=0.12",
     "magcache:threshold=0.5,max_skips=3",
     "default:taylorseer",
     "taylorseer:interval=2",

@@ -47,7 +47,7 @@ def magcache_reference(ratios, threshold, max_skips, retention, forced=(0,)):
     acc = [[1.0, 0.0, 0] for _ in range(branches)]  # accumulated ratio, error, skipped steps
     ran = []
     for t in range(steps):
-        if t < int(steps * retention) or t in forced:
+        if t < int(steps * retention + 0.5) or t in forced:  # MagCache4FLUX rounds the retained steps
             ran.append(True)
             acc = [[1.0, 0.0, 0] for _ in range(branches)]
             continue
@@ -168,6 +168,18 @@ def test_magcache_ships_ratios_for_every_family():
     digits = resolve(MagCache(), flux.abstract_model(tiny.CONFIG))
     assert len(digits.mag_ratios[0]) == 20 and digits.threshold == 0.25
     assert resolve(MagCache(threshold=0.1, max_skips=3), flux.abstract_model(tiny.CONFIG)).max_skips == 3
+
+
+def test_magcache_published_flux_sets():
+    """FLUX.1-schnell's 4 ratios with the shipped settings skip step 2 alone, the step the authors skip by
+    hand; FLUX.1 Kontext [dev]'s set is chosen by name (its architecture is FLUX.1-dev's)."""
+    schnell = resolve(MagCache(), flux.abstract_model(flux.FluxConfig.preset("flux-schnell")))
+    assert schnell.host_pattern(4, [0]).astype(int).tolist() == [1, 1, 0, 1]
+    kontext = resolve(
+        MagCache(ratios="flux-kontext-dev"), flux.abstract_model(flux.FluxConfig.preset("flux-dev"))
+    )
+    assert (kontext.threshold, kontext.max_skips, len(kontext.mag_ratios[0])) == (0.05, 4, 28)
+    assert kontext.mag_ratios[0][1] == 1.19531
 
 
 def test_magcache_without_ratios_is_refused():

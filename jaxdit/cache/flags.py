@@ -50,7 +50,12 @@ def add_arguments(group: Any, flag: Any) -> None:
         group, "dbcache_fn", type=int, default=None, help="DBCache: front blocks always computed (default 8)"
     )
     flag(group, "dbcache_bn", type=int, default=None, help="DBCache: back blocks always computed (default 0)")
-    flag(group, "magcache_ratios", default=None, help="MagCache: a ratios file (--calibrate_magcache's)")
+    flag(
+        group,
+        "magcache_ratios",
+        default=None,
+        help="MagCache: a ratios file (--calibrate_magcache's) or a published set, e.g. flux-kontext-dev",
+    )
     flag(
         group,
         "calibrate_magcache",

@@ -57,7 +57,8 @@ class MagCache:
     """MagCache (module docstring): ``pipe(..., cache=MagCache(threshold=0.12))``.
 
     ``None`` fields take the model's published (or shipped calibrated) values; ``ratios``: a ratios
-    file (:data:`RATIOS_FILE`) to use instead of those; ``taylor_order``: forecast the skipped residual
+    file (``jaxdit generate --calibrate_magcache``'s) or the name of a published set (``published.json``:
+    ``"flux-kontext-dev"``, ...) to use instead of those; ``taylor_order``: forecast the skipped residual
     with TaylorSeer (``jaxdit.cache.taylor``) instead of reusing it.
     """
 
@@ -78,8 +79,11 @@ class MagCache:
             raise ValueError(f"MagCache max_skips must be an integer >= 1, got {self.max_skips!r}")
         if self.retention is not None and not (0.0 <= float(self.retention) < 1.0):
             raise ValueError(f"MagCache retention must be in [0, 1), got {self.retention!r}")
-        if self.ratios is not None and not os.path.isfile(self.ratios):
-            raise ValueError(f"MagCache ratios file {self.ratios!r} does not exist")
+        if self.ratios is not None and not os.path.isfile(self.ratios) and shipped(self.ratios) is None:
+            raise ValueError(
+                f"MagCache ratios file {self.ratios!r} does not exist (nor is it a shipped set: "
+                f"{', '.join(shipped_names())})"
+            )
         check_order(self.title, self.taylor_order)
 
 
@@ -107,7 +111,9 @@ def magcache_pattern(
     """bool [steps]: the steps that compute every block (module docstring). ``ratios`` [branches, steps]."""
     ratios = np.asarray(ratios, np.float64)
     branches, steps = ratios.shape
-    kept = int(retention * steps)  # the authors: cnt >= int(num_steps * retention_ratio)
+    # MagCache4FLUX: cnt >= int(retention_ratio * num_steps + 0.5) (MagCache4Wan2.1 truncates; the same
+    # for its 0.2 x 50 and 0.2 x 40).
+    kept = int(retention * steps + 0.5)
     forced = {s for s in forced if 0 <= s < steps}
     acc_ratio, acc_err, skipped = [1.0] * branches, [0.0] * branches, [0] * branches
     run = np.ones((steps,), bool)
@@ -158,6 +164,22 @@ def save_ratios(path: str, ratios: np.ndarray, **fields: Any) -> None:
     with open(temporary, "w") as f:
         json.dump(entry, f, indent=1)
     os.replace(temporary, path)
+
+
+def shipped_names() -> list[str]:
+    """The published sets' names (``published.json``): what ``MagCache(ratios=NAME)`` may name."""
+    with open(os.path.join(_HERE, "published.json")) as f:
+        return sorted(json.load(f))
+
+
+def resolve_ratios(name_or_path: str) -> dict[str, Any]:
+    """``MagCache(ratios=...)``: a ratios file, else a shipped set of that name."""
+    if os.path.isfile(name_or_path):
+        return load_ratios(name_or_path)
+    found = shipped(name_or_path)
+    if found is None:
+        raise ValueError(f"MagCache ratios {name_or_path!r}: no such file or shipped set")
+    return found
 
 
 def shipped(key: str) -> dict[str, Any] | None:

@@ -10,7 +10,13 @@ import numpy as np
 
 from jaxdit.cache.dbcache import DBCache
 from jaxdit.cache.hooks import hooks_for
-from jaxdit.cache.magcache import MagCache, MagCacheCalibration, load_ratios, magcache_pattern, nearest_interp
+from jaxdit.cache.magcache import (
+    MagCache,
+    MagCacheCalibration,
+    magcache_pattern,
+    nearest_interp,
+    resolve_ratios,
+)
 from jaxdit.cache.policies import FirstBlockCache, TeaCache
 from jaxdit.cache.segments import depth
 from jaxdit.cache.taylor import TaylorSeer, taylorseer_pattern
@@ -79,7 +85,7 @@ class Policy:
 
 
 def _magcache(config: MagCache, hooks: Any, model: Any, grid: Sequence[int]) -> Policy:
-    entry = load_ratios(config.ratios) if config.ratios else hooks.magcache_defaults(tuple(grid))
+    entry = resolve_ratios(config.ratios) if config.ratios else hooks.magcache_defaults(tuple(grid))
     if entry is None:
         raise ValueError(
             f"MagCache has no magnitude ratios for this {type(model).__name__}: run `jaxdit calibrate-cache` "

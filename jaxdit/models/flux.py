@@ -190,13 +190,15 @@ class FluxTransformer(nnx.Module):
         raise NotImplementedError("FLUX's TeaCache input depends on the latents (teacache_input)")
 
     def magcache_defaults(self, grid: tuple[int, ...]) -> dict[str, Any] | None:
-        """MagCache's ratios: the authors' FLUX.1-dev calibration (MagCache4FLUX, 28 steps, threshold
-        0.24, K 5, retention 0.1), else jaxdit's shipped calibration of this architecture, else None.
-        The authors publish none for FLUX.1-schnell."""
+        """MagCache's ratios: the authors' calibration of FLUX.1-dev (MagCache4FLUX, 28 steps, threshold
+        0.24, K 5, retention 0.1) or FLUX.1-schnell (4 steps), else jaxdit's shipped calibration of this
+        architecture (tiny-digits), else None. FLUX.1 Kontext [dev] has FLUX.1-dev's architecture and
+        takes its ratios by default; its own are ``MagCache(ratios="flux-kontext-dev")``."""
         from jaxdit.cache.magcache import config_key, shipped
 
-        if self.config == FluxConfig.preset("flux-dev"):
-            return shipped("flux-dev")
+        for preset in ("flux-dev", "flux-schnell"):
+            if self.config == FluxConfig.preset(preset):
+                return shipped(preset)
         return shipped(config_key("flux", self.config))
 
     def teacache_defaults(self, grid: tuple[int, ...]) -> tuple[tuple[float, ...], float]:
