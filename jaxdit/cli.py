@@ -247,7 +247,7 @@ def _add_generate(sub) -> None:
         "(FLUX.1 0.4; Wan 2.1 1.3B 0.08, 14B 0.2, I2V 480P 0.26 / 720P 0.3); MagCache the shipped one; "
         "DBCache 0.08",
     )
-    from jaxdit.cache.flags import add_arguments as add_cache_flags
+    from jaxdit.generate_cache import add_arguments as add_cache_flags
 
     add_cache_flags(cache, _flag)
     from jaxdit.distributed import add_arguments as add_process_flags

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit import distributed, runtime
-from jaxdit.cache import flags as cache_flags
+from jaxdit import generate_cache as cache_flags
 from jaxdit.generate_checks import check_memory, check_request, check_run
 from jaxdit.generate_request import GenerateRequest, load_embeddings
 from jaxdit.mesh import ParallelConfig

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxdit import families, runtime
-from jaxdit.cache import flags as cache_flags
+from jaxdit import generate_cache as cache_flags
 from jaxdit.generate_request import (
     IMAGE_SUFFIXES,
     MAX_SEQUENCE_LENGTH,

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit import families
-from jaxdit.cache import flags as cache_flags
+from jaxdit import generate_cache as cache_flags
 from jaxdit.distributed import ProcessGroup, resolve
 from jaxdit.families.base import ModelFamily
 from jaxdit.lora import parse_lora
@@ -79,7 +79,7 @@ class GenerateRequest:
     use_fbcache: bool = False  # First-Block-Cache (= --cache fbcache)
     use_teacache: bool = False  # TeaCache (= --cache teacache)
     cache_threshold: float | None = None  # default: the family's measured one, else the cache's own
-    # The other feature-cache flags (jaxdit.cache.flags).
+    # The other feature-cache flags (jaxdit.generate_cache).
     feature_cache: str | None = None  # --cache NAME
     taylor_order: int | None = None
     taylorseer_interval: int | None = None

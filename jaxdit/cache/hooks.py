@@ -21,7 +21,9 @@ and hands the caches the object that answers them with ``ModelFamily.cache_hooks
 inspects a model for attributes: :func:`check_family` refuses a cache the family does not declare (before
 any weight loads: ``jaxdit generate``'s checks call it), and :func:`hooks_for` checks the object the family
 hands over against the cache's Protocol once, before anything is traced (a family author's mistake is
-named then, not deep inside a trace).
+named then, not deep inside a trace). The registry lives above this layer: ``jaxdit.families.register``
+hands each (base) family down with :func:`register_family`, and :func:`family_of` finds a transformer's
+family by its config's class.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ __all__ = [
     "check_family",
     "family_of",
     "hooks_for",
+    "register_family",
 ]
 
 
@@ -105,11 +108,25 @@ _TITLES = {
 }
 
 
+#: config class -> the family of transformers with that config (``jaxdit.families.register`` fills it:
+#: the registry lives above this layer, so it hands the families down rather than being imported).
+_FAMILIES: dict[type, Any] = {}
+
+
+def register_family(config_class: type, family: Any) -> None:
+    """Record ``family`` as the one whose cache hooks serve transformers of ``config_class``."""
+    _FAMILIES[config_class] = family
+
+
 def family_of(model: Any) -> Any:
     """The registered family of a transformer (by its config's class)."""
-    from jaxdit import families  # the registry imports the pipelines, which import this package
-
-    return families.for_config(model.config)
+    for config_class, family in _FAMILIES.items():
+        if isinstance(model.config, config_class):
+            return family
+    raise ValueError(
+        f"{type(model).__name__}: no registered model family serves its feature caches "
+        "(jaxdit.families.register records each family's cache hooks)"
+    )
 
 
 def check_family(family: Any, cache_name: str) -> None:
