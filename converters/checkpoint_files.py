@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from converters.errors import CheckpointError, CheckpointKeyError
+from converters.fp8_files import dequantized
 from converters.lazy_tensor import LazyTensor
 from converters.safetensors_file import SafetensorsFile
 from converters.safetensors_header import TensorInfo, _reject_duplicates
@@ -152,8 +153,13 @@ def open_checkpoint(path: PathLike) -> CheckpointFiles:
     """Open a checkpoint given as one ``.safetensors`` file, an ``*.index.json``, or a folder.
 
     A folder must hold exactly one ``*.safetensors.index.json`` (used), or no index and one or more
-    ``*.safetensors`` files (all used).
+    ``*.safetensors`` files (all used). FP8 checkpoints (ComfyUI's, plain or scaled) read as the
+    higher-precision tensors they stand for (``converters.fp8_files``).
     """
+    return dequantized(_open_files(path))
+
+
+def _open_files(path: PathLike) -> CheckpointFiles:
     path = Path(path)
     if path.is_dir():
         indexes = sorted(path.glob("*.safetensors.index.json"))

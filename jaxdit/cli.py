@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from jaxdit.cli_family_flags import FamilyHelp, parse_family_flags
 from jaxdit.cli_help import RegistryHelp
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -29,7 +30,9 @@ def _convert(args: argparse.Namespace) -> int:
 
     loras = [parse_lora(arg) for arg in args.lora or ()]
     try:
-        out = convert_checkpoint(args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras)
+        out = convert_checkpoint(
+            args.src, args.dst, args.dtype, overwrite=args.overwrite, loras=loras, fp8=args.quantize == "fp8"
+        )
     except OSError as e:  # reading the source (FileExistsError is the caller's: DST exists)
         if isinstance(e, FileExistsError):
             raise
@@ -53,7 +56,9 @@ def _add_generate(sub) -> None:
         "generate",
         help="generate images with a model on a (possibly emulated) device mesh",
         formatter_class=RegistryHelp,
+        add_help=False,
     )
+    gen.add_argument("-h", "--help", action=FamilyHelp, help="show this help message and exit")
     _flag(
         gen,
         "model",
@@ -99,13 +104,6 @@ def _add_generate(sub) -> None:
         default=None,
         help="a picture file: Wan I2V / TI2V's first frame (TI2V without it: text only), FLUX.1 Kontext's "
         "reference image to edit (pipeline folders)",
-    )
-    _flag(gen, "max_area", type=int, default=None, help="FLUX.1 Kontext: output pixels (default 1048576)")
-    _flag(
-        gen,
-        "no_auto_resize",
-        action="store_true",
-        help="FLUX.1 Kontext: keep the reference image's size instead of its preferred resolutions",
     )
     _flag(
         gen,
@@ -174,6 +172,30 @@ def _add_generate(sub) -> None:
         default="auto",
         help="per-device attention kernel (default auto: cuDNN on NVIDIA GPUs for bf16/fp16, splash on TPUs, "
         "XLA otherwise); one that cannot serve falls back with a warning",
+    )
+    _flag(
+        gen,
+        "quantize",
+        choices=("fp8",),
+        default=None,
+        help="fp8: the transformer blocks' linear weights in float8_e4m3fn with per-channel scales (half the "
+        "memory of bfloat16); embedders, modulation, norms, attention and the sampler stay as --dtype",
+    )
+    _flag(
+        gen,
+        "fp8_mode",
+        choices=("weight", "matmul"),
+        default=None,
+        help="with --quantize fp8: weight (weights dequantized into bf16/fp32 matmuls) or matmul (FP8 "
+        "matmuls with per-token activation scales; GPUs of compute capability 8.9+, emulated on CPU). "
+        "Default: matmul where every GPU has FP8, else weight",
+    )
+    _flag(
+        gen,
+        "offload_encoders",
+        action="store_true",
+        help="pipeline folders: keep the text (and image) encoders' weights in host memory between prompts, "
+        "copied to the device for each encode, so the transformer gets the device's memory",
     )
     _flag(
         gen,
@@ -329,6 +351,13 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--dtype", choices=DTYPES, default=None, help="default: the checkpoint's dtype")
     convert.add_argument("--overwrite", action="store_true", help="replace DST once the new one is complete")
     convert.add_argument(
+        "--quantize",
+        choices=("fp8",),
+        default=None,
+        help="write the transformer blocks' linear weights as float8_e4m3fn with per-channel scales (after "
+        "any --lora is fused); generate then loads them as they are, half the memory of bfloat16",
+    )
+    convert.add_argument(
         "--lora",
         action="append",
         metavar="FILE[:SCALE]",
@@ -341,7 +370,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:  # a family's own flags (jaxdit generate), else what parse_args would refuse
+        if args.command != "generate":
+            parser.error(f"unrecognized arguments: {' '.join(extras)}")
+        args.family_flags = parse_family_flags(extras, parser.error)
     from converters.errors import CheckpointError
     from jaxdit.distributed import StartupError
 

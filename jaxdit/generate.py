@@ -33,7 +33,7 @@ from jaxdit import distributed, runtime
 from jaxdit import generate_cache as cache_flags
 from jaxdit.generate_checks import check_memory, check_request, check_run
 from jaxdit.generate_request import GenerateRequest, load_embeddings
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 
 __all__ = ["GenerateRequest", "build", "check_request", "generate", "run", "write"]
 
@@ -51,8 +51,14 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     pipeline, kernel = r.family.pipeline_class, {"backend": r.attention_backend}
     # Two-expert models only (checked): the other families' builders do not take it.
     options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
+    if r.offload_encoders:  # checked: a pipeline folder
+        options["offload_encoders"] = True
+    if r.quantize == "fp8":  # checked: the builder takes it
+        from jaxdit.models.fp8 import choose_mode
+
+        options["fp8"] = choose_mode(r.fp8_mode, DeviceMesh.of(mesh).mesh.devices.flat)
     if r.source == "bundled":
-        pipe = r.family.bundled_pipeline(mesh, kernel=kernel, dtype=dtype)
+        pipe = r.family.bundled_pipeline(mesh, kernel=kernel, dtype=dtype, **options)
     elif r.source == "folder":
         pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel, **options)
     else:
@@ -121,7 +127,7 @@ def run(r: GenerateRequest) -> int:
             f"{parallel.describe()} needs {parallel.num_devices} devices; {len(devices)} are available"
         )
     check_memory(r, parallel, devices[: parallel.num_devices])
-    mesh = parallel.make_mesh(devices[: parallel.num_devices])
+    mesh = parallel.device_mesh(devices[: parallel.num_devices])  # the mesh and its degrees, passed on
     note = r.family.describe_call(r.call())
     if note:
         say(note)
@@ -142,7 +148,7 @@ def run(r: GenerateRequest) -> int:
         if r.calibrate_magcache is not None and main:
             cache_flags.save_calibration(r, result.cache, say)
     if r.compare_single_device:
-        single_mesh = ParallelConfig().make_mesh(jax.local_devices()[:1])
+        single_mesh = ParallelConfig().device_mesh(jax.local_devices()[:1])
         one = dataclasses.replace(r, **_single_device_degrees())
         single = generate(build(one, single_mesh), one)
         pick = lambda x: x.images if x.images is not None else x.latents

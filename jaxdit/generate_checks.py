@@ -150,14 +150,21 @@ def _owners(argument: str) -> str:
     )
 
 
+def _check_family_flags(r: GenerateRequest) -> None:
+    """A family's own flag given to a family that does not declare it (``jaxdit.pipelines.call_options``)."""
+    own = {o.flag_name for o in r.family.pipeline_class.call_options}
+    declared = families.call_options()
+    for flag, _ in r.family_flags:
+        if flag not in own:
+            owners = " / ".join(f.display for f in declared[flag][1]) if flag in declared else "no"
+            raise ValueError(f"--{flag} applies to {owners} models; {r.family.display} does not take it")
+
+
 def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = True) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
-    if r.no_auto_resize and not takes(pipeline, "auto_resize"):
-        raise ValueError(
-            f"--no_auto_resize is {_owners('auto_resize')}'s; {family.display} takes no reference image"
-        )
-    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",), ("max_area",)):
+    _check_family_flags(r)
+    for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
         if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
             owners = _owners(flags[0])
             if flags[0] == "guidance_scale_2":
@@ -225,12 +232,52 @@ def check_run(r: GenerateRequest) -> None:
     parallel = r.parallel()
     _check_batch(r, parallel)
     _check_cfg_flags_matter(r)
-    if r.guidance_scale is not None and not takes_guidance_scale(r):
+    check_load_options(r, parallel)
+    if r.guidance_scale is not None and (why := _guidance_scale_ignored(r)) is not None:
+        raise ValueError(why)
+
+
+def check_load_options(r: GenerateRequest, parallel: Any) -> None:
+    """How the weights are held (``--quantize``, ``--fp8_mode``, ``--offload_encoders``): what cannot run
+    or would change nothing, refused before anything loads (generate and serve)."""
+    _check_fp8(r, parallel)
+    if r.offload_encoders:
+        if r.source != "folder":
+            raise ValueError(
+                "--offload_encoders moves a pipeline folder's text encoders to host memory between prompts; "
+                f"{r.label} runs no text encoder here, so it would change nothing"
+            )
+        if not _builder_takes(r, "offload_encoders"):
+            raise ValueError(f"--offload_encoders is not available for {r.label} yet")
+
+
+def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
+    """FP8 combinations that cannot run, refused before anything loads."""
+    if r.quantize is None:
+        if r.fp8_mode is not None:
+            raise ValueError(f"--fp8_mode {r.fp8_mode} applies with --quantize fp8, which is not given")
+        return
+    if parallel.pipefusion > 1:
         raise ValueError(
-            f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {r.label} has none (like "
-            "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
-            "--true_cfg_scale and --negative_prompt"
+            "--quantize fp8 runs on meshes without PipeFusion (drop --pipefusion_parallel_degree)"
         )
+    if r.lora or r.lora_2:
+        raise ValueError(
+            "--lora cannot be fused into FP8 weights; fuse it first, then quantize: "
+            "jaxdit convert SRC DST --lora FILE --quantize fp8, and generate from DST"
+        )
+    if not _builder_takes(r, "fp8"):
+        raise ValueError(f"--quantize fp8 is not available for {r.label} yet")
+
+
+def _builder_takes(r: GenerateRequest, option: str) -> bool:
+    """Whether the function that builds this run's pipeline takes the keyword ``option``."""
+    if r.source == "bundled":
+        builder = r.family.bundled_pipeline
+    else:
+        pipeline = r.family.pipeline_class
+        builder = pipeline.from_pretrained if r.source == "folder" else pipeline.from_checkpoint
+    return option in inspect.signature(builder).parameters
 
 
 def _check_cfg_flags_matter(r: GenerateRequest) -> None:
@@ -254,12 +301,15 @@ def _check_cfg_flags_matter(r: GenerateRequest) -> None:
 
 
 def takes_guidance_scale(r: GenerateRequest) -> bool:
-    """Whether the model reads ``guidance_scale``: Wan's CFG scale, FLUX.1-dev's guidance embedding; a FLUX
-    model without that embedding (FLUX.1-schnell, tiny-digits) ignores it."""
+    """Whether the model reads ``guidance_scale`` (its family says: ``ModelFamily.guidance_scale_ignored``)."""
+    return _guidance_scale_ignored(r) is None
+
+
+def _guidance_scale_ignored(r: GenerateRequest) -> str | None:
     config = model_config(r)
     if config is None:
         config = r.family.checkpoints.open(r.folder["transformer"], None).config  # headers only
-    return getattr(config, "guidance_embed", None) is not False
+    return r.family.guidance_scale_ignored(config, r.label)
 
 
 def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:
@@ -316,6 +366,7 @@ def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) ->
         text_tokens=shapes["prompt_embeds"][1] if "prompt_embeds" in shapes else r.max_sequence_length,
         dtype=r.dtype or "bfloat16",
         family=r.family,
+        fp8=r.quantize == "fp8",
     )
     check_fits(workload, parallel, devices)
 

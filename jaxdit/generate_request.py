@@ -66,11 +66,15 @@ class GenerateRequest:
     flow_shift: float | None = None  # Wan
     image: str | None = None  # image-to-video (pipeline folders): the first frame
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
-    max_area: int | None = None  # FLUX.1 Kontext: output pixels (default 1024^2, as diffusers)
-    no_auto_resize: bool = False  # FLUX.1 Kontext: keep the reference's size (diffusers' _auto_resize=False)
+    #: A family's own flags given (``jaxdit.pipelines.call_options``: its pipeline's ``call_options``), as
+    #: (flag name, value) pairs; they become the call's ``family_arguments``.
+    family_flags: tuple[tuple[str, Any], ...] = ()
     lora: tuple[str, ...] = ()  # LoRA files, each FILE or FILE:SCALE
     lora_2: tuple[str, ...] = ()  # Wan 2.2 A14B: LoRA files for the low-noise expert (transformer_2)
     attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
+    quantize: str | None = None  # "fp8": the transformer blocks' linear weights in float8_e4m3fn
+    fp8_mode: str | None = None  # weight | matmul (jaxdit.models.fp8); default: matmul where GPUs have FP8
+    offload_encoders: bool = False  # pipeline folders: encoder weights wait in host memory between prompts
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
     coordinator: str | None = None
     num_processes: int | None = None
@@ -94,6 +98,7 @@ class GenerateRequest:
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
         values["lora"] = tuple(values.get("lora") or ())
         values["lora_2"] = tuple(values.get("lora_2") or ())
+        values["family_flags"] = tuple(values.get("family_flags") or ())
         return cls(**values)
 
     @functools.cached_property
@@ -203,12 +208,18 @@ class GenerateRequest:
             flow_shift=self.flow_shift,
             seed=self.seed,
             max_sequence_length=self.max_sequence_length,
-            max_area=self.max_area,
-            auto_resize=False if self.no_auto_resize else None,
+            family_arguments=self.family_arguments(),
             warmup_steps=self.warmup_steps,
             num_pipeline_patch=self.num_pipeline_patch,
             cache=self.cache(),
         )
+
+    def family_arguments(self) -> dict[str, Any]:
+        """The call arguments of the family's own flags given (flags it does not declare are refused by
+        the checks, and left out here)."""
+        given = dict(self.family_flags)
+        options = self.family.pipeline_class.call_options
+        return {o.name: o.call_value(given[o.flag_name]) for o in options if o.flag_name in given}
 
 
 def call_defaults(pipeline_class: type) -> dict[str, Any]:

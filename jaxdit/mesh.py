@@ -131,20 +131,56 @@ class ParallelConfig:
             )
         return cls(**{a: int(mesh.shape[a]) for a in MESH_AXES})
 
+    def device_mesh(self, devices: Sequence[jax.Device] | None = None) -> DeviceMesh:
+        """:meth:`make_mesh` together with this config: the one object a run passes on."""
+        return DeviceMesh(self.make_mesh(devices), self)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DeviceMesh:
+    """A device mesh and the :class:`ParallelConfig` it was made from, built once and passed on.
+
+    Everything below ``jaxdit generate``, ``jaxdit serve``, ``jaxdit plan --verify`` and the pipelines
+    needs both: ``mesh`` for jax (shardings, ``shard_map``) and ``parallel`` for the degrees. Functions
+    that take a mesh take either a :class:`jax.sharding.Mesh` or this (:data:`MeshLike`) and read it with
+    :meth:`of`, which reads a plain mesh's degrees (the only place that does) and passes this object
+    through unchanged.
+    """
+
+    mesh: Mesh
+    parallel: ParallelConfig
+
+    @classmethod
+    def of(cls, where: MeshLike | ParallelConfig | None) -> DeviceMesh:
+        """``where`` as a DeviceMesh: itself; a mesh with its degrees; a config's mesh on the first
+        ``num_devices`` devices (e.g. one device of eight); one device for None."""
+        if isinstance(where, DeviceMesh):
+            return where
+        if isinstance(where, Mesh):
+            return cls(where, ParallelConfig.from_mesh(where))
+        if where is None:
+            return single_device(None)
+        devices = jax.devices()
+        return where.device_mesh(
+            devices[: where.num_devices] if where.num_devices < len(devices) else devices
+        )
+
+
+#: What a function that runs on a mesh takes: a jax mesh (made by ``ParallelConfig.make_mesh``) or a
+#: :class:`DeviceMesh`.
+MeshLike = Mesh | DeviceMesh
+
+
+def single_device(device: jax.Device | None = None) -> DeviceMesh:
+    """One device with every axis of size 1 (the unsharded reference)."""
+    return ParallelConfig().device_mesh([device or jax.devices()[0]])
+
 
 def single_device_mesh(device: jax.Device | None = None) -> Mesh:
     """A mesh of one device with every axis of size 1 (the unsharded reference)."""
-    return ParallelConfig().make_mesh([device or jax.devices()[0]])
+    return single_device(device).mesh
 
 
-def mesh_for(parallel: ParallelConfig | Mesh | None) -> Mesh:
-    """The mesh of ``parallel``: a mesh as is, a config's mesh on the first ``num_devices`` devices (e.g.
-    one device of eight), or one device for None."""
-    if parallel is None:
-        return single_device_mesh()
-    if isinstance(parallel, Mesh):
-        return parallel
-    devices = jax.devices()
-    return parallel.make_mesh(
-        devices[: parallel.num_devices] if parallel.num_devices < len(devices) else devices
-    )
+def mesh_for(parallel: ParallelConfig | MeshLike | None) -> Mesh:
+    """The jax mesh of ``parallel`` (see :meth:`DeviceMesh.of`)."""
+    return DeviceMesh.of(parallel).mesh

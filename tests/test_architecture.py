@@ -42,6 +42,7 @@ LAYERS = {
     "jaxdit.serve": 8,
     "jaxdit.cli": 9,
     "jaxdit.cli_help": 9,
+    "jaxdit.cli_family_flags": 9,
 }
 #: The package facade (jaxdit/__init__.py) sits above everything.
 FACADE = 10

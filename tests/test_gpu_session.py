@@ -48,6 +48,10 @@ def test_dry_run_writes_three_files_judges_rows_and_prints_the_table_last(tmp_pa
         assert rows[("attention", case.name, "cudnn")]["status"] == "unavailable"
     step = rows[("step", "flux-dev", "xla")]
     assert step["status"] == "ok" and step["compile_seconds"] > 0 and step["seconds"] > 0
+    # The FP8 step follows the first bf16 one that ran, on the same backend (weight-only on a CPU).
+    fp8 = rows[("step", "flux-dev", "xla+fp8")]
+    assert fp8["status"] == "ok" and fp8["fp8_mode"] == "weight" and fp8["speedup_vs_bf16"] > 0
+    assert fp8["param_gb"] < step["param_gb"]
     assert "cuDNN >= 500" in data["targets"][0]
 
 

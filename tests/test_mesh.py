@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from jaxdit import distributed
-from jaxdit.mesh import MESH_AXES, ParallelConfig
+from jaxdit.mesh import MESH_AXES, DeviceMesh, ParallelConfig
 
 
 def test_mesh_axes_outer_to_inner_and_size_one_axes_kept():
@@ -25,6 +25,19 @@ def test_explicit_device_list_and_round_trip():
     assert ParallelConfig.from_mesh(mesh) == config
     assert config.describe() == "ring2 x ulysses2"
     assert config.sequence_degree == 4 and config.head_degree == 2
+
+
+def test_device_mesh_is_built_once_and_passed_through():
+    """``ParallelConfig.device_mesh`` pairs the mesh with the config it came from; ``DeviceMesh.of`` passes
+    a DeviceMesh on as it is, reads a plain mesh's degrees, and lays a config on the first devices."""
+    config = ParallelConfig(ring=2, ulysses=2)
+    where = config.device_mesh(jax.devices()[:4])
+    assert where.parallel is config and dict(where.mesh.shape) == config.degrees
+    assert DeviceMesh.of(where) is where
+    again = DeviceMesh.of(where.mesh)
+    assert again.mesh is where.mesh and again.parallel == config
+    assert DeviceMesh.of(config).parallel is config and DeviceMesh.of(config).mesh.devices.size == 4
+    assert DeviceMesh.of(None).parallel == ParallelConfig()
 
 
 @pytest.mark.parametrize(

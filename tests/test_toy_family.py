@@ -59,13 +59,22 @@ def test_the_toy_is_found_through_the_registry(toy, toy_files):
     assert families.for_config(ToyConfig()) is toy
 
 
-def test_generate_on_a_mesh_equals_one_device(toy_files, tmp_path, capsys):
+def test_generate_on_a_mesh_equals_one_device(toy_files, tmp_path, capsys, monkeypatch):
     """``jaxdit generate`` on ring2 x ulysses2 x tensor2 (8 emulated devices, in-process) against the same
-    request on one device: the latents agree to fp32 rounding, and the model moved them off the noise."""
+    request on one device: the latents agree to fp32 rounding, and the model moved them off the noise.
+    The run builds one ``DeviceMesh`` and passes it through: nothing reads the degrees back from a mesh."""
+    from jaxdit.mesh import ParallelConfig
+
+    read_back = []
+    from_mesh = ParallelConfig.from_mesh.__func__
+    monkeypatch.setattr(
+        ParallelConfig, "from_mesh", classmethod(lambda cls, m: read_back.append(m) or from_mesh(cls, m))
+    )
     mesh, single = tmp_path / "mesh.npy", tmp_path / "single.npy"
     degrees = ["--ring_degree", "2", "--ulysses_degree", "2", "--tensor_parallel_degree", "2"]
     argv = _generate_argv(toy_files, *degrees, "--emulate_devices", "8", "--output", str(mesh))
     assert cli.main(argv) == 0, capsys.readouterr().err
+    assert read_back == []  # before: the loaders, the pipeline, its forward and CFG's two helpers did
     printed = capsys.readouterr().out
     assert "toy-small: ring2 x ulysses2 x tensor2 on 8 cpu device(s)" in printed
     assert cli.main(_generate_argv(toy_files, "--output", str(single))) == 0, capsys.readouterr().err
@@ -108,11 +117,52 @@ def test_convert_then_generate_from_the_orbax_folder(toy_files, tmp_path, capsys
     np.testing.assert_array_equal(outputs[1], outputs[0])
 
 
+def test_the_toys_own_call_argument_goes_through_generate(toy_files, tmp_path, capsys):
+    """``--embedding_scale`` is declared by the toy's pipeline alone (``call_options``): ``jaxdit
+    generate`` parses it, passes it to the call, and the run equals the one whose embeddings file holds
+    the scaled embeddings; a family that does not declare it refuses it in one line."""
+    root, _ = toy_files
+    with np.load(root / "embeds.npz") as f:
+        np.savez(tmp_path / "scaled.npz", **{k: 2 * f[k] for k in f.files})
+    scaled, flagged = tmp_path / "scaled.npy", tmp_path / "flagged.npy"
+    argv = _generate_argv(toy_files, "--output", str(scaled))
+    argv[argv.index("--prompt_embeds") + 1] = str(tmp_path / "scaled.npz")
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    assert cli.main(_generate_argv(toy_files, "--embedding_scale", "2", "--output", str(flagged))) == 0
+    np.testing.assert_array_equal(np.load(flagged), np.load(scaled))
+    plain = tmp_path / "plain.npy"
+    assert cli.main(_generate_argv(toy_files, "--output", str(plain))) == 0, capsys.readouterr().err
+    assert not np.array_equal(np.load(plain), np.load(flagged))  # the flag changed the run
+    capsys.readouterr()
+    out = tmp_path / "digits.png"
+    assert cli.main(["generate", "--embedding-scale", "2", "--steps", "1", "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "jaxdit generate: error: --embedding_scale applies to Toy DiT models; tiny-digits does not take it"
+    )
+    assert not out.exists()
+
+
 def test_plan_prices_a_toy_preset(toy, capsys):
     assert cli.main(["plan", "--model", "toy-small", "--devices", "4", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     text = json.dumps(plan)
     assert "toy-small" in text and "ring2 x ulysses2" in text and "tensor4" in text
+
+
+def test_plan_ranks_the_pipefusion_it_cannot_run_last(toy, capsys):
+    """The toy has no PipeFusion stage layout: its PipeFusion configurations are 'modelled only' and come
+    after every configuration it can run, whatever their modelled latency, and the table says why."""
+    from jaxdit.plan.search import plan
+    from jaxdit.plan.workload import Workload
+
+    report = plan(Workload.create("toy-wide"), 4)
+    runs = [p.runnable for p in report.plans]
+    assert runs.count(False) == sum(p.config.pipefusion > 1 for p in report.plans) > 0
+    assert runs == sorted(runs, reverse=True), [p.name for p in report.plans]
+    assert cli.main(["plan", "--model", "toy-wide", "--devices", "4"]) == 0
+    text = capsys.readouterr().out
+    assert f"{runs.count(False)} configuration(s) marked 'modelled only' are ranked after" in text
 
 
 @pytest.mark.parametrize("command", ["generate", "plan"])
@@ -122,6 +172,8 @@ def test_help_lists_the_toy_presets(toy, command, capsys):
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "toy-small" in out and "toy-wide" in out
+    if command == "generate":  # the toy's own flag, from its pipeline's declaration
+        assert "Toy DiT: multiply the prompt embeddings by this" in " ".join(out.split())
 
 
 def test_pipefusion_without_a_stage_layout_is_refused_in_one_line(toy_files, tmp_path, capsys):

@@ -14,8 +14,6 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from jax.sharding import Mesh
-
 from converters import orbax_io
 from converters.errors import CheckpointError
 from converters.safetensors_io import open_checkpoint
@@ -26,9 +24,10 @@ from jaxdit.families.flux import FLUX
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.sharded_forward import validate_forward
 from jaxdit.parallel.kernels import with_backend
+from jaxdit.pipelines.call_options import CallOption
 from jaxdit.pipelines.model_folder import ModelFolder, open_diffusers_folder
 
 __all__ = [
@@ -39,6 +38,7 @@ __all__ = [
     "detect_family",
     "bundled",
     "bundled_names",
+    "call_options",
     "for_config",
     "get",
     "load_params",
@@ -98,6 +98,16 @@ def for_config(config: Any) -> ModelFamily:
     raise ValueError(f"{type(config).__name__} is the config of no registered model family")
 
 
+def call_options() -> dict[str, tuple[CallOption, list[ModelFamily]]]:
+    """Every registered family's own call arguments (its pipeline's ``call_options``) by flag name: the
+    first declaration (what ``jaxdit generate`` parses the flag with) and every family that declares it."""
+    found: dict[str, tuple[CallOption, list[ModelFamily]]] = {}
+    for family in FAMILIES.values():
+        for option in family.pipeline_class.call_options:
+            found.setdefault(option.flag_name, (option, []))[1].append(family)
+    return found
+
+
 def presets() -> dict[str, tuple[ModelFamily, Preset]]:
     """Every preset name -> (its family, the preset)."""
     return {name: (f, p) for f in FAMILIES.values() for name, p in f.presets.items()}
@@ -140,7 +150,7 @@ def detect_family(path: PathLike) -> ModelFamily:
 
 def load_params(
     path: PathLike,
-    mesh: Mesh,
+    mesh: MeshLike,
     dtype: Any = None,
     *,
     config: Any = None,
@@ -157,7 +167,7 @@ def load_params(
 
 def load_transformer(
     path: PathLike,
-    parallel: ParallelConfig | Mesh | None = None,
+    parallel: ParallelConfig | MeshLike | None = None,
     dtype: Any = None,
     *,
     config: Any = None,
@@ -183,11 +193,11 @@ def load_transformer(
     The callable is the family's (``FluxForward``, ``WanForward``).
     """
     kernel = with_backend(kernel, attention_backend)
-    mesh = mesh_for(parallel)
+    where = DeviceMesh.of(parallel)
     # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
-    check = lambda cfg: validate_forward(ParallelConfig.from_mesh(mesh), cfg.num_heads)
-    family, model = load_params(path, mesh, dtype, config=config, check=check)
-    return family.wrap(model, mesh, kernel=kernel, compiler_options=compiler_options)
+    check = lambda cfg: validate_forward(where.parallel, cfg.num_heads)
+    family, model = load_params(path, where, dtype, config=config, check=check)
+    return family.wrap(model, where.mesh, kernel=kernel, compiler_options=compiler_options)
 
 
 def convert_checkpoint(
@@ -198,12 +208,20 @@ def convert_checkpoint(
     config: Any = None,
     overwrite: bool = False,
     loras: Any = (),
+    fp8: bool = False,
 ) -> Path:
     """Convert any supported checkpoint into a jaxdit (orbax) folder, atomically; ``loras`` ((path,
-    scale) pairs) are fused into the weights first."""
+    scale) pairs) are fused into the weights first; ``fp8``: the block stacks' linear layers in FP8."""
     family = detect_family(src)
     return loading.convert_checkpoint(
-        src, dst, dtype, checkpoints=family.checkpoints, config=config, overwrite=overwrite, loras=loras
+        src,
+        dst,
+        dtype,
+        checkpoints=family.checkpoints,
+        config=config,
+        overwrite=overwrite,
+        loras=loras,
+        fp8=fp8,
     )
 
 

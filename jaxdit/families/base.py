@@ -273,6 +273,12 @@ class ModelFamily:
         """The family's own checks of a ``jaxdit generate`` request (before jax starts); ``config`` is
         the transformer's when known (a preset or an embeddings run), else None."""
 
+    def guidance_scale_ignored(self, config: Any, label: str) -> str | None:
+        """Why ``guidance_scale`` would change nothing for the model ``label`` of ``config`` (a message for
+        ``jaxdit generate`` to refuse it with; ``jaxdit serve``'s card says the scale is not taken), or
+        None when the model reads it (the default: as a classifier-free guidance scale)."""
+        return None
+
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
         """PipeFusion's options against the model and the request's size (before jax starts); ``multiple``
         is :meth:`size_multiple`'s (pixels per token row)."""

@@ -185,6 +185,17 @@ class FluxFamily(ModelFamily):
                 f"{tuple(shapes['prompt_embeds'])}"
             )
 
+    def guidance_scale_ignored(self, config: flux.FluxConfig, label: str) -> str | None:
+        """FLUX.1's ``guidance_scale`` is the distilled guidance embedding's input: a model without that
+        embedding (FLUX.1-schnell, tiny-digits) ignores it."""
+        if config.guidance_embed:
+            return None
+        return (
+            f"--guidance_scale feeds FLUX.1-dev's guidance embedding; {label} has none (like "
+            "FLUX.1-schnell), so it would change nothing: for classifier-free guidance give "
+            "--true_cfg_scale and --negative_prompt"
+        )
+
     def check_pipefusion(self, request: Any, config: flux.FluxConfig, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole rows of packed tokens that ring x ulysses splits; 1 <= warm-up <= steps."""
         rows, cols = request.height // multiple, request.width // multiple

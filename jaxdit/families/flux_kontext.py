@@ -38,7 +38,8 @@ class FluxKontextFamily(FluxFamily):
         return "optional"  # without a picture Kontext generates from the prompt alone, as diffusers
 
     def _size(self, request: Any, multiple: int) -> tuple[int, int]:
-        area = kontext.MAX_AREA if request.max_area is None else request.max_area
+        area = request.family_arguments.get("max_area")
+        area = kontext.MAX_AREA if area is None else area
         if area < 1:
             raise ValueError(f"--max_area must be a positive number of pixels, got {area}")
         return kontext.output_size(request.height, request.width, area, multiple)
@@ -52,7 +53,8 @@ class FluxKontextFamily(FluxFamily):
         h, w = self._size(request, multiple)
         if min(h, w) < multiple:
             raise ValueError(
-                f"--max_area {request.max_area} leaves no {request.height}x{request.width} picture"
+                f"--max_area {request.family_arguments.get('max_area')} leaves no "
+                f"{request.height}x{request.width} picture"
             )
         path = getattr(getattr(request, "request", None), "image", None)
         if path is not None:
@@ -60,7 +62,8 @@ class FluxKontextFamily(FluxFamily):
 
             with Image.open(path) as picture:
                 width, height = picture.size
-            auto = True if request.auto_resize is None else request.auto_resize
+            auto = request.family_arguments.get("auto_resize")
+            auto = True if auto is None else auto
             try:
                 kontext.reference_size(height, width, multiple // 2, auto)
             except ValueError as e:

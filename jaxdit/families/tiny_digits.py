@@ -53,8 +53,16 @@ class TinyDigitsFamily(FluxFamily):
     grid_columns = 10
     grid_scale = 8
 
-    def bundled_pipeline(self, mesh: Mesh, **options: Any) -> Any:
-        return tiny.tiny_digits(mesh, **options)
+    def bundled_pipeline(
+        self,
+        mesh: Mesh,
+        *,
+        kernel: Any = None,
+        dtype: Any = None,
+        compiler_options: Any = None,
+        fp8: str | None = None,
+    ) -> Any:
+        return tiny.tiny_digits(mesh, kernel=kernel, dtype=dtype, compiler_options=compiler_options, fp8=fp8)
 
     def bundled_config(self) -> FluxConfig:
         return tiny.CONFIG

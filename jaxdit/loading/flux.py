@@ -25,10 +25,11 @@ def load_flux_text_encoders(
     device: jax.Device | None = None,
     *,
     compiler_options: Mapping[str, Any] | None = None,
+    offload: bool = False,
 ) -> FluxTextEncoders:
     """From a diffusers FluxPipeline folder: ``text_encoder/`` + ``tokenizer/`` (CLIP), ``text_encoder_2/``
     + ``tokenizer_2/`` (T5). ``dtype`` defaults to the checkpoints' (float16 -> float32); ``device`` to
-    ``jax.local_devices()[0]``."""
+    ``jax.local_devices()[0]``; ``offload``: their weights wait in host memory between prompts."""
     folder = Path(folder)
     device = resolve_device(device)
     return FluxTextEncoders(
@@ -37,4 +38,5 @@ def load_flux_text_encoders(
         load_tokenizer(folder / "tokenizer"),
         load_tokenizer(folder / "tokenizer_2"),
         compiler_options=compiler_options,
+        offload=offload,
     )

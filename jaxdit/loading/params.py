@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
 
 from converters import orbax_io
 from converters.checkpoints import CheckpointFormat, Source
@@ -27,8 +26,9 @@ from converters.checks import check_compute_dtype
 from converters.errors import CheckpointError
 from converters.keymap import place_params
 from jaxdit.lora import fuse_loras, read_loras
-from jaxdit.mesh import ParallelConfig, single_device_mesh
+from jaxdit.mesh import DeviceMesh, MeshLike, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
+from jaxdit.models.quantize import quantize_model
 from sharding_rules import rules_for
 
 __all__ = [
@@ -78,23 +78,28 @@ def checkpoint_config(path: PathLike, checkpoints: CheckpointFormat) -> Any:
 
 def load_params(
     path: PathLike,
-    mesh: Mesh,
+    mesh: MeshLike,
     dtype: Any = None,
     *,
     checkpoints: CheckpointFormat,
     config: Any = None,
     rules: Mapping[str, object] | None = None,
     check: Callable[[Any], None] | None = None,
+    fp8: str | None = None,
 ) -> nnx.Module:
     """Read the checkpoint at ``path`` (of the family whose ``checkpoints`` format is given) into a model whose parameters live on ``mesh``.
 
     ``dtype`` defaults to the checkpoint's storage dtype; ``rules`` to the mesh's rule table.
     ``check(config)`` runs once the config is known and before any tensor is read (e.g. heads against
-    the mesh).
+    the mesh). ``fp8``: ``"weight"`` or ``"matmul"`` turns the block stacks' linear layers to FP8
+    (``jaxdit.models.quantize``) once they are placed; a ``jaxdit convert --quantize fp8`` folder is FP8
+    already and restores as it is (``"weight"`` unless ``fp8`` says otherwise), never holding the
+    higher-precision weights.
     """
     check_compute_dtype(dtype)
     path = Path(path)
-    degrees = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)
+    mesh, degrees = where.mesh, where.parallel
     rules = rules if rules is not None else rules_for(tensor=degrees.tensor, pipefusion=degrees.pipefusion)
     if orbax_io.is_orbax_checkpoint(path):
         meta, recorded = _orbax_config(path, checkpoints)
@@ -102,7 +107,10 @@ def load_params(
         if check is not None:
             check(cfg)
         dtype = jnp.dtype(dtype or meta["dtype"])
-        graphdef, abstract = nnx.split(checkpoints.abstract_model(cfg, dtype))
+        model = checkpoints.abstract_model(cfg, dtype)
+        if meta.get("fp8"):
+            quantize_model(model, fp8 or "weight")
+        graphdef, abstract = nnx.split(model)
         shardings = named_shardings(abstract, rules, mesh)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
@@ -123,7 +131,10 @@ def load_params(
         flat_path(p): s.get_value() for p, s in nnx.to_flat_state(named_shardings(abstract, rules, mesh))
     }
     arrays = place_params(lazies, shardings, dtype)
-    return nnx.merge(graphdef, _fill(abstract, arrays))
+    model = nnx.merge(graphdef, _fill(abstract, arrays))
+    if fp8 is not None:
+        quantize_model(model, fp8)
+    return model
 
 
 def convert_checkpoint(
@@ -135,11 +146,13 @@ def convert_checkpoint(
     config: Any = None,
     overwrite: bool = False,
     loras: Any = (),
+    fp8: bool = False,
 ) -> Path:
     """Convert a checkpoint (of the family whose ``checkpoints`` format is given) into a jaxdit (orbax) folder, atomically; loaded on one device.
 
     ``loras``: (path, scale) pairs fused into the weights before they are written (every file checked
-    against the model before the checkpoint's tensors are read)."""
+    against the model before the checkpoint's tensors are read). ``fp8``: write the block stacks'
+    linear layers as FP8 with their scales (after the LoRAs are fused), half the bytes of bf16."""
     orbax_io.check_destination(dst, overwrite=overwrite)  # before the source is read
     if loras:
         source = checkpoints.open(Path(src), config) if not orbax_io.is_orbax_checkpoint(Path(src)) else None
@@ -148,11 +161,14 @@ def convert_checkpoint(
     model = load_params(src, single_device_mesh(), dtype, checkpoints=checkpoints, config=config)
     if loras:
         fuse_loras(model, model.config, loras)
+    dtype = jax.tree.leaves(nnx.state(model, nnx.Param))[0].dtype
+    if fp8:
+        quantize_model(model, "weight")
     state = nnx.state(model, nnx.Param)
-    dtype = jax.tree.leaves(state)[0].dtype
     meta = {
         "family": checkpoints.name,
         "dtype": jnp.dtype(dtype).name,
         "config": checkpoints.config_to_json(model.config),
+        **({"fp8": True} if fp8 else {}),
     }
     return orbax_io.save(dst, nnx.to_pure_dict(state), meta, overwrite=overwrite)

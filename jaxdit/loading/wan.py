@@ -45,6 +45,7 @@ def load_wan_text_encoder(
     device: jax.Device | None = None,
     *,
     compiler_options: Mapping[str, Any] | None = None,
+    offload: bool = False,
 ) -> WanTextEncoder:
     """From a diffusers WanPipeline folder (``text_encoder/``, ``tokenizer/``) or Wan's original folder
     (``models_t5_umt5-xxl-enc-bf16.pth``, ``google/umt5-xxl/``)."""
@@ -53,6 +54,7 @@ def load_wan_text_encoder(
         load_t5(checkpoint, device=device, dtype=dtype),
         load_tokenizer(tokenizer),
         compiler_options=compiler_options,
+        offload=offload,
     )
 
 
@@ -62,6 +64,7 @@ def load_wan_image_encoder(
     device: jax.Device | None = None,
     *,
     compiler_options: Mapping[str, Any] | None = None,
+    offload: bool = False,
 ) -> WanImageEncoder:
     """From a diffusers WanImageToVideoPipeline folder: ``image_encoder/`` + ``image_processor/``."""
     folder = Path(folder)
@@ -74,6 +77,7 @@ def load_wan_image_encoder(
         load_clip_vision(folder / "image_encoder", device=device, dtype=dtype),
         processor,
         compiler_options=compiler_options,
+        offload=offload,
     )
 
 

@@ -35,12 +35,6 @@ def _fp32_out(layer: Linear, x: jax.Array) -> jax.Array:
     return y if layer.bias is None else y + layer.bias[...].astype(jnp.float32)
 
 
-def _partial_sum(layer: Linear, x: jax.Array) -> jax.Array:
-    """x @ kernel in fp32 without bias or all-reduce: one term of a row-parallel sum."""
-    kernel = layer.kernel[...]
-    return jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
-
-
 def _modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
     """(1 + scale) * LN(x) + shift in fp32; shift/scale [B, E] broadcast over tokens."""
     return layer_norm(x) * (1.0 + scale[:, None]) + shift[:, None]
@@ -126,7 +120,7 @@ class DoubleStreamBlock(nnx.Module):
         self, txt: jax.Array, img: jax.Array, vec: jax.Array, angles: jax.Array, ctx: ShardContext
     ) -> tuple[jax.Array, jax.Array]:
         """txt [B, T, E], img [B, N, E] fp32 residual streams; vec [B, E]; angles [1, T+N, D/2]."""
-        dtype = self.img_proj.kernel.dtype
+        dtype = self.img_proj.dtype
         streams = {"txt": txt, "img": img}
         mods, qkv = {}, {}
         for name, x in streams.items():
@@ -165,14 +159,14 @@ class SingleStreamBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, vec: jax.Array, angles: jax.Array, ctx: ShardContext) -> jax.Array:
         """x [B, T+N, E] fp32 (this shard's [text; image]); returns the updated stream."""
-        dtype = self.mlp_in.kernel.dtype
+        dtype = self.mlp_in.dtype
         shift, scale, gate = jnp.split(_fp32_out(self.modulation, jax.nn.silu(vec)), 3, axis=-1)
         h = _modulate(x, shift, scale).astype(dtype)
         q, k, v = self.attn(h)
         attn = _attend(q, k, v, angles, ctx)
         mlp = gelu_tanh(self.mlp_in(h).astype(jnp.float32))
         # Row-parallel over both halves of linear2's input: add the partial sums, then one all-reduce.
-        partial = _partial_sum(self.out_attn, attn) + _partial_sum(self.out_mlp, mlp)
+        partial = self.out_attn.partial_sum(attn, ctx) + self.out_mlp.partial_sum(mlp, ctx)
         out = ctx.sum_tensor_parallel(partial) + self.out_attn.bias[...].astype(jnp.float32)
         return x + gate[:, None] * out
 
@@ -187,7 +181,7 @@ class LastLayer(nnx.Module):
 
     def __call__(self, x: jax.Array, vec: jax.Array) -> jax.Array:
         shift, scale = jnp.split(_fp32_out(self.adaLN_modulation, jax.nn.silu(vec)), 2, axis=-1)
-        return self.linear(_modulate(x, shift, scale).astype(self.linear.kernel.dtype))
+        return self.linear(_modulate(x, shift, scale).astype(self.linear.dtype))
 
 
 def _stack(make, n: int, rngs: nnx.Rngs):

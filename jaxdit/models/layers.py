@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxdit.models import fp8
 from jaxdit.parallel.context import ShardContext
 
 
@@ -34,23 +35,59 @@ class Linear(nnx.Module):
 
     ``row_parallel``: the input features are split over tensor (axes[0] is "heads" or "mlp"), so each
     device holds a partial sum; it is all-reduced (``ctx.sum_tensor_parallel``) before the bias.
+
+    FP8 (``jaxdit.models.quantize``): the kernel is stored as ``float8_e4m3fn`` with ``kernel_scale``
+    (fp32, one per output channel) and ``fp8_mode`` says how the matmul runs (``jaxdit.models.fp8``); the
+    layer computes and returns ``compute_dtype``, the dtype the kernel had before.
     """
 
     def __init__(self, d_in, d_out, axes, *, rngs, bias=True, dtype=jnp.float32, row_parallel=False):
         self.kernel = param(rngs, (d_in, d_out), axes, dtype)
         self.bias = param(rngs, (d_out,), (axes[1],), dtype, init="zeros") if bias else None
         self.row_parallel = row_parallel
+        self.kernel_scale: nnx.Param | None = nnx.data(None)  # data: quantize_model may set it
+        self.fp8_mode: str | None = None
+        self.compute_dtype = None
+
+    @property
+    def dtype(self):
+        """The dtype the layer computes in and returns (its kernel's, or the one before FP8)."""
+        return self.kernel.dtype if self.compute_dtype is None else self.compute_dtype
+
+    def partial_sum(self, x: jax.Array, ctx: ShardContext | None = None) -> jax.Array:
+        """x @ W in fp32, without the bias and, for a row-parallel layer, without the all-reduce: one term
+        of a row-parallel sum (``ctx`` is needed then only by FP8 matmuls, to scale tokens alike)."""
+        kernel = self.kernel[...]
+        if self.kernel_scale is None:
+            return jnp.einsum(
+                "...i,io->...o", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32
+            )
+        token_max = None
+        # Input features over heads or MLP units are split over tensor (whether the caller all-reduces
+        # through ``row_parallel`` or adds partial sums itself): FP8 matmuls scale a token by its maximum
+        # over all shards, so each shard quantizes it alike.
+        if self.row_parallel or self.kernel.logical_axes[-2] in ("heads", "mlp"):
+            if ctx is None:
+                raise ValueError("an FP8 row-parallel Linear needs the shard context to scale its input")
+            token_max = ctx.max_tensor_parallel
+        return fp8.fp8_linear(
+            x,
+            kernel,
+            self.kernel_scale[...],
+            mode=self.fp8_mode,
+            compute_dtype=self.dtype,
+            token_max=token_max,
+        )
 
     def __call__(self, x: jax.Array, ctx: ShardContext | None = None) -> jax.Array:
-        kernel = self.kernel[...]
-        y = jnp.einsum("...i,io->...o", x.astype(kernel.dtype), kernel, preferred_element_type=jnp.float32)
+        if self.row_parallel and ctx is None:
+            raise ValueError("a row-parallel Linear needs the shard context to all-reduce")
+        y = self.partial_sum(x, ctx)
         if self.row_parallel:
-            if ctx is None:
-                raise ValueError("a row-parallel Linear needs the shard context to all-reduce")
             y = ctx.sum_tensor_parallel(y)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
-        return y.astype(kernel.dtype)
+        return y.astype(self.dtype)
 
 
 def layer_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:

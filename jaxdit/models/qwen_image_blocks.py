@@ -98,7 +98,7 @@ class DualStreamBlock(nnx.Module):
 
     def _qkv(self, x: jax.Array, q: Linear, k: Linear, v: Linear, qn: nnx.Param, kn: nnx.Param, angles):
         """One stream's q, k (RMS-normed per head, rotated; fp32 math) and v, cast to the compute dtype."""
-        dtype = q.kernel.dtype
+        dtype = q.dtype
         qh = apply_rope(rms_norm(_heads(q(x), self.head_dim), qn[...], EPS), angles).astype(dtype)
         kh = apply_rope(rms_norm(_heads(k(x), self.head_dim), kn[...], EPS), angles).astype(dtype)
         return qh, kh, _heads(v(x), self.head_dim)
@@ -114,7 +114,7 @@ class DualStreamBlock(nnx.Module):
     ) -> tuple[jax.Array, jax.Array]:
         """txt [B, T, E], img [B, N, E] fp32 streams; temb [B, E]; angles (text, image) [1, *, D/2];
         key_mask [B, T+N] bool (this shard's [text; image] keys that are real) or None."""
-        dtype = self.to_q.kernel.dtype
+        dtype = self.to_q.dtype
         img_mods = jnp.split(modulation(self.img_mod, temb), 6, axis=-1)
         txt_mods = jnp.split(modulation(self.txt_mod, temb), 6, axis=-1)
         img_in = _modulate(img, img_mods[0], img_mods[1]).astype(dtype)

@@ -32,9 +32,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.partitioning import named_shardings, partition_specs
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.kernels import check_kernel_options
@@ -116,7 +116,7 @@ class ShardedForward:
     Args:
       model: an ``nnx.Module`` (its parameters already placed, or abstract ``ShapeDtypeStruct``s for
         :meth:`lower`), or a ``(graphdef, state)`` pair from ``nnx.split``.
-      mesh: a mesh from ``ParallelConfig.make_mesh``.
+      mesh: a mesh from ``ParallelConfig.make_mesh``, or a ``DeviceMesh`` (its degrees then come with it).
       inputs: name -> :class:`Arg`, in the order ``body`` takes them. An input passed as ``None`` is
         left out (e.g. FLUX-schnell's guidance).
       output: the :class:`Arg` of the result.
@@ -132,7 +132,7 @@ class ShardedForward:
     def __init__(
         self,
         model: nnx.Module | tuple[nnx.GraphDef, nnx.State],
-        mesh: Mesh,
+        mesh: MeshLike,
         *,
         inputs: Mapping[str, Arg],
         output: Arg,
@@ -143,9 +143,11 @@ class ShardedForward:
         compiler_options: Mapping[str, Any] | None = None,
     ) -> None:
         check_kernel_options(kernel)
-        self.config = ParallelConfig.from_mesh(mesh)
+        #: The mesh and its degrees, passed on to the denoiser (``config`` is ``device_mesh.parallel``).
+        self.device_mesh = DeviceMesh.of(mesh)
+        self.config = self.device_mesh.parallel
         validate_forward(self.config, num_heads)
-        self.mesh = mesh
+        self.mesh = mesh = self.device_mesh.mesh
         self.rules = rules if rules is not None else rules_for(tensor=self.config.tensor)
         if isinstance(model, tuple):
             self.graphdef, self.state = model

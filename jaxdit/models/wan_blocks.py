@@ -108,7 +108,7 @@ class WanSelfAttention(nnx.Module):
         q, k = _rms_norm_across_heads(
             [self.q(x), self.k(x)], [self.norm_q, self.norm_k], cfg.dim, cfg.eps, ctx
         )
-        dtype = self.q.kernel.dtype
+        dtype = self.q.dtype
         q = apply_rope(_heads(q, cfg.head_dim), angles).astype(dtype)
         k = apply_rope(_heads(k, cfg.head_dim), angles).astype(dtype)
         v = _heads(self.v(x), cfg.head_dim)
@@ -140,7 +140,7 @@ class WanCrossAttention(nnx.Module):
         self, x: jax.Array, text: jax.Array, image: jax.Array | None, ctx: ShardContext
     ) -> jax.Array:
         cfg = self.cfg
-        dtype = self.q.kernel.dtype
+        dtype = self.q.dtype
         use_image = self.k_img is not None
         if use_image and image is None:
             raise ValueError("an I2V Wan model needs the image context (encoder_hidden_states_image)")
@@ -189,7 +189,7 @@ class WanBlock(nnx.Module):
     ) -> jax.Array:
         """``time_mod`` [B, 6, E] fp32, or [2, B, 6, E] with ``token_time`` (see :func:`token_modulation`)."""
         eps = self.cfg.eps
-        dtype = self.ffn_in.kernel.dtype
+        dtype = self.ffn_in.dtype
         mods = token_modulation(time_mod, self.modulation[...], token_time)  # fp32
         shift_sa, scale_sa, gate_sa, shift_ff, scale_ff, gate_ff = mods
 
@@ -217,7 +217,7 @@ class WanImageEmbedding(nnx.Module):
         self.norm_out_bias = param(rngs, (e,), ("embed",), jnp.float32, init="zeros")
 
     def __call__(self, image: jax.Array) -> jax.Array:
-        dtype = self.fc1.kernel.dtype
+        dtype = self.fc1.dtype
         # The CLIP projection's LayerNorms use torch's default eps, not the model's.
         h = _affine_layer_norm(image, self.norm_in_weight, self.norm_in_bias, 1e-5).astype(dtype)
         h = jax.nn.gelu(self.fc1(h).astype(jnp.float32), approximate=False).astype(dtype)

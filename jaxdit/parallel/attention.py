@@ -20,9 +20,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh
 
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.usp import usp_attention
 from sharding_rules import ACTIVATIONS, logical_to_spec
@@ -107,14 +106,15 @@ def attention_in_shard(
     )
 
 
-def sharded_attention(mesh: Mesh, layout: SequenceLayout, *, with_mask: bool = False, **kernel_kwargs):
+def sharded_attention(mesh: MeshLike, layout: SequenceLayout, *, with_mask: bool = False, **kernel_kwargs):
     """``shard_map`` of :func:`attention_in_shard` over token groups already padded to ``layout``.
 
     Call it as ``fn(qs, ks, vs[, masks])`` with tuples of global padded arrays [B, padded_len, H, D]
     (and [B, padded_len] masks); returns a tuple of padded outputs. This is the whole communication of
     parallel attention; padding and unpadding are the caller's (a model pads once per step).
     """
-    config = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
+    mesh, config = where.mesh, where.parallel
     qkv_spec = logical_to_spec(QKV_AXES, ACTIVATIONS)
     mask_spec = logical_to_spec(("batch", "seq"), ACTIVATIONS)
     group_specs = (qkv_spec,) * len(layout.lengths)
@@ -137,7 +137,7 @@ def parallel_attention(
     q: jax.Array | Sequence[jax.Array],
     k: jax.Array | Sequence[jax.Array],
     v: jax.Array | Sequence[jax.Array],
-    mesh: Mesh,
+    mesh: MeshLike,
     *,
     key_mask: jax.Array | Sequence[jax.Array | None] | None = None,
     **kernel_kwargs,
@@ -170,7 +170,8 @@ def parallel_attention(
     if len(masks) != len(qs):
         raise ValueError(f"{len(masks)} key masks for {len(qs)} token groups")
 
-    config = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
+    mesh, config = where.mesh, where.parallel
     batch, _, heads, _ = qs[0].shape
     config.validate_heads(heads)
     if batch % (config.data * config.cfg):
@@ -187,7 +188,7 @@ def parallel_attention(
     pad = lambda xs: tuple(layout.pad(x, g) for g, x in enumerate(xs))
     qs, ks, vs = pad(qs), pad(ks), pad(vs)
 
-    sharded = sharded_attention(mesh, layout, with_mask=use_mask, **kernel_kwargs)
+    sharded = sharded_attention(where, layout, with_mask=use_mask, **kernel_kwargs)
     outs = sharded(qs, ks, vs, *(masks if use_mask else ()))
     outs = tuple(layout.unpad(o, g) for g, o in enumerate(outs))
     return outs if grouped else outs[0]

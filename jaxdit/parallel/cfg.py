@@ -12,9 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, MeshLike
 
 CFG_AXIS = "cfg"
 
@@ -37,13 +37,14 @@ def interleave_branches(uncond: jax.Array, cond: jax.Array, data: int) -> jax.Ar
     return pairs.reshape(2 * uncond.shape[0], *uncond.shape[1:])
 
 
-def combine_branches(prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: bool = False) -> jax.Array:
+def combine_branches(prediction: jax.Array, scale, mesh: MeshLike, *, seq_sharded: bool = False) -> jax.Array:
     """Predictions laid out by :func:`interleave_branches`, batch over (data, cfg) -> guided [B, ...].
 
     The output batch is split over data only (replicated over cfg). ``seq_sharded``: axis 1 is a token
     axis in the model's padded shard layout, split over (ring, ulysses); it stays where it is.
     """
-    config = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
+    mesh, config = where.mesh, where.parallel
     if prediction.shape[0] % (2 * config.data):
         raise ValueError(f"CFG batch {prediction.shape[0]} is not 2 x a multiple of data={config.data}")
     rest = (
@@ -79,7 +80,7 @@ def combine_branches(prediction: jax.Array, scale, mesh: Mesh, *, seq_sharded: b
     return fn(prediction, jnp.asarray(scale, jnp.float32))
 
 
-def replicate_branches(x: jax.Array, mesh: Mesh, *, seq_sharded: bool = False) -> jax.Array:
+def replicate_branches(x: jax.Array, mesh: MeshLike, *, seq_sharded: bool = False) -> jax.Array:
     """Latents [B, ...] (requests over data, replicated over cfg) -> the model batch [2B, ...] in
     :func:`interleave_branches`' order, batch over (data, cfg), without communication.
 
@@ -88,7 +89,8 @@ def replicate_branches(x: jax.Array, mesh: Mesh, *, seq_sharded: bool = False) -
     ``shard_map`` because XLA's partitioner, given the global stack of the latents with themselves, moves
     them with all-to-alls over cfg instead (measured: three per step).
     """
-    config = ParallelConfig.from_mesh(mesh)
+    where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
+    mesh, config = where.mesh, where.parallel
     seq = (("ring", "ulysses"),) if seq_sharded else ()
     rest = seq + (None,) * (x.ndim - 1 - len(seq))
     local = (lambda t: t) if config.cfg == 2 else (lambda t: jnp.concatenate([t, t], axis=0))

@@ -63,6 +63,10 @@ class ShardContext:
         """All-reduce over the tensor axis: completes a row-parallel projection's partial sums."""
         return lax.psum(x, "tensor") if self.config.tensor > 1 else x
 
+    def max_tensor_parallel(self, x: jax.Array) -> jax.Array:
+        """Maximum over the tensor axis (an FP8 row-parallel layer's per-token activation scale)."""
+        return lax.pmax(x, "tensor") if self.config.tensor > 1 else x
+
     def sequence_shard(self) -> jax.Array:
         """Index of this device's sequence shard, ring-major (traced)."""
         if self.layout.shards == 1:

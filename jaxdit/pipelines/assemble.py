@@ -23,12 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 from converters import orbax_io
 from converters.checkpoints import CheckpointFormat
 from jaxdit.loading import checkpoint_config, load_params, resolve_keys
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, MeshLike
 from jaxdit.models.sharded_forward import validate_forward
 
 __all__ = ["as_dtype", "check_transformer", "load_model", "preset_check"]
@@ -41,7 +40,7 @@ def as_dtype(dtype: Any) -> Any:
 
 def check_transformer(
     path: Path,
-    mesh: Mesh,
+    mesh: MeshLike,
     checkpoints: CheckpointFormat,
     check: Callable[[Any], None] | None = None,
     config: Any = None,
@@ -56,7 +55,7 @@ def check_transformer(
     config = checkpoint_config(path, checkpoints) if source is None else source.config
     if check is not None:
         check(config)
-    parallel = ParallelConfig.from_mesh(mesh)
+    parallel = DeviceMesh.of(mesh).parallel
     if parallel.pipefusion > 1:
         parallel.validate_heads(config.num_heads)
     else:
@@ -68,17 +67,24 @@ def check_transformer(
 
 def load_model(
     path: Path,
-    mesh: Mesh,
+    mesh: MeshLike,
     dtype: Any,
     checkpoints: CheckpointFormat,
     check: Callable[[Any], None] | None = None,
     staged: Any = None,
     config: Any = None,
+    fp8: str | None = None,
 ) -> Any:
     """The transformer's parameters on ``mesh``: on a mesh with ``pipefusion > 1`` the family's PipeFusion
     stage layout (``staged``, a ``StagedModel`` class: each device reads only its own stages' blocks),
-    else the plain model (every layer on every device). ``check(config)`` runs before any tensor is read."""
-    parallel = ParallelConfig.from_mesh(mesh)
+    else the plain model (every layer on every device). ``check(config)`` runs before any tensor is read.
+    ``fp8``: ``"weight"`` or ``"matmul"`` (``jaxdit.models.fp8``), plain meshes only."""
+    where = DeviceMesh.of(mesh)
+    parallel = where.parallel
+    if fp8 is not None and parallel.pipefusion > 1:
+        raise ValueError(
+            f"FP8 weights run on meshes without PipeFusion; this one has pipefusion={parallel.pipefusion}"
+        )
 
     def checks(config: Any) -> None:
         if check is not None:
@@ -93,8 +99,10 @@ def load_model(
             raise ValueError(f"pipefusion={parallel.pipefusion}: this family has no PipeFusion stage layout")
         if config is not None:
             raise ValueError("a transformer config override loads on plain meshes only (not pipefusion)")
-        return staged._load(path, mesh, as_dtype(dtype), checks)
-    return load_params(path, mesh, as_dtype(dtype), checkpoints=checkpoints, check=checks, config=config)
+        return staged._load(path, where.mesh, as_dtype(dtype), checks)
+    return load_params(
+        path, where, as_dtype(dtype), checkpoints=checkpoints, check=checks, config=config, fp8=fp8
+    )
 
 
 def preset_check(

@@ -32,11 +32,12 @@ from jax.sharding import Mesh
 
 from converters.checkpoints import CheckpointFormat
 from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, read_loras, unfuse_loras
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import finite
 from jaxdit.pipelines.assemble import load_model, preset_check
+from jaxdit.pipelines.call_options import CallOption
 from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.preflight import check_prompts
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
@@ -113,6 +114,10 @@ class DiffusionPipeline:
     #: stage layout (a ``StagedModel`` class), set by each family's pipeline.
     checkpoints: ClassVar[CheckpointFormat]
     staged_model: ClassVar[type]
+    #: The call arguments of this family alone (keywords of ``__call__`` that are no ``GenerationRequest``
+    #: field) with their ``jaxdit generate`` flags; ``__call__`` passes them on with
+    #: ``GenerationRequest.of``, and they arrive in ``request.family_arguments``.
+    call_options: ClassVar[tuple[CallOption, ...]] = ()
 
     @classmethod
     def from_checkpoint(
@@ -125,6 +130,7 @@ class DiffusionPipeline:
         kernel: Mapping[str, Any] | None = None,
         compiler_options: Mapping[str, Any] | None = None,
         attention_backend: str | None = None,
+        fp8: str | None = None,
         **options: Any,
     ) -> Self:
         """A transformer checkpoint alone (a diffusers, original or ``jaxdit convert`` folder, a BFL file):
@@ -133,21 +139,26 @@ class DiffusionPipeline:
         ``preset`` (e.g. ``"flux-dev"``): the checkpoint must be that architecture. The preset, the mesh's
         heads, the kernel options and the pipeline's ``options`` are all checked before any weight is read.
         On a mesh with ``pipefusion > 1`` each device reads only its stages' blocks.
+        ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
+        (``jaxdit.models.fp8``; plain meshes, not PipeFusion).
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
-        mesh = mesh_for(parallel)
+        mesh = DeviceMesh.of(parallel)
         # The pipeline's own keyword arguments, checked now rather than after the weights load.
         inspect.signature(cls.__init__).bind(
             None, None, mesh, kernel=kernel, compiler_options=compiler_options, **options
         )
         check = preset_check(path, cls.checkpoints, preset)
-        model = load_model(Path(path), mesh, dtype, cls.checkpoints, check, staged=cls.staged_model)
+        model = load_model(Path(path), mesh, dtype, cls.checkpoints, check, staged=cls.staged_model, fp8=fp8)
         return cls(model, mesh, kernel=kernel, compiler_options=compiler_options, **options)
 
-    def __init__(self, mesh: Mesh, *, encode: Any = None, decode: Any = None) -> None:
-        self.mesh = mesh
-        self.parallel = ParallelConfig.from_mesh(mesh)
+    def __init__(self, mesh: MeshLike, *, encode: Any = None, decode: Any = None) -> None:
+        #: The mesh and its degrees as one object (what the family's forward and loaders are given);
+        #: ``mesh`` is its jax mesh, ``parallel`` its degrees.
+        self.device_mesh = DeviceMesh.of(mesh)
+        self.mesh = self.device_mesh.mesh
+        self.parallel = self.device_mesh.parallel
         self.encode = encode
         self.decode = decode
         #: The LoRAs fused into the transformer's weights now (``load_lora``), or None.
@@ -229,7 +240,14 @@ class DiffusionPipeline:
             for f in dataclasses.fields(request)
             if getattr(request, f.name) is None and f.name in defaults
         }
-        return request.replace(**unset) if unset else request
+        own = request.family_arguments
+        unset_own = {
+            o.name: defaults[o.name]
+            for o in self.call_options
+            if own.get(o.name) is None and o.name in defaults
+        }
+        request = request.replace(**unset) if unset else request
+        return request.with_family_arguments(**unset_own)
 
     def generate(self, request: GenerationRequest) -> GenerationOutput:
         """Run one request: checks, conditioning, the denoising loop, decoding."""

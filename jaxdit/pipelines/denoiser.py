@@ -43,7 +43,6 @@ from jaxdit.cache import CacheReport
 from jaxdit.cache.cached_forward import CachedForward, resolve
 from jaxdit.cache.hooks import hooks_for
 from jaxdit.distributed import fetch
-from jaxdit.mesh import ParallelConfig
 from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.cfg import combine_branches, replicate_branches
 from jaxdit.parallel.layout import SequenceLayout
@@ -205,6 +204,8 @@ class Denoiser:
         self.hooks = hooks or TokenHooks()
         self.dtype = jnp.dtype(dtype)
         self.compiler_options = dict(compiler_options) if compiler_options else None
+        #: The forward's mesh and degrees (one object: CFG's branch helpers read the degrees from it).
+        self.device_mesh = forward.device_mesh
         self.mesh = forward.mesh
         self.latent_sharding = NamedSharding(self.mesh, logical_to_spec(LATENT_AXES, forward.rules))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -231,10 +232,11 @@ class Denoiser:
         """The two halves of a step around the forward: its inputs from the latent tokens, and the update
         of the tokens from its prediction (CFG combine, then the sampler) with the step's finiteness flags."""
         mesh, sampler, hooks, dtype = self.mesh, self.sampler, self.hooks, self.dtype
+        where = self.device_mesh
 
         def forward_inputs(x, i, schedule, context, extras):
             tokens = hooks.model_input(x, extras)
-            model_x = replicate_branches(tokens, mesh, seq_sharded=True) if cfg else tokens
+            model_x = replicate_branches(tokens, where, seq_sharded=True) if cfg else tokens
             t = sampler.model_time(schedule, i)
             inputs = dict(
                 context,
@@ -248,7 +250,7 @@ class Denoiser:
         def update(v, x, state, i, schedule, scale):
             prediction = v
             if cfg:
-                v = combine_branches(v, scale, mesh, seq_sharded=True)
+                v = combine_branches(v, scale, where, seq_sharded=True)
             x, state = sampler.step(schedule, i, state, x, hooks.prediction(v))
             # Per device: are its shards of the prediction and of the update finite (no collective).
             seen = finite.shard_flags(mesh, [(prediction, prediction_spec), (x, self.latent_sharding.spec)])
@@ -474,7 +476,7 @@ class Denoiser:
         """The model batch's rows of each guidance branch (``interleave_branches``' order)."""
         if not cfg:
             return None
-        data = ParallelConfig.from_mesh(self.mesh).data
+        data = self.device_mesh.parallel.data
         per = batch // data
         rows = np.arange(2 * batch).reshape(data, 2, per)
         return [rows[:, branch].reshape(-1) for branch in range(2)]

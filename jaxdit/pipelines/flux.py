@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 from converters.flux import CHECKPOINTS
 from jaxdit.loading.flux import load_flux_text_encoders
 from jaxdit.loading.vae import load_flux_vae
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models import flux
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
@@ -126,6 +126,8 @@ class FluxPipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        fp8: str | None = None,
+        offload_encoders: bool = False,
     ) -> FluxPipeline:
         """A downloaded FLUX.1 diffusers pipeline folder (``model_index.json``, ``transformer/``, ``vae/``,
         ``text_encoder{,_2}/``, ``tokenizer{,_2}/``, ``scheduler/``) on the mesh of ``parallel``.
@@ -134,21 +136,30 @@ class FluxPipeline(DiffusionPipeline):
         first local device); the VAE decodes patch-parallel over the mesh (``jaxdit.pipelines.assemble``).
         The transformer's heads and key table are checked before anything is read.
         ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
+        ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
+        (``jaxdit.models.fp8``; plain meshes, not PipeFusion).
+        ``offload_encoders``: the text encoders' weights wait in host memory between prompts (copied to
+        ``encoder_device`` for each encode), leaving the device to the transformer.
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
-        mesh = mesh_for(parallel)
-        check_transformer(folder["transformer"], mesh, CHECKPOINTS)
+        where = DeviceMesh.of(parallel)
+        mesh = where.mesh
+        check_transformer(folder["transformer"], where, CHECKPOINTS)
         dtype = as_dtype(dtype)
         encoders = load_flux_text_encoders(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+            folder.root,
+            dtype=dtype,
+            device=encoder_device,
+            compiler_options=compiler_options,
+            offload=offload_encoders,
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
+        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionFlux, fp8=fp8)
         return cls(
             model,
-            mesh,
+            where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
             encode=encoders,
             decode=lambda z: np.asarray(vae.decode_latents(z, mesh=mesh)),

@@ -30,11 +30,12 @@ from jax.sharding import Mesh
 from converters.flux import CHECKPOINTS
 from jaxdit.loading.flux import load_flux_text_encoders
 from jaxdit.loading.vae import load_flux_vae
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import GenerationOutput, Prepared
+from jaxdit.pipelines.call_options import CallOption
 from jaxdit.pipelines.flux import FluxPipeline
 from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
 from jaxdit.pipelines.pipefusion.flux import PipeFusionFlux
@@ -141,6 +142,17 @@ class FluxKontextPipeline(FluxPipeline):
         (scaled and shifted); without it the call takes no picture.
     """
 
+    #: ``max_area`` and ``auto_resize`` are Kontext's alone (``jaxdit generate --max_area / --no_auto_resize``).
+    call_options = (
+        CallOption("max_area", "output pixels (default 1048576)", type=int),
+        CallOption(
+            "auto_resize",
+            "keep the reference image's size instead of its preferred resolutions",
+            flag="no_auto_resize",
+            value=False,
+        ),
+    )
+
     def __init__(self, model: Any, mesh: Mesh, *, encode_image: Callable | None = None, **options: Any):
         super().__init__(model, mesh, **options)
         self.encode_image = encode_image
@@ -158,25 +170,37 @@ class FluxKontextPipeline(FluxPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        fp8: str | None = None,
+        offload_encoders: bool = False,
     ) -> FluxKontextPipeline:
         """A downloaded ``FluxKontextPipeline`` folder on the mesh of ``parallel`` (see
         :meth:`FluxPipeline.from_pretrained`). ``transformer``: the Kontext transformer from another
         checkpoint instead of the folder's ``transformer/``: BFL's ``flux1-kontext-dev.safetensors``, a
         ComfyUI file (``model.diffusion_model.`` keys) or a diffusers folder; ``transformer_config``: its
-        ``FluxConfig`` where the weights cannot say it (a BFL file whose head_dim is not 128)."""
+        ``FluxConfig`` where the weights cannot say it (a BFL file whose head_dim is not 128).
+        ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
+        (``jaxdit.models.fp8``; plain meshes, not PipeFusion).
+        ``offload_encoders``: the text encoders' weights wait in host memory between prompts (copied to
+        ``encoder_device`` for each encode), leaving the device to the transformer.
+        """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
-        mesh = mesh_for(parallel)
+        where = DeviceMesh.of(parallel)
+        mesh = where.mesh
         weights = Path(transformer) if transformer is not None else folder["transformer"]
-        check_transformer(weights, mesh, CHECKPOINTS, config=transformer_config)
+        check_transformer(weights, where, CHECKPOINTS, config=transformer_config)
         dtype = as_dtype(dtype)
         encoders = load_flux_text_encoders(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+            folder.root,
+            dtype=dtype,
+            device=encoder_device,
+            compiler_options=compiler_options,
+            offload=offload_encoders,
         )
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
         model = load_model(
-            weights, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, config=transformer_config
+            weights, where, dtype, CHECKPOINTS, staged=PipeFusionFlux, config=transformer_config, fp8=fp8
         )
         c = vae.config
 
@@ -187,7 +211,7 @@ class FluxKontextPipeline(FluxPipeline):
         factor = 2 ** (len(c.block_out_channels) - 1)
         pipe = cls(
             model,
-            mesh,
+            where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
             encode=encoders,
             decode=lambda z: np.asarray(vae.decode_latents(z, mesh=mesh)),
@@ -232,11 +256,12 @@ class FluxKontextPipeline(FluxPipeline):
         ``max_area``: output pixels (the size is rescaled to it); ``auto_resize``: snap the picture to
         Kontext's preferred resolutions (diffusers' ``_auto_resize``). The rest as
         :meth:`FluxPipeline.__call__`."""
-        return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
+        return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     def generate(self, request: GenerationRequest) -> GenerationOutput:
         request = self.with_defaults(request)
-        area = request.max_area if request.max_area is not None else MAX_AREA
+        area = request.family_arguments.get("max_area")
+        area = MAX_AREA if area is None else area
         if not isinstance(area, int) or isinstance(area, bool) or area < 1:
             raise ValueError(f"max_area must be a positive number of pixels, got {area!r}")
         h, w = output_size(request.height, request.width, area, 2 * self.vae_scale_factor)
@@ -250,7 +275,8 @@ class FluxKontextPipeline(FluxPipeline):
             return prepared
         if self.encode_image is None:
             raise ValueError("this pipeline has no VAE encoder: it cannot read a reference image")
-        auto = True if r.auto_resize is None else bool(r.auto_resize)
+        auto = r.family_arguments.get("auto_resize")
+        auto = True if auto is None else bool(auto)
         pixels = reference_pixels(r.image, self.vae_scale_factor, auto)
         latent = np.asarray(self.encode_image(pixels), np.float32)  # [1, C, h, w]
         inputs = prepared.inputs

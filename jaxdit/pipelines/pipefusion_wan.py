@@ -13,7 +13,7 @@ from typing import Any
 
 from jax.sharding import Mesh
 
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.pipelines.pipefusion.wan import (
     PASSES,
     Geometry,
@@ -59,4 +59,4 @@ class PipeFusionWanPipeline(WanPipeline):
         preset: str | None = None,
         **options: Any,
     ) -> WanPipeline:
-        return WanPipeline.from_checkpoint(path, mesh_for(parallel), dtype, preset=preset, **options)
+        return WanPipeline.from_checkpoint(path, DeviceMesh.of(parallel), dtype, preset=preset, **options)

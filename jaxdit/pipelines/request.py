@@ -4,7 +4,9 @@ The pipelines' ``__call__`` take diffusers' keyword arguments (that is what user
 into a :class:`GenerationRequest` at once, and everything below the call (conditioning, the plain or
 PipeFusion denoiser, decoding) reads this one object instead of repeating an 18-argument signature.
 Fields a family does not use stay None (a FLUX request has no ``num_frames``; Wan has no
-``true_cfg_scale``); fields left None take the pipeline's defaults (its ``__call__``'s).
+``true_cfg_scale``); fields left None take the pipeline's defaults (its ``__call__``'s). A call argument
+of one family alone is no field: it travels in ``family_arguments`` (``jaxdit.pipelines.call_options``),
+so that a family adds one without editing this file.
 
 Family-independent checks live here (:meth:`GenerationRequest.check`); what depends on the model
 (sizes its VAE and patches divide, the text width of embeddings) is checked by the family's pipeline.
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -72,8 +75,6 @@ class GenerationRequest:
     seed: int = 0
     latents: Any = None  # initial noise instead of the seed's, shaped like the family's latents
     max_sequence_length: int | None = None
-    max_area: int | None = None  # FLUX.1 Kontext: output pixels the size is rescaled to
-    auto_resize: bool | None = None  # FLUX.1 Kontext: snap the reference to its preferred resolutions
     num_images_per_prompt: int = 1
     output_type: str = "np"
     progress: bool = True
@@ -87,6 +88,21 @@ class GenerationRequest:
     patch_by: str | None = None
     #: A feature cache (``jaxdit.cache.FirstBlockCache`` or ``TeaCache``), or None.
     cache: Any = None
+    #: The family's own call arguments by name: its pipeline's ``call_options``
+    #: (``jaxdit.pipelines.call_options``), e.g. FLUX.1 Kontext's ``max_area``. None: the call's default.
+    family_arguments: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def of(cls, **arguments: Any) -> GenerationRequest:
+        """A request from a pipeline call's keyword arguments: the shared fields as fields, the rest (the
+        family's own arguments, which its ``__call__`` signature has already named) in
+        ``family_arguments``."""
+        shared = {f.name for f in dataclasses.fields(cls)}
+        own = {k: v for k, v in arguments.items() if k not in shared}
+        return cls(**{k: v for k, v in arguments.items() if k in shared}).with_family_arguments(**own)
+
+    def with_family_arguments(self, **arguments: Any) -> GenerationRequest:
+        return self.replace(family_arguments={**self.family_arguments, **arguments}) if arguments else self
 
     def check(self) -> None:
         """Family-independent checks; raise ``ValueError`` naming the argument."""

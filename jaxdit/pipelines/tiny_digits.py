@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from converters.flux import CHECKPOINTS
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models.flux import FluxConfig
 from jaxdit.pipelines.assemble import as_dtype, load_model
 from jaxdit.pipelines.flux import FluxPipeline
@@ -130,14 +130,16 @@ def tiny_digits(
     compiler_options: dict[str, Any] | None = None,
     kernel: dict[str, Any] | None = None,
     dtype: Any = None,
+    fp8: str | None = None,
 ) -> FluxPipeline:
     """The bundled ``tiny-digits`` model as a pipeline: prompts are digits ("7", "0123456789").
     ``dtype``: its weights' and activations' type (default float32, as it was trained; bfloat16 runs the
-    fused GPU kernels). A PipeFusion mesh gets the PipeFusion pipeline, as every family's does."""
-    mesh = mesh_for(parallel)
+    fused GPU kernels). A PipeFusion mesh gets the PipeFusion pipeline, as every family's does.
+    ``fp8``: ``"weight"`` or ``"matmul"``, the blocks' linear layers in FP8 (``jaxdit.models.fp8``)."""
+    mesh = DeviceMesh.of(parallel)
     folder = Path(folder or asset_dir())
     dtype = jnp.float32 if dtype is None else as_dtype(dtype)
-    model = load_model(folder, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux)
+    model = load_model(folder, mesh, dtype, CHECKPOINTS, staged=PipeFusionFlux, fp8=fp8)
     labels = LabelEncoder.load(folder)
 
     def encode(prompts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -279,6 +279,7 @@ class WanPipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        fp8: str | None = None,
         **options: Any,
     ) -> WanPipeline:
         """Load a Wan checkpoint (diffusers, original or ``jaxdit convert`` folder) onto a mesh; calls take
@@ -288,6 +289,8 @@ class WanPipeline(DiffusionPipeline):
         checked, like the heads against the mesh, before any weight is read; a Wan 2.2 preset also gives
         the pipeline settings a bare checkpoint does not carry (boundary_ratio, expand_timesteps)."""
         paths, variant = checkpoint_experts(Path(path), preset)
+        if fp8 is not None and (len(paths) != 1 or offload_idle_expert):
+            raise ValueError(f"FP8 weights load one-expert Wan checkpoints; {path} holds {len(paths)}")
         if len(paths) == 1 and variant == WanVariant() and not offload_idle_expert:
             return super().from_checkpoint(
                 path,
@@ -297,6 +300,7 @@ class WanPipeline(DiffusionPipeline):
                 kernel=kernel,
                 compiler_options=compiler_options,
                 attention_backend=attention_backend,
+                fp8=fp8,
                 **options,
             )
         model, mesh, arguments = checkpoint_arguments(
@@ -325,6 +329,8 @@ class WanPipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        fp8: str | None = None,
+        offload_encoders: bool = False,
     ) -> WanPipeline:
         """A downloaded Wan folder -- diffusers ``WanPipeline`` / ``WanImageToVideoPipeline`` layout or Wan's
         original release (Wan 2.1 T2V; Wan 2.2 A14B and TI2V-5B) -- with its umT5 text encoder, VAE (and
@@ -335,6 +341,10 @@ class WanPipeline(DiffusionPipeline):
         decodes (and encodes an I2V first frame) patch-parallel over the mesh, in ``vae_dtype`` (fp32 by
         default, as Wan keeps it). The transformers' heads and key tables are checked before anything is
         read. ``attention_backend``: auto, xla, cudnn, triton or splash (``jaxdit.parallel.kernels``).
+        ``fp8``: ``"weight"`` or ``"matmul"``: the transformer blocks' linear layers in FP8
+        (``jaxdit.models.fp8``; plain meshes, not PipeFusion; one expert).
+        ``offload_encoders``: the text (and image) encoders' weights wait in host memory between prompts (copied to
+        ``encoder_device`` for each encode), leaving the device to the transformer.
         """
         model, mesh, arguments = folder_arguments(
             path,
@@ -346,6 +356,8 @@ class WanPipeline(DiffusionPipeline):
             kernel=kernel,
             compiler_options=compiler_options,
             attention_backend=attention_backend,
+            fp8=fp8,
+            offload_encoders=offload_encoders,
         )
         return cls(model, mesh, **arguments)
 

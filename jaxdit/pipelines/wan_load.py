@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
 from jaxdit.loading.wan import load_wan_image_encoder, load_wan_text_encoder, load_wan_vae
-from jaxdit.mesh import ParallelConfig, mesh_for
+from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.wan_config import WanConfig
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model, preset_check
@@ -36,7 +36,7 @@ from jaxdit.samplers import unipc
 __all__ = ["checkpoint_arguments", "config_difference", "folder_arguments"]
 
 #: What the builders return: the pipeline's model and mesh, and its other constructor arguments.
-Arguments = tuple[Any, Mesh, dict[str, Any]]
+Arguments = tuple[Any, DeviceMesh, dict[str, Any]]
 
 
 def checkpoint_arguments(
@@ -55,7 +55,7 @@ def checkpoint_arguments(
     (``wan_folder.checkpoint_experts``), ``variant`` the Wan 2.2 settings it carries."""
     kernel = with_backend(kernel, attention_backend)
     check_kernel_options(kernel)
-    mesh = mesh_for(parallel)
+    mesh = DeviceMesh.of(parallel)
     check = preset_check(path, CHECKPOINTS, preset)
     second = None
     if len(paths) == 2:
@@ -85,6 +85,8 @@ def folder_arguments(
     kernel: dict[str, Any] | None,
     compiler_options: dict[str, Any] | None,
     attention_backend: str | None,
+    fp8: str | None = None,
+    offload_encoders: bool = False,
 ) -> Arguments:
     """A downloaded Wan folder's transformer(s) on the mesh, with its text encoder, VAE (decode, and the
     image conditioning of I2V / TI2V), scheduler settings and Wan 2.2 variant."""
@@ -92,21 +94,30 @@ def folder_arguments(
     check_kernel_options(kernel)
     folder = open_folder(path)
     variant = WanVariant.of(folder)
-    mesh = mesh_for(parallel)
+    where = DeviceMesh.of(parallel)
+    mesh = where.mesh  # the VAE's
     experts = tuple(folder[c] for c in ("transformer", "transformer_2") if c in folder)
-    config = _check_experts(experts, mesh)
+    config = _check_experts(experts, where)
     if offload_idle_expert and len(experts) == 1:
         raise ValueError(f"offload_idle_expert applies to two-expert folders (Wan 2.2 A14B); {path} has one")
     dtype = as_dtype(dtype)
     text = load_wan_text_encoder(
-        folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+        folder.root,
+        dtype=dtype,
+        device=encoder_device,
+        compiler_options=compiler_options,
+        offload=offload_encoders,
     )
     vae = load_wan_vae(folder["vae"], dtype=as_dtype(vae_dtype), compiler_options=compiler_options)
     factors = dict(temporal=vae.config.temporal_factor, spatial=vae.config.spatial_factor)
     encode_image = None
     if "image_encoder" in folder:
         image_encoder = load_wan_image_encoder(
-            folder.root, dtype=dtype, device=encoder_device, compiler_options=compiler_options
+            folder.root,
+            dtype=dtype,
+            device=encoder_device,
+            compiler_options=compiler_options,
+            offload=offload_encoders,
         )
         encode_image = ImageCondition(image_encoder, vae, mesh=mesh, **factors)
     elif config.condition_channels:
@@ -115,8 +126,10 @@ def folder_arguments(
         encode_image = FirstFrameLatent(vae, mesh=mesh)
     second = None
     if len(experts) == 2:
-        second = _load_second(experts[1], mesh, dtype, None, offload_idle_expert)
-    model = load_model(experts[0], mesh, dtype, CHECKPOINTS, staged=PipeFusionWan)
+        if fp8 is not None:
+            raise ValueError(f"FP8 weights load one-expert Wan folders; {path} holds two (Wan 2.2 A14B)")
+        second = _load_second(experts[1], where, dtype, None, offload_idle_expert)
+    model = load_model(experts[0], where, dtype, CHECKPOINTS, staged=PipeFusionWan, fp8=fp8)
 
     def decode(z: np.ndarray) -> np.ndarray:
         video = np.asarray(vae.decode_latents(z, mesh=mesh))  # [B, 3, F, H, W]
@@ -137,7 +150,7 @@ def folder_arguments(
         kernel=kernel,
         compiler_options=compiler_options,
     )
-    return model, mesh, options
+    return model, where, options
 
 
 def config_difference(config: WanConfig, other: WanConfig) -> str:
@@ -150,7 +163,7 @@ def config_difference(config: WanConfig, other: WanConfig) -> str:
     return f"the two Wan experts must share one architecture; transformer_2 has {', '.join(diff)}"
 
 
-def _check_experts(paths: Sequence[Path], mesh: Mesh) -> WanConfig:
+def _check_experts(paths: Sequence[Path], mesh: MeshLike) -> WanConfig:
     """Every expert's config against the mesh and its key table against its files (headers only), and
     the experts' configs against each other: all before any weight is read."""
     configs = [check_transformer(p, mesh, CHECKPOINTS) for p in paths]
@@ -159,7 +172,7 @@ def _check_experts(paths: Sequence[Path], mesh: Mesh) -> WanConfig:
     return configs[0]
 
 
-def _load_second(path: Path, mesh: Mesh, dtype: Any, check: Any, offload: bool) -> nnx.State:
+def _load_second(path: Path, mesh: MeshLike, dtype: Any, check: Any, offload: bool) -> nnx.State:
     """The low-noise expert's parameters; with ``offload`` moved to host memory at once, before the
     high-noise expert is read, so the devices never hold both."""
     loaded = load_model(path, mesh, as_dtype(dtype), CHECKPOINTS, check, staged=PipeFusionWan)

@@ -92,6 +92,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="two-expert models (Wan 2.2 A14B): only the running expert on the devices, the other in host memory",
     )
+    p.add_argument("--quantize", choices=("fp8",), default=None, help="fp8: price the transformer blocks' "
+                   "linear weights in FP8, as `jaxdit generate --quantize fp8` holds them")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan (and verification) as JSON")
     p.add_argument(
         "--verify",
@@ -130,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
         text_tokens=args.text_tokens,
         dtype=args.dtype,
         offload_idle_expert=args.offload_idle_expert,
+        fp8=args.quantize == "fp8",
     )
     hw = Hardware(
         link=args.link,

@@ -46,6 +46,7 @@ from jaxdit.families.base import StepTerms
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.flops import attention_flops
 from jaxdit.parallel.local_attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+from jaxdit.plan.fp8 import fp8_block_saving
 from jaxdit.plan.workload import Workload
 
 __all__ = [
@@ -360,13 +361,14 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
     p = c.pipefusion
     terms = w.family.step_terms(w, c, shapes(w, c))
     stacks = tuple(zip(w.stack_depths, terms.block_flops, strict=True))
+    block_bytes = terms.param_block_bytes
+    if w.fp8:
+        saving = fp8_block_saving(w.family, w.model, w.dtype, c.tensor)
+        block_bytes = tuple(b - s for b, s in zip(block_bytes, saving, strict=True))
     params = terms.param_nonblock_bytes + sum(
-        _stage_layers(layers, p) * b
-        for layers, b in zip(w.stack_depths, terms.param_block_bytes, strict=True)
+        _stage_layers(layers, p) * b for layers, b in zip(w.stack_depths, block_bytes, strict=True)
     )
-    block_weights = max(
-        b for layers, b in zip(w.stack_depths, terms.param_block_bytes, strict=True) if layers
-    )
+    block_weights = max(b for layers, b in zip(w.stack_depths, block_bytes, strict=True) if layers)
     busiest = terms.nonblock_flops + sum(_stage_layers(layers, p) * f for layers, f in stacks)
     # Stages differ only in how many blocks they hold: summed over devices, every block once per
     # (data, cfg, sequence, tensor) position and the non-block work on every device.

@@ -115,6 +115,12 @@ def format_plan(report: PlanReport) -> str:
             ]
         )
     out += _table(header, rows, right={0, 2, 3, 4, 6, 7, 8, 10, 11, 12, 13})
+    modelled_only = [p for p in report.plans if not p.runnable]
+    if modelled_only:
+        out.append(
+            f"{len(modelled_only)} configuration(s) marked 'modelled only' are ranked after every one "
+            f"{w.name} can run here, however fast they are modelled to be"
+        )
     if report.invalid:
         out += ["", f"invalid ({len(report.invalid)}):"]
         by_reason: dict[str, list[str]] = {}

@@ -70,6 +70,8 @@ def invalid_reasons(w: Workload, c: ParallelConfig) -> list[str]:
     shallowest = min(s for s in w.stack_depths if s > 0)
     if c.pipefusion > shallowest:
         reasons.append(f"pipefusion={c.pipefusion} stages for a stack of {shallowest} blocks")
+    if w.fp8 and c.pipefusion > 1:
+        reasons.append("FP8 weights run on meshes without PipeFusion (not supported yet)")
     if c.sequence_degree > min(w.tokens):
         reasons.append(f"ring x ulysses = {c.sequence_degree} shards for a token group of {min(w.tokens)}")
     return reasons
@@ -177,7 +179,7 @@ class PlanReport:
     hardware: Hardware
     devices: int
     single: Plan  # one device, the baseline
-    plans: tuple[Plan, ...]  # valid: the recommended one first, then by modelled latency
+    plans: tuple[Plan, ...]  # valid: the recommended one first, then by modelled latency (modelled-only last)
     invalid: tuple[Plan, ...]
     recommended: Plan | None
 
@@ -224,8 +226,10 @@ TIE_TOLERANCE = 0.03
 
 
 def _rank(p: Plan) -> tuple:
-    """Fitting configurations by modelled latency, then by bytes; those that do not fit last."""
-    return (not p.fits, p.timing.generation, p.cost.bytes_sent())
+    """Configurations jaxdit can run before those it only models (a family without a PipeFusion stage
+    layout cannot run a PipeFusion configuration however fast it is modelled to be); within each, fitting
+    ones by modelled latency, then by bytes; those that do not fit last."""
+    return (not p.runnable, not p.fits, p.timing.generation, p.cost.bytes_sent())
 
 
 def recommend(plans: list[Plan], tolerance: float = TIE_TOLERANCE) -> Plan | None:
@@ -241,7 +245,8 @@ def recommend(plans: list[Plan], tolerance: float = TIE_TOLERANCE) -> Plan | Non
 
 def plan(w: Workload, devices: int, hw: Hardware | None = None) -> PlanReport:
     """Evaluate every configuration of ``devices`` for ``w``: the recommended one first, then the other
-    valid ones by modelled latency, then the invalid ones with their reasons."""
+    valid ones that run by modelled latency, then the modelled-only ones, then the invalid ones with their
+    reasons."""
     hw = hw or Hardware()
     evaluated = [evaluate(w, c, hw) for c in all_configs(devices)]
     valid = sorted((p for p in evaluated if p.valid), key=_rank)

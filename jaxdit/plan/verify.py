@@ -152,24 +152,33 @@ def lower_step(w: Workload, config: ParallelConfig, devices: Sequence[Any] | Non
     shape with zero embeddings (``ModelFamily.example_request``) and the abstract model: no weight is
     read, nothing runs."""
     import jax
+    import jax.numpy as jnp
 
     if config.pipefusion > 1:
         raise ValueError(f"{config.describe()}: PipeFusion has its own programs; use verify_pipefusion")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
-    mesh = config.make_mesh(devices)
-    pipe = w.family.bare_pipeline(_abstract_model(w.model, w.dtype), mesh, compiler_options=FAST_COMPILE)
+    where = config.device_mesh(devices)
+    if w.fp8:  # a fresh model: quantizing changes it in place, and _abstract_model's are shared
+        from jaxdit.models.quantize import quantize_model
+
+        model = w.family.checkpoints.abstract_model(w.model, jnp.dtype(w.dtype))
+        quantize_model(model, "weight")
+    else:
+        model = _abstract_model(w.model, w.dtype)
+    pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     return pipe.denoiser.lower(inputs), pipe.forward
 
 
-def _bf16_weight_bytes(forward) -> int:
+def _widened_weight_bytes(forward) -> int:
+    """Bytes of the fp32 copies a CPU program makes of the weights stored narrower (bf16, FP8)."""
     import jax
     import jax.numpy as jnp
 
     total = 0
     for x, s in zip(jax.tree.leaves(forward.state), jax.tree.leaves(forward.param_shardings), strict=True):
-        if jnp.dtype(x.dtype) == jnp.bfloat16:
-            total += math.prod(s.shard_shape(tuple(x.shape))) * 2
+        if jnp.dtype(x.dtype).itemsize < 4:
+            total += math.prod(s.shard_shape(tuple(x.shape))) * 4
     return total
 
 
@@ -182,7 +191,7 @@ def measure(lowered, forward, config: ParallelConfig, seconds: float = 0.0) -> t
     seconds += time.perf_counter() - start
     summary = hlo_stats.summarize(compiled)
     mem = hlo_stats.memory_per_device(compiled)
-    copies = 2 * _bf16_weight_bytes(forward)  # the CPU's fp32 copies of bf16 weights
+    copies = _widened_weight_bytes(forward)  # the CPU's fp32 copies of bf16 / FP8 weights
     return (
         Measurement(
             config=config,
@@ -323,9 +332,9 @@ def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1,
     if not 1 <= warmup_steps <= w.steps:
         raise ValueError(f"warmup_steps={warmup_steps} for {w.steps} steps")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
-    mesh = config.make_mesh(devices)
-    model = w.family.staged_model.abstract(w.model, mesh, jnp.dtype(w.dtype))
-    pipe = w.family.bare_pipeline(model, mesh, compiler_options=FAST_COMPILE)
+    where = config.device_mesh(devices)
+    model = w.family.staged_model.abstract(w.model, where.mesh, jnp.dtype(w.dtype))
+    pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
     return pipe.denoiser.lower(inputs, warmup_steps=warmup_steps, num_pipeline_patch=patches)
@@ -345,9 +354,9 @@ def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None
 
     from jaxdit.plan.cost import pipeline_shape
 
-    mesh = config.make_mesh(jax.devices()[: config.num_devices])
-    model = w.family.staged_model.abstract(w.model, mesh, jnp.dtype(w.dtype))
-    pipe = w.family.bare_pipeline(model, mesh, compiler_options=FAST_COMPILE)
+    where = config.device_mesh(jax.devices()[: config.num_devices])
+    model = w.family.staged_model.abstract(w.model, where.mesh, jnp.dtype(w.dtype))
+    pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
     try:

@@ -61,6 +61,7 @@ class Workload:
     size: tuple[int, int, int] = (0, 0, 1)  # (height, width, frames), for display
     experts: int = 1
     offload_idle_expert: bool = False
+    fp8: bool = False  # the blocks' linear weights in FP8 (``--quantize fp8``)
 
     def __post_init__(self) -> None:
         if self.experts < 1:
@@ -161,6 +162,7 @@ class Workload:
         text_tokens: int | None = None,
         dtype: str = "bfloat16",
         offload_idle_expert: bool = False,
+        fp8: bool = False,
     ) -> Workload:
         """A preset of any registered family (``flux-dev``, ``wan2.1-t2v-14b``, ...) at an output size;
         unset arguments take the preset's defaults (its experts too)."""
@@ -180,6 +182,7 @@ class Workload:
             dtype=dtype,
             experts=preset.experts,
             offload_idle_expert=offload_idle_expert,
+            fp8=fp8,
             family=family,  # the preset's: variants sharing a config class (Kontext) are not told by it
         )
 
@@ -200,6 +203,7 @@ class Workload:
         experts: int = 1,
         offload_idle_expert: bool = False,
         family: Any = None,
+        fp8: bool = False,
     ) -> Workload:
         """Any architecture of a registered family at an output size (pixels; frames for video);
         ``family``: the registered family (default: the one whose config class ``config`` is)."""
@@ -221,4 +225,5 @@ class Workload:
             size=(height, width, frames),
             experts=experts,
             offload_idle_expert=offload_idle_expert,
+            fp8=fp8,
         )

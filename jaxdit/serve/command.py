@@ -67,6 +67,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
           "them (default: $JAXDIT_COMPILATION_CACHE, else ~/.cache/jaxdit/xla)")  # fmt: skip
     _flag(p, "no_compilation_cache", action="store_true", help="compile everything afresh, keep nothing")
     _flag(p, "emulate_devices", type=int, default=None, help="emulate N CPU devices per process")
+    _flag(
+        p,
+        "quantize",
+        choices=("fp8",),
+        default=None,
+        help="fp8: the transformer blocks' linear weights "
+        "in float8_e4m3fn, as `jaxdit generate --quantize fp8`",
+    )
+    _flag(
+        p,
+        "fp8_mode",
+        choices=("weight", "matmul"),
+        default=None,
+        help="with --quantize fp8: as `jaxdit generate --fp8_mode`",
+    )
+    _flag(
+        p,
+        "offload_encoders",
+        action="store_true",
+        help="keep the text encoders' weights in host memory "
+        "between requests (copied to the device per prompt)",
+    )
     _flag(p, "log_level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     par = p.add_argument_group("parallelism (xDiT's flags)")
     _flag(par, "data_parallel_degree", type=int, default=1)
@@ -166,6 +188,9 @@ def check(args: argparse.Namespace) -> _Plan:
         args.dtype,
         warmup_steps=args.warmup_steps,
         num_pipeline_patch=args.num_pipeline_patch,
+        quantize=args.quantize,
+        fp8_mode=args.fp8_mode,
+        offload_encoders=args.offload_encoders,
     )
     if frames is not None and not template.family.makes_video:
         raise ValueError(f"--frames applies to video models; {template.label} makes images")
@@ -247,7 +272,7 @@ def load(args: argparse.Namespace, plan: _Plan):
         raise ValueError(
             f"{plan.config.describe()} needs {plan.config.num_devices} devices; {len(devices)} are available"
         )
-    mesh = plan.config.make_mesh(devices[: plan.config.num_devices])
+    mesh = plan.config.device_mesh(devices[: plan.config.num_devices])  # the mesh and its degrees
     limits = EngineLimits(
         max_steps=args.max_steps, max_batch=args.max_batch, max_prompt_chars=args.max_prompt_chars
     )
@@ -259,6 +284,9 @@ def load(args: argparse.Namespace, plan: _Plan):
         name=args.model_name,
         warmup_steps=args.warmup_steps,
         num_pipeline_patch=args.num_pipeline_patch,
+        quantize=args.quantize,
+        fp8_mode=args.fp8_mode,
+        offload_encoders=args.offload_encoders,
     )
     card = engine.card
     sizes = plan.sizes or (card.default_size,)

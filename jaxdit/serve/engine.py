@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from jaxdit import generate as cli_generate
-from jaxdit.generate_checks import PIPEFUSION_OPTIONS_ALONE, takes_guidance_scale
-from jaxdit.mesh import ParallelConfig
+from jaxdit.generate_checks import PIPEFUSION_OPTIONS_ALONE, check_load_options, takes_guidance_scale
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
 from jaxdit.pipelines.output import save_video, to_uint8
 from jaxdit.pipelines.request import GenerationRequest
@@ -106,12 +106,14 @@ def _field_of(message: str) -> str | None:
 class Engine:
     """One pipeline on one mesh, with the card of what it serves. Build it with :meth:`load`."""
 
-    def __init__(self, pipe: Any, template: cli_generate.GenerateRequest, card: ModelCard, mesh: Any) -> None:
+    def __init__(
+        self, pipe: Any, template: cli_generate.GenerateRequest, card: ModelCard, mesh: DeviceMesh
+    ) -> None:
         import jax
 
         self.pipe, self.template, self.card = pipe, template, card
         self.family = template.family
-        self.parallel = ParallelConfig.from_mesh(mesh)
+        self.parallel = mesh.parallel
         self.num_processes = jax.process_count()
         #: Shape keys whose programs exist (compiled at warm-up, or by an earlier request).
         self.compiled: frozenset[tuple] = frozenset()
@@ -129,23 +131,40 @@ class Engine:
         compiler_options: dict[str, Any] | None = None,
         warmup_steps: int | None = None,
         num_pipeline_patch: int | None = None,
+        quantize: str | None = None,
+        fp8_mode: str | None = None,
+        offload_encoders: bool = False,
     ) -> Engine:
         """The pipeline for ``weights`` (None: the bundled model; else a pipeline folder) on ``mesh``;
         jax must be started (devices, processes). ``compiler_options``: XLA's, for the compiled steps.
         ``warmup_steps`` and ``num_pipeline_patch``: PipeFusion's (a mesh with pipefusion > 1), as
-        `jaxdit generate`'s flags, for every request."""
+        `jaxdit generate`'s flags, for every request. ``quantize``, ``fp8_mode``, ``offload_encoders``: how
+        the weights are held, as `jaxdit generate`'s flags."""
         import jax.numpy as jnp
 
+        from jaxdit.models.fp8 import choose_mode
+
+        mesh = DeviceMesh.of(mesh)  # read once; the pipeline and the engine are given this object
         template = cls.template_for(
-            weights, mesh, dtype, warmup_steps=warmup_steps, num_pipeline_patch=num_pipeline_patch
+            weights,
+            mesh,
+            dtype,
+            warmup_steps=warmup_steps,
+            num_pipeline_patch=num_pipeline_patch,
+            quantize=quantize,
+            fp8_mode=fp8_mode,
+            offload_encoders=offload_encoders,
         )
         family, folder = template.family, template.folder
         dtype = jnp.dtype(dtype) if dtype else None
+        options = {"fp8": choose_mode(fp8_mode, mesh.mesh.devices.flat)} if quantize == "fp8" else {}
         if template.source == "bundled":
-            pipe = family.bundled_pipeline(mesh, compiler_options=compiler_options, dtype=dtype)
+            pipe = family.bundled_pipeline(mesh, compiler_options=compiler_options, dtype=dtype, **options)
         else:
+            if offload_encoders:
+                options["offload_encoders"] = True
             pipe = family.pipeline_class.from_pretrained(
-                folder.root, mesh, dtype, compiler_options=compiler_options
+                folder.root, mesh, dtype, compiler_options=compiler_options, **options
             )
         defaults = dataclasses.replace(template, prompt=family.example_prompt).call()
         takes = "true_cfg_scale" in inspect.signature(family.pipeline_class.__call__).parameters
@@ -182,11 +201,16 @@ class Engine:
         *,
         warmup_steps: int | None = None,
         num_pipeline_patch: int | None = None,
+        quantize: str | None = None,
+        fp8_mode: str | None = None,
+        offload_encoders: bool = False,
     ):
         """The `jaxdit generate` request every served request starts from; checks what cannot be served
         (before jax starts when given a ParallelConfig)."""
-        parallel = mesh_or_config if isinstance(mesh_or_config, ParallelConfig) else None
-        parallel = parallel or ParallelConfig.from_mesh(mesh_or_config)
+        if isinstance(mesh_or_config, ParallelConfig):
+            parallel = mesh_or_config
+        else:
+            parallel = DeviceMesh.of(mesh_or_config).parallel
         if parallel.pipefusion == 1 and (warmup_steps is not None or num_pipeline_patch is not None):
             raise ValueError(PIPEFUSION_OPTIONS_ALONE)
         template = cli_generate.GenerateRequest(
@@ -200,7 +224,11 @@ class Engine:
             pipefusion_parallel_degree=parallel.pipefusion,
             warmup_steps=warmup_steps,
             num_pipeline_patch=num_pipeline_patch,
+            quantize=quantize,
+            fp8_mode=fp8_mode,
+            offload_encoders=offload_encoders,
         )
+        check_load_options(template, parallel)
         if weights is not None:
             if template.folder is None:
                 raise ValueError(

@@ -113,15 +113,38 @@ def parameter_shapes(abstract: nnx.Module) -> dict[str, tuple[int, ...]]:
 
 
 def jit_forward(
-    model: nnx.Module, fn: Callable[..., Any], compiler_options: Mapping[str, Any] | None = None
+    model: nnx.Module,
+    fn: Callable[..., Any],
+    compiler_options: Mapping[str, Any] | None = None,
+    *,
+    offload: bool = False,
 ) -> Callable[..., Any]:
-    """``fn(model, *args)`` jitted with the model's parameters as an argument (not baked-in constants)."""
+    """``fn(model, *args)`` jitted with the model's parameters as an argument (not baked-in constants).
+
+    ``offload``: the parameters leave their device now and wait in host memory; each call copies them
+    back, runs, and frees the device copy once the result is ready, so between prompts the device holds
+    none of the encoder (the transformer gets the memory). Costs one host-to-device copy per call."""
     graphdef, state = nnx.split(model)
     jitted = jax.jit(
         lambda st, *args: fn(nnx.merge(graphdef, st), *args),
         compiler_options=dict(compiler_options) if compiler_options else None,
     )
-    return lambda *args: jitted(state, *args)
+    if not offload:
+        return lambda *args: jitted(state, *args)
+    (device,) = {d for leaf in jax.tree.leaves(state) for d in leaf.devices()}
+    host = jax.device_get(state)
+    for leaf in jax.tree.leaves(state):
+        leaf.delete()  # the module's own references now point at deleted arrays: only ``host`` is used
+
+    def offloaded(*args):
+        on_device = jax.device_put(host, device)
+        try:
+            return jax.block_until_ready(jitted(on_device, *args))
+        finally:
+            for leaf in jax.tree.leaves(on_device):
+                leaf.delete()
+
+    return offloaded
 
 
 __all__ = [

@@ -86,6 +86,7 @@ class FluxTextEncoders:
         t5_tokenizer: Any,
         *,
         compiler_options: Mapping[str, Any] | None = None,
+        offload: bool = False,
     ) -> None:
         self.clip, self.t5 = clip, t5
         self.clip_tokenizer, self.t5_tokenizer = clip_tokenizer, t5_tokenizer
@@ -94,8 +95,8 @@ class FluxTextEncoders:
         self.clip_max_length = int(
             getattr(clip_tokenizer, "model_max_length", CLIP_MAX_LENGTH) or CLIP_MAX_LENGTH
         )
-        self._clip = jit_forward(clip, lambda m, ids: m(ids)[1], compiler_options)
-        self._t5 = jit_forward(t5, lambda m, ids: m(ids), compiler_options)
+        self._clip = jit_forward(clip, lambda m, ids: m(ids)[1], compiler_options, offload=offload)
+        self._t5 = jit_forward(t5, lambda m, ids: m(ids), compiler_options, offload=offload)
 
     def tokenize(
         self, prompts: str | Sequence[str], max_sequence_length: int = 512
@@ -160,11 +161,16 @@ class WanTextEncoder:
     """Wan 2.1's umT5-XXL prompt encoder."""
 
     def __init__(
-        self, t5: t5_model.T5Encoder, tokenizer: Any, *, compiler_options: Mapping[str, Any] | None = None
+        self,
+        t5: t5_model.T5Encoder,
+        tokenizer: Any,
+        *,
+        compiler_options: Mapping[str, Any] | None = None,
+        offload: bool = False,
     ) -> None:
         self.t5, self.tokenizer = t5, tokenizer
         self.device = _device_of(t5)
-        self._encode = jit_forward(t5, _wan_forward, compiler_options)
+        self._encode = jit_forward(t5, _wan_forward, compiler_options, offload=offload)
 
     def tokenize(
         self, prompts: str | Sequence[str], max_sequence_length: int = 512
@@ -210,10 +216,13 @@ class WanImageEncoder:
         processor: Any,
         *,
         compiler_options: Mapping[str, Any] | None = None,
+        offload: bool = False,
     ) -> None:
         self.vision, self.processor = vision, processor
         self.device = _device_of(vision)
-        self._encode = jit_forward(vision, lambda m, px: m(px, hidden_layer=-2), compiler_options)
+        self._encode = jit_forward(
+            vision, lambda m, px: m(px, hidden_layer=-2), compiler_options, offload=offload
+        )
 
     def preprocess(self, images: Any) -> np.ndarray:
         """PIL image(s) or HWC arrays -> pixel_values [B, 3, S, S] float32 (``CLIPImageProcessor``)."""

@@ -74,6 +74,17 @@ def main(argv: list[str]) -> int:
             emit({**row, **step.run(s, backend, dry, device, ceiling)})
         except Exception as e:  # noqa: BLE001 - one backend's failure leaves the others to run
             emit({**row, "status": "failed", "error": f"{type(e).__name__}: {str(e)[:400]}"})
+    ok = [r for r in data["rows"] if r["part"] == "step" and r["status"] == "ok"]
+    row = {"part": "step", "model": step.MODEL, "backend": f"{ok[0]['backend']}+fp8" if ok else "fp8"}
+    if not ok:
+        emit({**row, "status": "skipped (no bf16 step to compare)"})
+    elif time.monotonic() > deadline - (5 if dry else 90):
+        emit({**row, "status": "skipped (time)"})
+    else:
+        try:
+            emit({**row, **step.run_fp8(s, ok[0]["backend"], dry, device, ceiling, ok[0]["seconds"])})
+        except Exception as e:  # noqa: BLE001 - the table still prints
+            emit({**row, "status": "failed", "error": f"{type(e).__name__}: {str(e)[:400]}"})
     data["targets"] = _targets(data["rows"])
     report.write(out_dir, data)
     text = report.table(data)

@@ -27,15 +27,17 @@ def table(data: dict) -> str:
             f"{_f(r.get('rel_l2'), '8.1e'):>8}"
         )
     lines.append(
-        f"{'step':44} {'backend':7} {'status':11} {'compile':>8} {'median':>8} {'MFU':>6} {'MFU/ceil':>8}"
+        f"{'step':44} {'backend':10} {'status':11} {'compile':>8} {'median':>8} {'MFU':>6} {'MFU/ceil':>8} "
+        f"{'params':>7} {'vs bf16':>7}"
     )
     for r in data["rows"]:
         if r["part"] != "step":
             continue
         lines.append(
-            f"{r['model']:44} {r['backend']:7} {r['status']:11} {_f(r.get('compile_seconds'), '7.1f'):>7}s "
+            f"{r['model']:44} {r['backend']:10} {r['status']:11} {_f(r.get('compile_seconds'), '7.1f'):>7}s "
             f"{_f(r.get('seconds'), '7.3f'):>7}s {_f(r.get('mfu_vs_peak'), '6.1%'):>6} "
-            f"{_f(r.get('mfu_vs_ceiling'), '8.1%'):>8}"
+            f"{_f(r.get('mfu_vs_ceiling'), '8.1%'):>8} {_f(r.get('param_gb'), '6.1f'):>6}G "
+            f"{_f(r.get('speedup_vs_bf16'), '6.2f'):>6}x"
         )
     lines += [f"target: {t}" for t in data.get("targets", [])]
     return "\n".join(lines)

@@ -1,4 +1,6 @@
-"""One FLUX-dev 1024x1024 denoising step with random bf16 weights on one device, per backend."""
+"""One FLUX-dev 1024x1024 denoising step with random bf16 weights on one device, per backend; then the
+same step with the blocks' linear weights in FP8 (FP8 matmuls where the GPU has them), timed after the
+bf16 rows in the same process."""
 
 from __future__ import annotations
 
@@ -78,9 +80,30 @@ def run(s: dict, backend: str, dry: bool, device, ceiling_tflops: float | None) 
         "model": MODEL,
         "backend": backend,
         "status": "ok",
+        "param_gb": forward.param_bytes_per_device() / 1e9,
         "compile_seconds": compile_seconds,
         "seconds": seconds,
         "tflops": tflops,
         "mfu_vs_peak": cost.flops / seconds / peak if peak else None,
         "mfu_vs_ceiling": tflops / ceiling_tflops if ceiling_tflops else None,
+    }
+
+
+def run_fp8(
+    s: dict, backend: str, dry: bool, device, ceiling_tflops: float | None, bf16_seconds: float
+) -> dict:
+    """The step again with FP8 weights (in place: the bf16 kernels are freed as each layer is replaced)."""
+    from jaxdit.models.fp8 import choose_mode
+    from jaxdit.models.quantize import quantize_model
+
+    mode = choose_mode(None, [device])
+    s.pop("state")  # its bf16 kernels would outlive the swap
+    quantize_model(s["model"], mode)
+    s["state"] = nnx.split(s["model"])[1]
+    row = run(s, backend, dry, device, ceiling_tflops)
+    return {
+        **row,
+        "backend": f"{backend}+fp8",
+        "fp8_mode": mode,
+        "speedup_vs_bf16": bf16_seconds / row["seconds"],
     }

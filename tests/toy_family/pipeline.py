@@ -17,6 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
+from jaxdit.pipelines.call_options import CallOption
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers.flow_match_euler import FlowMatchEulerConfig
@@ -44,6 +45,9 @@ class ToyPipeline(DiffusionPipeline):
     default_size = (8, 8)
     checkpoints = CHECKPOINTS
     staged_model = None
+    #: The toy's own call argument and ``jaxdit generate`` flag: declared here, parsed, checked and passed
+    #: on by the shared code without it naming them.
+    call_options = (CallOption("embedding_scale", "multiply the prompt embeddings by this", type=float),)
 
     def __init__(
         self,
@@ -79,13 +83,17 @@ class ToyPipeline(DiffusionPipeline):
         progress: bool = False,
         callback: Callable[[int, int], bool | None] | None = None,
         cache: Any = None,
+        embedding_scale: float = 1.0,
     ) -> GenerationOutput:
-        return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
+        """``embedding_scale``: the toy's own argument (no shared file names it): multiplies the prompt
+        embeddings of both guidance branches."""
+        return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     def prepare(self, r: GenerationRequest) -> Prepared:
         if r.prompt is not None or r.prompt_embeds is None:
             raise ValueError("the toy pipeline has no text encoder: pass prompt_embeds [B, T, text_dim]")
-        txt = np.asarray(self.repeat_per_prompt(r.prompt_embeds, r), np.float32)
+        scale = np.float32(r.family_arguments["embedding_scale"])  # with_defaults filled it in
+        txt = np.asarray(self.repeat_per_prompt(r.prompt_embeds, r), np.float32) * scale
         if txt.ndim != 3 or txt.shape[-1] != self.config.text_dim:
             raise ValueError(
                 f"prompt_embeds has shape {txt.shape}; this model takes [B, T, {self.config.text_dim}]"
@@ -94,7 +102,7 @@ class ToyPipeline(DiffusionPipeline):
         self.check_cfg(cfg)
         batch = len(txt)
         if cfg:
-            neg = np.asarray(self.repeat_per_prompt(r.negative_prompt_embeds, r), np.float32)
+            neg = np.asarray(self.repeat_per_prompt(r.negative_prompt_embeds, r), np.float32) * scale
             if neg.shape != txt.shape:
                 raise ValueError(f"negative_prompt_embeds {neg.shape} differ from prompt_embeds {txt.shape}")
             txt = self.branches(neg, txt)
