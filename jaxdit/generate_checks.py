@@ -331,7 +331,7 @@ def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:
 
 def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:
     family = r.family
-    cfg = getattr(call, family.cfg_scale_argument) > 1.0
+    cfg = getattr(call, family.cfg_scale_argument) > family.cfg_above
     if family.cfg_scale_argument == "true_cfg_scale":
         cfg = cfg and (call.negative_prompt is not None or "negative_prompt_embeds" in (r.embeddings or {}))
     return cfg

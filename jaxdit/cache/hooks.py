@@ -23,7 +23,8 @@ any weight loads: ``jaxdit generate``'s checks call it), and :func:`hooks_for` c
 hands over against the cache's Protocol once, before anything is traced (a family author's mistake is
 named then, not deep inside a trace). The registry lives above this layer: ``jaxdit.families.register``
 hands each (base) family down with :func:`register_family`, and :func:`family_of` finds a transformer's
-family by its config's class.
+family by its config's class. A transformer whose family is not registered (a pipeline built without
+``jaxdit.families`` ever imported) answers for itself, checked against the cache's Protocol.
 """
 
 from __future__ import annotations
@@ -119,14 +120,12 @@ def register_family(config_class: type, family: Any) -> None:
 
 
 def family_of(model: Any) -> Any:
-    """The registered family of a transformer (by its config's class)."""
+    """The registered family of a transformer (by its config's class), or None when the registry has not
+    been loaded (a pipeline built directly, ``jaxdit.families`` never imported)."""
     for config_class, family in _FAMILIES.items():
-        if isinstance(model.config, config_class):
+        if isinstance(getattr(model, "config", None), config_class):
             return family
-    raise ValueError(
-        f"{type(model).__name__}: no registered model family serves its feature caches "
-        "(jaxdit.families.register records each family's cache hooks)"
-    )
+    return None
 
 
 def check_family(family: Any, cache_name: str) -> None:
@@ -144,9 +143,17 @@ def check_family(family: Any, cache_name: str) -> None:
 def hooks_for(model: Any, cache_name: str, family: Any = None) -> Any:
     """The object answering ``cache_name``'s questions about ``model``, from its family (checked)."""
     family = family_of(model) if family is None else family
+    protocol = PROTOCOLS[cache_name]
+    if family is None:
+        # No registry loaded: the transformer answers for itself, checked against the cache's Protocol.
+        if protocol is not _NoHooks and not isinstance(model, protocol):
+            raise ValueError(
+                f"{_TITLES.get(cache_name, cache_name)} is not available for {type(model).__name__}: it does "
+                f"not implement jaxdit.cache.hooks.{protocol.__name__}"
+            )
+        return model
     check_family(family, cache_name)
     hooks = family.cache_hooks(model)
-    protocol = PROTOCOLS[cache_name]
     if protocol is not _NoHooks and not isinstance(hooks, protocol):
         raise TypeError(
             f"{family.display} declares {cache_name} in its caches but its cache hooks "

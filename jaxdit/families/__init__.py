@@ -21,9 +21,11 @@ from jaxdit import loading
 from jaxdit.cache import hooks as cache_hooks
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
+from jaxdit.families.flux2 import FLUX2
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
+from jaxdit.families.z_image import Z_IMAGE
 from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.sharded_forward import validate_forward
 from jaxdit.parallel.kernels import with_backend
@@ -63,12 +65,15 @@ def register(family: ModelFamily) -> None:
         cache_hooks.register_family(family.checkpoints.config_class, family)
 
 
+# Tried first: FLUX.1's detection claims any file holding img_in.weight, BFL's FLUX.2 files included.
+register(FLUX2)
 register(FLUX)
 register(WAN)
 register(
     FLUX_KONTEXT
 )  # a variant of FLUX: a bare FLUX.1-shaped checkpoint is FLUX's until a folder says Kontext
 register(TINY_DIGITS)
+register(Z_IMAGE)
 
 
 def get(name: str) -> ModelFamily:

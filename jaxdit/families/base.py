@@ -80,6 +80,9 @@ class StepTerms:
     param_block_bytes: tuple[int, ...]
     reductions: tuple[Reduction, ...] = ()
     context_bytes: int = 0
+    #: Per stack, this device's tokens its self-attention covers (Z-Image's refiners attend over one token
+    #: group); empty: every stack attends over all of them.
+    attention_tokens: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -151,6 +154,11 @@ class ModelFamily:
     #: The call argument that, above 1, turns classifier-free guidance on, and what CFG needs, in words.
     cfg_scale_argument: ClassVar[str]
     cfg_needs: ClassVar[str]
+    #: The self-attention token group the prediction covers (``workload_shape``'s order): the last for
+    #: FLUX and Wan, the first for Z-Image (its joint sequence is [image; caption]).
+    prediction_group: ClassVar[int] = -1
+    #: CFG runs when that argument is above this (diffusers' pipelines: 1; Z-Image's guides for any g > 0).
+    cfg_above: ClassVar[float] = 1.0
     #: Forward passes per step a generation of this family makes by default (2: classifier-free guidance).
     default_branches: ClassVar[int] = 1
     #: Why CFG parallelism has nothing to split by default, if the family says so (for ``jaxdit plan``).

@@ -37,14 +37,40 @@ def interleave_branches(uncond: jax.Array, cond: jax.Array, data: int) -> jax.Ar
     return pairs.reshape(2 * uncond.shape[0], *uncond.shape[1:])
 
 
-def combine_branches(prediction: jax.Array, scale, mesh: MeshLike, *, seq_sharded: bool = False) -> jax.Array:
+def renormalized(guided: jax.Array, cond: jax.Array, factor: float, seq_sharded: bool) -> jax.Array:
+    """``guided`` scaled down per sample where its L2 norm exceeds ``factor`` x the conditional
+    prediction's (CFG renormalisation, as diffusers' ``ZImagePipeline(cfg_normalization=...)``). The norms
+    run over every non-batch element; with ``seq_sharded`` each device holds a slice of the tokens, so the
+    squared sums are added over (ring, ulysses) (inside ``shard_map``). Padded tokens must be zero."""
+    axes = tuple(range(1, guided.ndim))
+    g, c = guided.astype(jnp.float32), cond.astype(jnp.float32)
+    sums = jnp.stack([jnp.sum(g * g, axis=axes), jnp.sum(c * c, axis=axes)])
+    if seq_sharded:
+        sums = lax.psum(sums, ("ring", "ulysses"))
+    new, limit = jnp.sqrt(sums[0]), factor * jnp.sqrt(sums[1])
+    ratio = jnp.where(new > limit, limit / jnp.where(new > 0, new, 1.0), 1.0)
+    return (g * ratio.reshape(-1, *(1,) * len(axes))).astype(guided.dtype)
+
+
+def combine_branches(
+    prediction: jax.Array, scale, mesh: MeshLike, *, seq_sharded: bool = False, renorm: float = 0.0
+) -> jax.Array:
     """Predictions laid out by :func:`interleave_branches`, batch over (data, cfg) -> guided [B, ...].
 
     The output batch is split over data only (replicated over cfg). ``seq_sharded``: axis 1 is a token
     axis in the model's padded shard layout, split over (ring, ulysses); it stays where it is.
+    ``renorm`` > 0: the guided prediction's norm is capped at ``renorm`` x the conditional one's
+    (:func:`renormalized`; the predictions of padded tokens must be zero).
     """
     where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a plain mesh gives its degrees
     mesh, config = where.mesh, where.parallel
+    if renorm > 0:
+        plain = guidance
+
+        def guidance_fn(uncond, cond, scale):
+            return renormalized(plain(uncond, cond, scale), cond, renorm, seq_sharded)
+    else:
+        guidance_fn = guidance
     if prediction.shape[0] % (2 * config.data):
         raise ValueError(f"CFG batch {prediction.shape[0]} is not 2 x a multiple of data={config.data}")
     rest = (
@@ -58,7 +84,7 @@ def combine_branches(prediction: jax.Array, scale, mesh: MeshLike, *, seq_sharde
         def local(pred, scale):
             # This data shard holds its own [uncond; cond] pair: split locally, nothing moves.
             uncond, cond = jnp.split(pred, 2, axis=0)
-            return guidance(uncond, cond, scale)
+            return guidance_fn(uncond, cond, scale)
 
         in_spec = PartitionSpec("data", *rest)
     else:
@@ -66,7 +92,7 @@ def combine_branches(prediction: jax.Array, scale, mesh: MeshLike, *, seq_sharde
         def local(pred, scale):
             other = lax.ppermute(pred, CFG_AXIS, [(0, 1), (1, 0)])
             is_cond = lax.axis_index(CFG_AXIS) == 1
-            return guidance(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
+            return guidance_fn(jnp.where(is_cond, other, pred), jnp.where(is_cond, pred, other), scale)
 
         in_spec = PartitionSpec(("data", CFG_AXIS), *rest)
 

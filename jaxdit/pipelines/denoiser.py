@@ -133,6 +133,9 @@ class DenoiseInputs:
     grid: tuple[int, ...] = ()
     experts: tuple[int, ...] = ()
     scales: tuple[float, ...] = ()
+    #: CFG renormalisation (``jaxdit.parallel.cfg.renormalized``): the guided prediction's norm capped at
+    #: this x the conditional one's; 0: none. The forward's padded tokens must predict zero.
+    renorm: float = 0.0
 
 
 @dataclasses.dataclass
@@ -228,7 +231,9 @@ class Denoiser:
         return layout, tuple(name for name in self.forward.inputs if name in shapes)
 
     # ------------------------------------------------------------------ step
-    def _step_parts(self, names: tuple[str, ...], cfg: bool) -> tuple[Callable, Callable]:
+    def _step_parts(
+        self, names: tuple[str, ...], cfg: bool, renorm: float = 0.0
+    ) -> tuple[Callable, Callable]:
         """The two halves of a step around the forward: its inputs from the latent tokens, and the update
         of the tokens from its prediction (CFG combine, then the sampler) with the step's finiteness flags."""
         mesh, sampler, hooks, dtype = self.mesh, self.sampler, self.hooks, self.dtype
@@ -250,7 +255,7 @@ class Denoiser:
         def update(v, x, state, i, schedule, scale):
             prediction = v
             if cfg:
-                v = combine_branches(v, scale, where, seq_sharded=True)
+                v = combine_branches(v, scale, where, seq_sharded=True, renorm=renorm)
             x, state = sampler.step(schedule, i, state, x, hooks.prediction(v))
             # Per device: are its shards of the prediction and of the update finite (no collective).
             seen = finite.shard_flags(mesh, [(prediction, prediction_spec), (x, self.latent_sharding.spec)])
@@ -258,15 +263,17 @@ class Denoiser:
 
         return forward_inputs, update
 
-    def step_fn(self, layout: SequenceLayout, names: tuple[str, ...], cfg: bool) -> Callable:
+    def step_fn(
+        self, layout: SequenceLayout, names: tuple[str, ...], cfg: bool, renorm: float = 0.0
+    ) -> Callable:
         """``step(params, x, state, i, schedule, context, extras, scale) -> (x, state, i + 1, finite)``,
         jitted; ``x`` and the sampler state are donated (updated in place). ``finite``: per device, whether
         its shards of the prediction and of the update are finite (``finite.shard_flags``)."""
-        key = (layout, names, cfg)
+        key = (layout, names, cfg, renorm)
         if key in self._steps:
             return self._steps[key]
         forward = self.forward.step(layout, names)
-        forward_inputs, update = self._step_parts(names, cfg)
+        forward_inputs, update = self._step_parts(names, cfg, renorm)
 
         def step(params, x, state, i, schedule, context, extras, scale):
             v = forward(params, *forward_inputs(x, i, schedule, context, extras))
@@ -293,15 +300,16 @@ class Denoiser:
         cfg: bool,
         cached: CachedForward,
         shapes: Mapping[str, Any],
+        renorm: float = 0.0,
     ) -> Callable:
         """:meth:`step_fn` with a feature cache: ``step(params, x, state, cache, i, schedule, context,
         extras, scale) -> (x, state, cache, i + 1, finite)``, jitted; the cache state is donated too and stays
         on the devices from step to step."""
-        key = (layout, names, cfg, cached.policy)
+        key = (layout, names, cfg, cached.policy, renorm)
         if key in self._steps:
             return self._steps[key]
         forward = cached.step(layout, names, shapes)
-        forward_inputs, update = self._step_parts(names, cfg)
+        forward_inputs, update = self._step_parts(names, cfg, renorm)
 
         def step(params, x, state, cache, i, schedule, context, extras, scale):
             v, cache = forward(params, cache, *forward_inputs(x, i, schedule, context, extras))
@@ -367,7 +375,7 @@ class Denoiser:
         if cache is not None:
             return self.run_cached(inputs, cache, progress=progress, callback=callback, params=params)
         layout, names = self.layout(inputs)
-        step = self.step_fn(layout, names, inputs.cfg)
+        step = self.step_fn(layout, names, inputs.cfg, inputs.renorm)
         x, state, i, *rest, scale = self.place(inputs, layout)
         pick, scale_of = self._per_step(inputs, params, scale)
         self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest, scale)))
@@ -437,7 +445,7 @@ class Denoiser:
             branch_rows = self._branch_rows(b, inputs.cfg)
         plan = cached.plan(steps, switches, schedule_inputs, branch_rows or ())
         cache_state = cached.init_state(shapes, plan)
-        step = self.cached_step_fn(layout, names, inputs.cfg, cached, shapes)
+        step = self.cached_step_fn(layout, names, inputs.cfg, cached, shapes, inputs.renorm)
         rest = (schedule, context, extras)
         self.last_step = (
             step,
@@ -485,7 +493,7 @@ class Denoiser:
         """The step for ``inputs`` lowered from abstract shapes: ``inputs`` may hold ShapeDtypeStructs
         (unpadded shapes; no data is read) and the forward's state may be abstract."""
         layout, names = self.layout(inputs)
-        step = self.step_fn(layout, names, inputs.cfg)
+        step = self.step_fn(layout, names, inputs.cfg, inputs.renorm)
 
         def sds(shape, dtype, sharding):
             return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), sharding=sharding)

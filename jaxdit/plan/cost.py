@@ -270,34 +270,46 @@ def _collectives(
 ) -> list[CollectiveCost]:
     sh = shapes(w, c)
     b, n, e, act = sh.b, sh.n, w.hidden, w.dtype
-    block = b * n * sh.h_t * w.head_dim  # one of q, k, v, out on this device
     out: list[CollectiveCost] = []
-    if c.ulysses > 1:
-        out.append(
-            CollectiveCost(
-                "ulysses",
-                "all-to-all",
-                "q, k, v and output of every attention layer",
-                4 * attention_layers,
-                block,
-                act,
-                c.ulysses,
+    # Attention layers by the tokens they cover (one entry, all n tokens, unless a stack attends over
+    # fewer: ``StepTerms.attention_tokens``).
+    layers_by_tokens: dict[int, int] = {}
+    if terms.attention_tokens:
+        for depth, tokens in zip(w.stack_depths, terms.attention_tokens, strict=True):
+            layers = _stage_layers(depth, c.pipefusion)
+            if layers:
+                layers_by_tokens[tokens] = layers_by_tokens.get(tokens, 0) + layers
+    else:
+        layers_by_tokens[n] = attention_layers
+    for tokens, layers in layers_by_tokens.items():
+        block = b * tokens * sh.h_t * w.head_dim  # one of q, k, v, out on this device
+        which = "" if tokens == n else f" over {tokens} of the {n} tokens"
+        if c.ulysses > 1:
+            out.append(
+                CollectiveCost(
+                    "ulysses",
+                    "all-to-all",
+                    f"q, k, v and output of every attention layer{which}",
+                    4 * layers,
+                    block,
+                    act,
+                    c.ulysses,
+                )
             )
-        )
-    if c.ring > 1:
-        # Each hop's K and V permutes overlap the local attention of the block in hand (1/R of it).
-        out.append(
-            CollectiveCost(
-                "ring",
-                "collective-permute",
-                "K and V blocks, R-1 hops per attention layer",
-                2 * (c.ring - 1) * attention_layers,
-                block,
-                act,
-                c.ring,
-                overlap_flops=terms.attention_flops / c.ring / 2,
+        if c.ring > 1:
+            # Each hop's K and V permutes overlap the local attention of the block in hand (1/R of it).
+            out.append(
+                CollectiveCost(
+                    "ring",
+                    "collective-permute",
+                    f"K and V blocks, R-1 hops per attention layer{which}",
+                    2 * (c.ring - 1) * layers,
+                    block,
+                    act,
+                    c.ring,
+                    overlap_flops=terms.attention_flops / c.ring / 2,
+                )
             )
-        )
     if c.tensor > 1:
         for r in terms.reductions:
             layers = _stage_layers(w.stack_depths[r.stack], c.pipefusion)
@@ -313,7 +325,7 @@ def _collectives(
                 "collective-permute",
                 "this device's share of its branch's noise prediction, once per step",
                 1,
-                b * sh.local[-1] * w.output_features,
+                b * sh.local[w.family.prediction_group] * w.output_features,
                 w.family.prediction_dtype(w.dtype),
                 2,
             )

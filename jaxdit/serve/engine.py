@@ -263,7 +263,7 @@ class Engine:
     def uses_cfg(self, g: Generation) -> bool:
         """Whether ``g`` runs classifier-free guidance (as `jaxdit generate` decides it)."""
         call = self.call(g)
-        cfg = getattr(call, self.family.cfg_scale_argument) > 1.0
+        cfg = getattr(call, self.family.cfg_scale_argument) > self.family.cfg_above
         if self.family.cfg_scale_argument == "true_cfg_scale":
             cfg = cfg and call.negative_prompt is not None
         return cfg

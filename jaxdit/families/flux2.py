@@ -1,0 +1,156 @@
+"""FLUX.2 [dev] / [klein] as a jaxdit model family (see ``jaxdit.families.base``): for now its
+transformer (``models/flux2.py``, ``converters/flux2.py``) with presets and the cost terms ``jaxdit plan``
+prices. jaxdit has no FLUX.2 pipeline yet (text encoders, sampler loop), so ``jaxdit generate`` refuses a
+FLUX.2 model by name before loading anything, and ``jaxdit plan --verify`` (which lowers a pipeline's
+step) is not available for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax.sharding import Mesh
+
+from converters import flux2 as flux2_converters
+from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
+from jaxdit.models import flux2
+from jaxdit.models.flux2_config import Flux2Config
+from jaxdit.pipelines.model_folder import ModelFolder
+
+__all__ = ["FLUX2", "Flux2Family", "NoFlux2Pipeline"]
+
+#: Text tokens the pipelines pad the prompt to (diffusers' ``max_sequence_length`` default, both
+#: ``Flux2Pipeline`` and ``Flux2KleinPipeline``).
+TEXT_LEN = 512
+#: The VAE's 8x spatial compression x the 2x2 patches the pipelines fold into channels.
+PIXELS_PER_TOKEN = 16
+
+_NO_PIPELINE = (
+    "jaxdit has no FLUX.2 pipeline yet: its transformer loads (jaxdit.load_transformer) and jaxdit plan "
+    "prices it, but a generation needs the FLUX.2 text encoders and sampler, which are not implemented"
+)
+
+
+class NoFlux2Pipeline:
+    """Stands where the family's pipeline class goes until there is one: the generate checks read its
+    call signature (it takes prompt embeddings only) and every use says why there is none."""
+
+    @classmethod
+    def from_pretrained(cls, path: Any) -> NoFlux2Pipeline:
+        raise ValueError(_NO_PIPELINE)
+
+    @classmethod
+    def call_defaults(cls) -> dict[str, Any]:
+        """Asked first by ``jaxdit generate``'s checks: the refusal, as a request error."""
+        raise ValueError(_NO_PIPELINE)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise ValueError(_NO_PIPELINE)
+
+    def __call__(self, prompt_embeds: Any = None) -> Any:
+        raise ValueError(_NO_PIPELINE)
+
+
+class Flux2Family(ModelFamily):
+    name = "flux2"
+    display = "FLUX.2"
+    checkpoints = flux2_converters.CHECKPOINTS
+    presets = {
+        # The published defaults: 50 steps for dev (embedded guidance, no CFG), 4 for the distilled klein.
+        "flux2-dev": Preset(steps=50, height=1024, width=1024),
+        "flux2-klein-4b": Preset(steps=4, height=1024, width=1024),
+        "flux2-klein-9b": Preset(steps=4, height=1024, width=1024),
+    }
+    folder_classes: dict = {}
+    pipeline_class = NoFlux2Pipeline
+    cfg_note = "FLUX.2-dev's guidance is an embedded input and distilled klein runs without CFG"
+    cfg_scale_argument = "guidance_scale"
+    cfg_needs = "a klein base model (not implemented in jaxdit yet)"
+    embedding_names = ("prompt_embeds",)
+
+    def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
+        raise ValueError(_NO_PIPELINE)
+
+    def example_request(self, workload: Any) -> Any:
+        raise ValueError(_NO_PIPELINE)
+
+    def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
+        raise ValueError(_NO_PIPELINE)
+
+    def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
+        raise ValueError(_NO_PIPELINE)
+
+    def pipefusion_unsupported(self, workload: Any) -> str | None:
+        return "no FLUX.2 PipeFusion runner yet"
+
+    def size_multiple(self, folder: ModelFolder | None) -> int:
+        return PIXELS_PER_TOKEN
+
+    def wrap(self, model: Any, mesh: Mesh, **options: Any) -> Any:
+        """diffusers-named keyword arguments (``models/flux2.py``'s ``FORWARD_INPUTS``) on global arrays."""
+        return flux2.sharded(model, mesh, **options)
+
+    def output_features(self, config: Flux2Config) -> int:
+        return config.output_features
+
+    def workload_shape(self, config, height, width, frames, text_tokens):
+        if frames != 1:
+            raise ValueError(f"FLUX.2 makes images: frames must be 1, got {frames}")
+        image = (height // PIXELS_PER_TOKEN) * (width // PIXELS_PER_TOKEN)
+        return (TEXT_LEN if text_tokens is None else text_tokens, image), ()
+
+    def step_terms(self, w: Any, parallel: Any, sh: Any) -> StepTerms:
+        """FLUX.2's blocks (``models/flux2_blocks.py``): bias-free; a double block runs q/k/v/out and a
+        SwiGLU MLP (gate, value, down) on both streams, a single block q/k/v, the MLP's gate and value
+        and one output projection whose [attention | MLP] partial sums share one all-reduce. The three
+        modulations are computed once per step outside the blocks; embedders and the final layer are
+        replicated."""
+        m, e, d, b, n = w.model, w.hidden, w.head_dim, sh.b, sh.n
+        n_txt, n_img = sh.local
+        c = m.timestep_guidance_channels
+        embedders = 1 + int(m.guidance_embeds)
+        out = m.output_features
+        nonblock = (
+            embedders * 2 * b * (c * e + e * e)  # time (+ guidance) embedders
+            + 2 * b * e * 15 * e  # the shared modulations: 6E + 6E + 3E
+            + 2 * b * n_img * m.in_channels * e  # img_in
+            + 2 * b * n_txt * m.joint_attention_dim * e  # txt_in
+            + 2 * b * e * 2 * e  # norm_out
+            + 2 * b * n_img * e * out  # proj_out
+        )
+        e_t, f_t = sh.e_t, sh.f_t
+        proj = 2 * b * n * e * e_t * 4  # q, k, v, out (both streams of a double block together)
+        mlp = 2 * b * n * e * f_t * 3  # gate, value, down
+        att = sh.self_attention_flops
+        param_nonblock = (
+            m.in_channels * e
+            + m.joint_attention_dim * e
+            + embedders * (c * e + e * e)
+            + 15 * e * e
+            + 2 * e * e
+            + e * out
+        )
+        qkv = 3 * e * e_t + 2 * d  # column-parallel q/k/v; QK-norm scales replicated
+        stream = qkv + e_t * e + 3 * e * f_t
+        single = qkv + 2 * e * f_t + e_t * e + f_t * e
+        a = w.itemsize
+        reductions = (
+            Reduction(
+                "double blocks, text stream: attention-out and MLP-down partial sums", 0, 2, b * n_txt * e
+            ),
+            Reduction(
+                "double blocks, image stream: attention-out and MLP-down partial sums", 0, 2, b * n_img * e
+            ),
+            Reduction("single blocks: to_out partial sums ([attention | MLP] in one)", 1, 1, b * n * e),
+        )
+        return StepTerms(
+            nonblock_flops=nonblock,
+            block_flops=(proj + mlp + att, proj + mlp + att),
+            attention_flops=att,
+            param_nonblock_bytes=param_nonblock * a,
+            param_block_bytes=(2 * stream * a, single * a),
+            reductions=reductions,
+        )
+
+
+FLUX2 = Flux2Family()
