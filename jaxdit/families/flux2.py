@@ -35,6 +35,9 @@ class NoFlux2Pipeline:
     """Stands where the family's pipeline class goes until there is one: the generate checks read its
     call signature (it takes prompt embeddings only) and every use says why there is none."""
 
+    #: No family-specific call arguments (``jaxdit generate`` reads every registered pipeline's).
+    call_options: tuple = ()
+
     @classmethod
     def from_pretrained(cls, path: Any) -> NoFlux2Pipeline:
         raise ValueError(_NO_PIPELINE)
