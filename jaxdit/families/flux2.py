@@ -35,7 +35,7 @@ class NoFlux2Pipeline:
     """Stands where the family's pipeline class goes until there is one: the generate checks read its
     call signature (it takes prompt embeddings only) and every use says why there is none."""
 
-    #: No family-specific call arguments (``jaxdit generate`` reads every registered pipeline's).
+    #: No call arguments of its own (the registry lists every family's for ``jaxdit generate``'s flags).
     call_options: tuple = ()
 
     @classmethod

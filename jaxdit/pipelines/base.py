@@ -38,7 +38,9 @@ from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import finite
 from jaxdit.pipelines.assemble import load_model, preset_check
 from jaxdit.pipelines.call_options import CallOption
-from jaxdit.pipelines.denoiser import DenoiseInputs
+from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
+from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
+from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.preflight import check_prompts
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
 
@@ -163,6 +165,46 @@ class DiffusionPipeline:
         self.decode = decode
         #: The LoRAs fused into the transformer's weights now (``load_lora``), or None.
         self.loras: FusedLoras | None = None
+
+    # ------------------------------------------------------------------ the denoiser, chosen once here
+    def plain_forward(self, sharded: Callable[..., Any], model: Any, kernel: Any = None) -> Any:
+        """``sharded(model, mesh, kernel=)`` (the family's sharded forward) on a plain mesh; None under
+        PipeFusion, where ``model`` is the stage layout and the runner computes."""
+        return None if self.parallel.pipefusion > 1 else sharded(model, self.mesh, kernel=kernel)
+
+    def denoiser_for(
+        self,
+        model: Any,
+        sampler: Any,
+        *,
+        patches: Callable[[Any], Any] | None,
+        kernel: Any = None,
+        compiler_options: Any = None,
+        token_hooks: Any = None,
+        dtype: Any = None,
+        experts: Any = None,
+    ) -> Any:
+        """The denoising loop for this mesh: the PipeFusion runner over ``model``'s stages (``patches``:
+        the family's patch geometry class) where the mesh has ``pipefusion > 1``, else the plain loop over
+        ``self.forward`` (:meth:`plain_forward`). Every family's pipeline gets its denoiser here."""
+        if self.parallel.pipefusion > 1:
+            if patches is None:
+                raise ValueError(
+                    f"{type(self).__name__} does not run PipeFusion yet: use ulysses/ring/tensor/cfg"
+                )
+            runner = PipeFusionRunner(
+                patches(model.config), model, kernel=kernel, compiler_options=compiler_options
+            )
+            return PipeFusionDenoiser(runner, sampler, experts=experts)
+        # XLA options belong to the outermost jit (the step); jax rejects them on a nested one.
+        return Denoiser(
+            self.forward,
+            sampler,
+            token_hooks,
+            dtype=model.dtype if dtype is None else dtype,
+            compiler_options=compiler_options,
+            experts=experts,
+        )
 
     @property
     def last_step(self):

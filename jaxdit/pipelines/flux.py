@@ -33,11 +33,9 @@ from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
-from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
+from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
-from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
 from jaxdit.pipelines.pipefusion.flux import FluxPatches, PipeFusionFlux
-from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
@@ -101,18 +99,11 @@ class FluxPipeline(DiffusionPipeline):
         self.latent_channels = latent_channels
         self.vae_scale_factor = vae_scale_factor
         self.compiler_options = compiler_options
-        if self.parallel.pipefusion > 1:  # ``model`` is the stage layout (PipeFusionFlux)
-            self.forward = None
-            runner = PipeFusionRunner(
-                FluxPatches(model.config), model, kernel=kernel, compiler_options=compiler_options
-            )
-            self.denoiser = PipeFusionDenoiser(runner, self.sampler)
-        else:
-            # XLA options belong to the outermost jit (the step); jax rejects them on a nested one.
-            self.forward = flux.sharded(model, mesh, kernel=kernel)
-            self.denoiser = Denoiser(
-                self.forward, self.sampler, dtype=model.dtype, compiler_options=compiler_options
-            )
+        # Under PipeFusion ``model`` is the stage layout (PipeFusionFlux) and there is no plain forward.
+        self.forward = self.plain_forward(flux.sharded, model, kernel)
+        self.denoiser = self.denoiser_for(
+            model, self.sampler, patches=FluxPatches, kernel=kernel, compiler_options=compiler_options
+        )
 
     # ------------------------------------------------------------------ builders
     @classmethod

@@ -71,9 +71,7 @@ from jaxdit.models import wan
 from jaxdit.models.wan_patchify import swap_features
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared, fuse_on_top
-from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
-from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
-from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
+from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.pipefusion.wan import PipeFusionWan, WanPatches
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.wan_experts import HIGH_NOISE, LOW_NOISE, TwoExperts, expert_of_steps, guidance_of_steps
@@ -186,8 +184,7 @@ class WanPipeline(DiffusionPipeline):
         self.config: wan.WanConfig = model.config
         self.dtype = model.dtype
         self.compiler_options = compiler_options
-        # XLA options belong to the outermost jit (the step below); jax rejects them on a nested one.
-        self.forward = wan.sharded(model, mesh, kernel=kernel) if self.parallel.pipefusion == 1 else None
+        self.forward = self.plain_forward(wan.sharded, model, kernel)
         self.boundary_ratio = boundary_ratio
         self.expand_timesteps = expand_timesteps
         self.experts = None
@@ -204,22 +201,17 @@ class WanPipeline(DiffusionPipeline):
         self.vae_scale_factor_spatial = vae_scale_factor_spatial or spatial
         self.vae_scale_factor_temporal = vae_scale_factor_temporal or temporal
         sampler = UniPCSampler(scheduler or unipc.UniPCConfig())
-        if self.parallel.pipefusion > 1:  # ``model`` is the stage layout (PipeFusionWan)
-            runner = PipeFusionRunner(
-                WanPatches(model.config), model, kernel=kernel, compiler_options=compiler_options
-            )
-            self.denoiser = PipeFusionDenoiser(
-                runner, sampler, experts=None if self.experts is None else self.experts.params
-            )
-        else:
-            self.denoiser = Denoiser(
-                self.forward,
-                sampler,
-                token_hooks(self.config),
-                dtype=self.dtype,
-                compiler_options=compiler_options,
-                experts=None if self.experts is None else self.experts.params,
-            )
+        # Under PipeFusion ``model`` is the stage layout (PipeFusionWan); the token hooks are the plain loop's.
+        self.denoiser = self.denoiser_for(
+            model,
+            sampler,
+            patches=WanPatches,
+            kernel=kernel,
+            compiler_options=compiler_options,
+            token_hooks=token_hooks(self.config),
+            dtype=self.dtype,
+            experts=None if self.experts is None else self.experts.params,
+        )
 
     def _second_expert_state(self, transformer_2: Any) -> Any:
         """The low-noise expert's parameters in this pipeline's layout: a module's state (under PipeFusion

@@ -32,7 +32,7 @@ from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
-from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
+from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
@@ -80,18 +80,18 @@ class ZImagePipeline(DiffusionPipeline):
         compiler_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(mesh, encode=encode, decode=decode)
-        if self.parallel.pipefusion > 1:
-            raise ValueError(
-                "Z-Image does not run PipeFusion yet: put the devices on ulysses/ring/tensor/cfg"
-            )
         self.model = model
         self.config = model.config
         self.scheduler = scheduler or DEFAULT_SCHEDULER
         self.sampler = EulerSampler(self.scheduler)
         self.vae_scale_factor = vae_scale_factor
-        self.forward = z_image.sharded(z_image.sampler_view(model), mesh, kernel=kernel)
-        self.denoiser = Denoiser(
-            self.forward, self.sampler, dtype=model.dtype, compiler_options=compiler_options
+        self.forward = self.plain_forward(
+            lambda m, mesh, kernel: z_image.sharded(z_image.sampler_view(m), mesh, kernel=kernel),
+            model,
+            kernel,
+        )
+        self.denoiser = self.denoiser_for(
+            model, self.sampler, patches=None, kernel=kernel, compiler_options=compiler_options
         )
 
     @classmethod
