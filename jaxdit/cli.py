@@ -266,8 +266,12 @@ def _add_generate(sub) -> None:
         type=float,
         default=None,
         help="default: First-Block-Cache 0.08 (tiny-digits 0.2); TeaCache the model's published one "
-        "(FLUX.1 0.4; Wan 2.1 1.3B 0.08, 14B 0.2, I2V 480P 0.26 / 720P 0.3)",
+        "(FLUX.1 0.4; Wan 2.1 1.3B 0.08, 14B 0.2, I2V 480P 0.26 / 720P 0.3); MagCache the shipped one; "
+        "DBCache 0.08",
     )
+    from jaxdit.generate_cache import add_arguments as add_cache_flags
+
+    add_cache_flags(cache, _flag)
     from jaxdit.distributed import add_arguments as add_process_flags
 
     add_process_flags(gen)

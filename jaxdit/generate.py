@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit import distributed, runtime
+from jaxdit import generate_cache as cache_flags
 from jaxdit.generate_checks import check_memory, check_request, check_run
 from jaxdit.generate_request import GenerateRequest, load_embeddings
 from jaxdit.mesh import DeviceMesh, ParallelConfig
@@ -144,6 +145,8 @@ def run(r: GenerateRequest) -> int:
     )
     if result.cache is not None:
         say(result.cache.describe())
+        if r.calibrate_magcache is not None and main:
+            cache_flags.save_calibration(r, result.cache, say)
     if r.compare_single_device:
         single_mesh = ParallelConfig().device_mesh(jax.local_devices()[:1])
         one = dataclasses.replace(r, **_single_device_degrees())

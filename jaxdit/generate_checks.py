@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxdit import families, runtime
+from jaxdit import generate_cache as cache_flags
 from jaxdit.generate_request import (
     IMAGE_SUFFIXES,
     MAX_SEQUENCE_LENGTH,
@@ -25,7 +26,6 @@ from jaxdit.generate_request import (
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.kernels import check_backend
 from jaxdit.pipelines import preflight
-from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
 from jaxdit.pipelines.request import GenerationRequest
 
 __all__ = ["call_view", "check_memory", "check_request", "check_run", "model_config"]
@@ -82,17 +82,7 @@ def check_request(r: GenerateRequest, *, output: bool = True) -> None:
 
 
 def _check_cache(r: GenerateRequest, parallel: ParallelConfig) -> None:
-    if r.use_fbcache and r.use_teacache:
-        raise ValueError("--use_fbcache and --use_teacache are two caches: pick one")
-    if r.cache_threshold is not None:
-        if not (r.use_fbcache or r.use_teacache):
-            raise ValueError("--cache_threshold needs a cache: add --use_fbcache or --use_teacache")
-        if not math.isfinite(r.cache_threshold) or r.cache_threshold <= 0:
-            raise ValueError(f"--cache_threshold must be a positive number, got {r.cache_threshold}")
-    if (r.use_fbcache or r.use_teacache) and parallel.pipefusion > 1:
-        raise ValueError(
-            f"--pipefusion_parallel_degree {parallel.pipefusion} with a cache: {CACHE_WITH_PIPEFUSION}"
-        )
+    cache_flags.check_flags(r, parallel.pipefusion)
 
 
 def _check_folder(r: GenerateRequest) -> None:
@@ -200,6 +190,7 @@ def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = Tru
             f"and Wan sample in 4-50), got {call.num_inference_steps}"
         )
     config = model_config(r)
+    cache_flags.check_for_family(r, config)  # the family's cache hooks, before any weight loads
     # The family's own checks first: with a known model and embeddings they are the pipeline's, whose
     # messages name the nearest valid sizes and frame counts.
     family.check_generate(call_view(r, call), config, parallel)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit import families
-from jaxdit.cache import FirstBlockCache, TeaCache
+from jaxdit import generate_cache as cache_flags
 from jaxdit.distributed import ProcessGroup, resolve
 from jaxdit.families.base import ModelFamily
 from jaxdit.lora import parse_lora
@@ -80,9 +80,17 @@ class GenerateRequest:
     num_processes: int | None = None
     process_id: int | None = None
     initialization_timeout: float = 300.0
-    use_fbcache: bool = False  # First-Block-Cache
-    use_teacache: bool = False  # TeaCache
+    use_fbcache: bool = False  # First-Block-Cache (= --cache fbcache)
+    use_teacache: bool = False  # TeaCache (= --cache teacache)
     cache_threshold: float | None = None  # default: the family's measured one, else the cache's own
+    # The other feature-cache flags (jaxdit.generate_cache).
+    feature_cache: str | None = None  # --cache NAME
+    taylor_order: int | None = None
+    taylorseer_interval: int | None = None
+    dbcache_fn: int | None = None
+    dbcache_bn: int | None = None
+    magcache_ratios: str | None = None
+    calibrate_magcache: str | None = None
     offload_idle_expert: bool = False  # Wan 2.2 A14B: the idle expert waits in host memory
 
     @classmethod
@@ -174,13 +182,7 @@ class GenerateRequest:
     # ------------------------------------------------------------------ the call
     def cache(self) -> Any:
         """The feature cache the flags ask for (``jaxdit.cache``), or None."""
-        kind = FirstBlockCache if self.use_fbcache else TeaCache if self.use_teacache else None
-        if kind is None:
-            return None
-        threshold = self.cache_threshold
-        if threshold is None:
-            threshold = self.family.cache_thresholds.get(kind.name)
-        return kind() if threshold is None else kind(threshold=threshold)
+        return cache_flags.make_cache(self)
 
     @functools.cached_property
     def embeddings(self) -> dict[str, tuple[int, ...]] | None:

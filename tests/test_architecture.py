@@ -38,6 +38,7 @@ LAYERS = {
     "jaxdit.generate": 8,
     "jaxdit.generate_request": 8,
     "jaxdit.generate_checks": 8,
+    "jaxdit.generate_cache": 8,
     "jaxdit.serve": 8,
     "jaxdit.cli": 9,
     "jaxdit.cli_help": 9,

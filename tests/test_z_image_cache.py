@@ -63,5 +63,5 @@ def test_skips_the_same_steps_on_every_mesh(pipes, guidance):
 
 def test_teacache_names_what_it_lacks(pipes):
     _, mesh, _ = pipes
-    with pytest.raises(ValueError, match="TeaCache needs the model's metric input"):
+    with pytest.raises(ValueError, match="TeaCache is not available for Z"):
         mesh(PROMPT, guidance_scale=0.0, cache=TeaCache(), **CALL)

@@ -35,7 +35,6 @@ Reading the records back (:func:`read_report`) shows whether all devices decided
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -46,19 +45,20 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdit.cache import segments, taylor
+from jaxdit.cache.hooks import hooks_for
 from jaxdit.cache.policies import (
     RUN,
-    FirstBlockCache,
-    TeaCache,
+    SKIP,
     first_block_decision,
     host_plan,
     teacache_decision,
     teacache_pattern,
 )
 from jaxdit.cache.report import CacheReport
+from jaxdit.cache.resolve import Policy, resolve
 from jaxdit.mesh import MESH_AXES
 from jaxdit.models.sharded_forward import ShardedForward
-from jaxdit.models.staged import scan_blocks
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 from sharding_rules import logical_to_spec
@@ -71,81 +71,9 @@ STREAM_AXES = ("batch", "seq", None)
 PER_DEVICE = PartitionSpec(MESH_AXES, None)
 
 
-@dataclasses.dataclass(frozen=True)
-class Policy:
-    """A cache config resolved for one model (static: it is traced into the step).
-
-    ``metric``: ``"first_block"`` (First-Block-Cache), ``"step_input"`` (TeaCache on an input computed
-    in the step) or ``"schedule"`` (TeaCache on an input that depends on the timestep only).
-    """
-
-    name: str
-    title: str
-    threshold: float
-    metric: str
-    coefficients: tuple[float, ...] = ()
-
-    @property
-    def runs_first_block(self) -> bool:
-        return self.metric == "first_block"
-
-    def forced(self, steps: int, switches: Sequence[int] = ()) -> list[int]:
-        """Steps that always run every block: the first; TeaCache's last; where the parameters change."""
-        last = [steps - 1] if self.name == TeaCache.name else []
-        return sorted({0, *last, *switches})
-
-    def describe(self) -> str:
-        return f"{self.title} (threshold {self.threshold:g})"
-
-
-def resolve(config: Any, model: Any, grid: Sequence[int] = ()) -> Policy:
-    """A ``FirstBlockCache`` / ``TeaCache`` for ``model`` (a staged transformer, possibly abstract);
-    TeaCache's missing threshold and coefficients are the model's published ones for ``grid`` (the
-    latent token grid: Wan I2V picks its 480P or 720P model's numbers by it)."""
-    kind = type(model).__name__
-    if isinstance(config, FirstBlockCache):
-        if not hasattr(model, "cache_metric_stream"):
-            raise ValueError(f"{kind} does not say which stream First-Block-Cache compares")
-        return Policy(config.name, config.title, float(config.threshold), "first_block")
-    if isinstance(config, TeaCache):
-        if hasattr(model, "teacache_timestep_input"):
-            metric = "schedule"
-        elif hasattr(model, "teacache_input"):
-            metric = "step_input"
-        else:
-            raise ValueError(f"TeaCache needs the model's metric input; {kind} has none")
-        defaults = model.teacache_defaults(tuple(grid))
-        coefficients = config.coefficients or (defaults[0] if defaults else None)
-        threshold = config.threshold or (defaults[1] if defaults else None)
-        if coefficients is None or threshold is None:
-            raise ValueError(
-                f"TeaCache has no published coefficients for this {kind} (not a published model size); "
-                "pass TeaCache(threshold=..., coefficients=(...)) explicitly"
-            )
-        return Policy(config.name, config.title, float(threshold), metric, tuple(map(float, coefficients)))
-    raise TypeError(
-        f"cache must be a jaxdit.cache.FirstBlockCache or TeaCache (or None), got {type(config).__name__}"
-    )
-
-
 # --------------------------------------------------------------------------------------------------------
 # The local view (inside shard_map)
 # --------------------------------------------------------------------------------------------------------
-
-
-def _first_stack(model: Any) -> int:
-    for k, name in enumerate(model.STACKS):
-        if getattr(model, name) is not None:
-            return k
-    raise ValueError(f"{type(model).__name__} has no blocks to cache")
-
-
-def _split_first(blocks: nnx.Module) -> tuple[nnx.Module, nnx.Module]:
-    """A stacked block module -> (its block 0, the stack of the others)."""
-    graphdef, state = nnx.split(blocks)
-    first = nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
-    rest = nnx.merge(graphdef, jax.tree.map(lambda a: a[1:], state))
-    return first, rest
 
 
 def _masked_l1(x: jax.Array, reference: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -157,79 +85,89 @@ def _masked_l1(x: jax.Array, reference: jax.Array, valid: jax.Array) -> tuple[ja
     return numerator, denominator
 
 
+def _norm_ratio(x: jax.Array, previous: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(sum over real tokens of ||x|| / ||previous|| (L2 over features), their count): MagCache's ratio."""
+    norm = lambda a: jnp.sqrt(jnp.sum(jnp.square(a.astype(jnp.float32)), axis=-1))  # noqa: E731
+    mask = jnp.broadcast_to(valid[None, :], x.shape[:2])
+    return jnp.sum(jnp.where(mask, norm(x) / norm(previous), 0.0)), jnp.sum(mask.astype(jnp.float32))
+
+
 def _mesh_sum(numerator: jax.Array, denominator: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Both sums over every device of the mesh, as ONE all-reduce of two scalars."""
     both = jax.lax.psum(jnp.stack([numerator, denominator]), MESH_AXES)
     return both[0], both[1]
 
 
-def _enter_stacks(model: Any, names: Sequence[str], streams: Any, ctx: ShardContext) -> Any:
-    for name in names:
-        streams = model.enter(name, streams, ctx)
-    return streams
-
-
 def cached_body(
     policy: Policy, model: Any, ctx: ShardContext, cache: dict[str, Any], **inputs: jax.Array
 ) -> tuple[jax.Array, dict[str, Any]]:
     """One shard's cached forward (module docstring): -> (its prediction, the new cache state)."""
+    hooks = hooks_for(model, policy.name)
     streams, cond = model.embed(inputs, ctx)
-    k = _first_stack(model)
-    first, later = model.STACKS[k], model.STACKS[k + 1 :]
-    streams = _enter_stacks(model, model.STACKS[: k + 1], streams, ctx)
-    block0, others = _split_first(getattr(model, first))
+    streams = segments.start(model, streams, ctx)
+    total = segments.depth(model)
+    head, tail = policy.fn, total - policy.bn
     step = cache["step"]
     code = cache["plan"][step]
     reference = cache.get("reference")
     ratio = jnp.float32(jnp.nan)
+    new = dict(cache, step=step + 1)
 
-    def run_blocks(stack: str, blocks: nnx.Module, s: Any) -> Any:
-        return scan_blocks(blocks, s, lambda block, c: model.run_block(stack, block, c, cond, ctx))
-
+    start = segments.advance(model, streams, 0, head, cond, ctx)  # the head: always computed
     if policy.metric == "first_block":
-        start = model.run_block(first, block0, streams, cond, ctx)
-        rest_of_first = others
-        x_in, valid = model.cache_metric_stream(streams, ctx)
-        x_out, _ = model.cache_metric_stream(start, ctx)
-        fresh = x_out - x_in  # block 0's residual on the metric stream
+        x_in, valid = hooks.cache_metric_stream(segments.carry(model, streams, 0, head, ctx), ctx)
+        x_out, _ = hooks.cache_metric_stream(start, ctx)
+        fresh = x_out - x_in  # the head's residual on the metric stream
         numerator, denominator = _mesh_sum(*_masked_l1(fresh, reference, valid))
         run = first_block_decision(code, numerator, denominator, policy.threshold)
+        if policy.max_continuous >= 0:
+            run = run | (cache["skipped"] >= policy.max_continuous)
         ratio = numerator / denominator
+    elif policy.metric == "step_input":
+        fresh, valid = hooks.teacache_input(segments.first_block(model), streams, cond, ctx)
+        numerator, denominator = _mesh_sum(*_masked_l1(fresh, reference, valid))
+        run, new["accumulated"] = teacache_decision(
+            code, numerator, denominator, cache["accumulated"], policy.threshold, policy.coefficients
+        )
+        ratio = numerator / denominator
+    else:  # the host decided every step
+        run = code == RUN
+    distance = step - cache["last_full"] if policy.taylor_order else None
+
+    def full(start, stored, reference):
+        s = segments.advance(model, start, head, tail, cond, ctx)
+        residual = jax.tree.map(jnp.subtract, s, segments.carry(model, start, head, tail, ctx))
+        if policy.taylor_order:
+            residual_state = taylor.update(stored, residual, distance, cache["full_steps"])
+        else:
+            residual_state = residual
+        kept = fresh if policy.metric == "first_block" else reference
+        return s, residual_state, kept
+
+    def skip(start, stored, reference):
+        residual = taylor.forecast(stored, distance) if policy.taylor_order else stored
+        base = segments.carry(model, start, head, tail, ctx)
+        return jax.tree.map(jnp.add, base, residual), stored, reference
+
+    if policy.metric == "calibrate":
+        # Every step computes; MagCache's ratio ||r_t|| / ||r_{t-1}|| of the output tokens is recorded.
+        final, residual, _ = full(start, cache["residual"], reference)
+        x, valid = hooks.cache_output_stream(residual, ctx)
+        previous, _ = hooks.cache_output_stream(cache["residual"], ctx)
+        total_ratio, count = _mesh_sum(*_norm_ratio(x, previous, valid))
+        ratio, kept = total_ratio / count, reference
     else:
-        start = streams
-        rest_of_first = getattr(model, first)
-        accumulated = cache.get("accumulated")
-        if policy.metric == "step_input":
-            fresh, valid = model.teacache_input(block0, streams, cond, ctx)
-            numerator, denominator = _mesh_sum(*_masked_l1(fresh, reference, valid))
-            run, accumulated = teacache_decision(
-                code, numerator, denominator, accumulated, policy.threshold, policy.coefficients
-            )
-            ratio = numerator / denominator
-        else:  # the host decided every step
-            run = code == RUN
-
-    def full(start, residual, reference):
-        s = run_blocks(first, rest_of_first, start)
-        for name in later:
-            s = model.enter(name, s, ctx)
-            if getattr(model, name) is not None:
-                s = run_blocks(name, getattr(model, name), s)
-        base = _enter_stacks(model, later, start, ctx)
-        stored = fresh if policy.metric == "first_block" else reference
-        return s, jax.tree.map(jnp.subtract, s, base), stored
-
-    def skip(start, residual, reference):
-        base = _enter_stacks(model, later, start, ctx)
-        return jax.tree.map(jnp.add, base, residual), residual, reference
-
-    final, residual, kept = jax.lax.cond(run, full, skip, start, cache["residual"], reference)
-    new = dict(cache, step=step + 1, residual=residual)
+        final, residual, kept = jax.lax.cond(run, full, skip, start, cache["residual"], reference)
+    final = segments.advance(model, final, tail, total, cond, ctx)  # the tail: always computed
+    new["residual"] = residual
     if reference is not None:
         # TeaCache compares consecutive steps: its reference is this step's input, full or not.
         new["reference"] = fresh if policy.metric == "step_input" else kept
-    if "accumulated" in cache:
-        new["accumulated"] = accumulated
+    if "skipped" in cache:
+        new["skipped"] = jnp.where(run, 0, cache["skipped"] + 1)
+    if policy.taylor_order:
+        new["last_full"] = jnp.where(run, step, cache["last_full"])
+        new["full_steps"] = cache["full_steps"] + run.astype(jnp.int32)
     new["ran"] = cache["ran"].at[0, step].set(run.astype(jnp.int32))
     new["ratio"] = cache["ratio"].at[0, step].set(ratio.astype(jnp.float32))
     return model.output(final, cond, ctx), new
@@ -237,15 +175,15 @@ def cached_body(
 
 def _probe(policy: Policy, model: Any, ctx: ShardContext, **inputs: jax.Array) -> tuple[Any, Any]:
     """The final streams and the metric stream of one shard, for their shapes (no block runs)."""
+    hooks = hooks_for(model, policy.name)
     streams, cond = model.embed(inputs, ctx)
-    k = _first_stack(model)
-    streams = _enter_stacks(model, model.STACKS[: k + 1], streams, ctx)
-    final = _enter_stacks(model, model.STACKS[k + 1 :], streams, ctx)
+    streams = segments.start(model, streams, ctx)
+    total = segments.depth(model)
+    final = segments.carry(model, streams, 0, total - policy.bn, ctx)
     if policy.metric == "first_block":
-        return final, model.cache_metric_stream(streams, ctx)[0]
+        return final, hooks.cache_metric_stream(segments.carry(model, streams, 0, policy.fn, ctx), ctx)[0]
     if policy.metric == "step_input":
-        block0, _ = _split_first(getattr(model, model.STACKS[k]))
-        return final, model.teacache_input(block0, streams, cond, ctx)[0]
+        return final, hooks.teacache_input(segments.first_block(model), streams, cond, ctx)[0]
     return final, None
 
 
@@ -275,12 +213,7 @@ class CachedForward:
 
     @property
     def blocks_per_step(self) -> int:
-        model = self.model
-        return sum(
-            int(jax.tree.leaves(nnx.state(getattr(model, name)))[0].shape[0])
-            for name in model.STACKS
-            if getattr(model, name) is not None
-        )
+        return segments.depth(self.model)
 
     # ------------------------------------------------------------------ specs and state
     def specs(self, shapes: Mapping[str, Any]) -> dict[str, Any]:
@@ -325,6 +258,13 @@ class CachedForward:
             shapes["reference"] = metric
         if self.policy.metric == "step_input":
             shapes["accumulated"] = jax.ShapeDtypeStruct((), jnp.float32)
+        if self.policy.max_continuous >= 0:
+            shapes["skipped"] = jax.ShapeDtypeStruct((), jnp.int32)
+        if self.policy.taylor_order:
+            # The derivative estimates D_0 .. D_m of the skipped blocks' residual (jaxdit.cache.taylor).
+            shapes["residual"] = tuple(final for _ in range(self.policy.taylor_order + 1))
+            shapes["last_full"] = jax.ShapeDtypeStruct((), jnp.int32)
+            shapes["full_steps"] = jax.ShapeDtypeStruct((), jnp.int32)
         return shapes
 
     def shardings(self, shapes: Mapping[str, Any]) -> dict[str, Any]:
@@ -379,6 +319,8 @@ class CachedForward:
         ``schedule_inputs`` [steps, rows, ...] are the metric inputs of every step (the model's
         ``teacache_timestep_input``) and ``branch_rows`` the rows of each guidance branch."""
         forced = self.policy.forced(steps, switches)
+        if self.policy.metric in ("host", "calibrate"):
+            return np.where(self.policy.host_pattern(steps, forced), RUN, SKIP).astype(np.int32)
         if self.policy.metric != "schedule":
             return host_plan(steps, forced)
         x = np.asarray(schedule_inputs, np.float32)
@@ -401,7 +343,8 @@ class CachedForward:
             devices=ran.shape[0],
             devices_agree=bool((ran == ran[:1]).all()),
             blocks_per_step=self.blocks_per_step,
-            always_run=1 if self.policy.runs_first_block else 0,
+            always_run=self.policy.always_run,
             bytes_per_device=self.bytes_per_device(shapes),
             per_device=ran,
+            setting=self.policy.describe(),
         )

@@ -57,7 +57,6 @@ __all__ = [
     "DECIDE",
     "RUN",
     "SKIP",
-    "CacheConfig",
     "FirstBlockCache",
     "TeaCache",
     "first_block_decision",
@@ -92,12 +91,18 @@ class FirstBlockCache:
     """
 
     threshold: float = 0.08
+    #: > 0: the skipped blocks' residual is forecast by TaylorSeer (``jaxdit.cache.taylor``) of this order.
+    taylor_order: int = 0
 
     name: ClassVar[str] = "fbcache"
     title: ClassVar[str] = "First-Block-Cache"
 
     def __post_init__(self) -> None:
         _check_threshold(self.title, self.threshold)
+        if isinstance(self.taylor_order, bool) or self.taylor_order not in range(5):
+            raise ValueError(
+                f"First-Block-Cache taylor order must be an integer in [0, 4], got {self.taylor_order!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,8 +128,8 @@ class TeaCache:
             object.__setattr__(self, "coefficients", coefficients)
 
 
-CacheConfig = FirstBlockCache | TeaCache
-CACHES: dict[str, type] = {c.name: c for c in (FirstBlockCache, TeaCache)}
+#: The caches by their names (``--cache NAME``): filled in by ``jaxdit.cache``, which knows every one.
+CACHES: dict[str, type] = {}
 
 
 def parse_cache(text: str) -> tuple[str, float]:

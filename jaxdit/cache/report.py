@@ -32,6 +32,8 @@ class CacheReport:
     always_run: int
     bytes_per_device: int
     per_device: np.ndarray
+    #: How the policy names itself (``Policy.describe``: TaylorSeer's interval, DBCache's Fn/Bn, ...).
+    setting: str = ""
 
     @property
     def steps(self) -> int:
@@ -58,8 +60,9 @@ class CacheReport:
             agree = f"decisions identical on all {self.devices} devices"
         else:
             agree = f"DECISIONS DIFFER between the {self.devices} devices"
+        setting = self.setting or f"{self.title} (threshold {self.threshold:g})"
         return (
-            f"{self.title} (threshold {self.threshold:g}): {self.full_steps} of {self.steps} steps ran "
+            f"{setting}: {self.full_steps} of {self.steps} steps ran "
             f"every block, {self.skipped_fraction:.0%} of block evaluations skipped; {agree}; cache memory "
             f"{self.bytes_per_device / MIB:.3g} MiB per device"
         )

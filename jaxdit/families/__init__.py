@@ -18,6 +18,7 @@ from converters import orbax_io
 from converters.errors import CheckpointError
 from converters.safetensors_io import open_checkpoint
 from jaxdit import loading
+from jaxdit.cache import hooks as cache_hooks
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
 from jaxdit.families.flux2 import FLUX2
@@ -61,6 +62,8 @@ def register(family: ModelFamily) -> None:
     if family.name in FAMILIES:
         raise ValueError(f"a model family named {family.name!r} is registered already")
     FAMILIES[family.name] = family
+    if family.variant_of is None:  # a variant shares its base family's transformer and cache hooks
+        cache_hooks.register_family(family.checkpoints.config_class, family)
 
 
 # Tried first: FLUX.1's detection claims any file holding img_in.weight, BFL's FLUX.2 files included.

@@ -176,9 +176,15 @@ class ModelFamily:
     #: A regular expression every prompt of the service must match, and what it means in words (None:
     #: any text); a negative prompt may also be empty.
     prompt_pattern: ClassVar[tuple[str, str] | None] = None
+    #: The feature caches its transformer serves (``jaxdit.cache.hooks``: the hooks each needs); a cache
+    #: not named here is refused before any weight loads.
+    caches: ClassVar[frozenset[str]] = frozenset()
     #: Feature-cache thresholds where this family's measured ones differ from the cache's own default
     #: (cache name -> threshold).
     cache_thresholds: ClassVar[Mapping[str, float]] = {}
+    #: Other feature-cache settings where this family's measured ones differ from the cache's defaults
+    #: (cache name -> keyword arguments of its config, e.g. DBCache's ``fn`` / ``bn`` for a shallow model).
+    cache_options: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
     #: Several pictures of one run are written as a grid of this many columns, each pixel this many
     #: times over (a tiny model's pictures are small).
     grid_columns: ClassVar[int] = 4
@@ -266,6 +272,11 @@ class ModelFamily:
         """A ``GenerationRequest`` of ``workload``'s shape with zero embeddings: what ``jaxdit plan
         --verify`` lowers the real denoising step with."""
         raise NotImplementedError
+
+    def cache_hooks(self, model: Any) -> Any:
+        """What answers the feature caches' questions about ``model`` (``jaxdit.cache.hooks``' Protocols
+        for :attr:`caches`): the transformer itself, whose hook methods know its streams."""
+        return model
 
     # ------------------------------------------------------------------ jaxdit generate
     def size_multiple(self, folder: ModelFolder | None) -> int:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from converters import flux as flux_converters
 from converters.lora import flux as flux_lora
+from jaxdit.cache.hooks import ALL_CACHES
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.models import flux
@@ -99,6 +100,7 @@ class FluxForward:
 
 class FluxFamily(ModelFamily):
     name = "flux"
+    caches = ALL_CACHES  # its transformer has every hook of jaxdit.cache.hooks.CacheHooks
     display = "FLUX.1"
     checkpoints = flux_converters.CHECKPOINTS
     lora = flux_lora.LORA

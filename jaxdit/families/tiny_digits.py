@@ -44,8 +44,12 @@ class TinyDigitsFamily(FluxFamily):
     prompt_pattern = (r"\s*\d\s*", "a single digit 0-9")
     #: Measured (scripts/cache_digits.py, README "Feature caching"): with 20 steps and 4 blocks
     #: First-Block-Cache skips nothing at FLUX.1-dev's 0.08; 0.2 is the smallest tried value that skips
-    #: over 30% of block evaluations (the judge keeps 100%). TeaCache keeps FLUX's 0.4.
-    cache_thresholds = {"fbcache": 0.2}
+    #: over 30% of block evaluations (the judge keeps 100%). TeaCache keeps FLUX's 0.4. DBCache (4 blocks:
+    #: cache-dit's F8B0 and 8 warm-up steps cannot apply) is F1B0 with 2 warm-up steps at 0.3, the smallest
+    #: tried value that skips at least 40% (scripts/cache_sweep.py). MagCache's threshold (0.25) is
+    #: recorded with its calibrated ratios (jaxdit/cache/ratios/calibrated.json).
+    cache_thresholds = {"fbcache": 0.2, "dbcache": 0.3}
+    cache_options = {"dbcache": {"fn": 1, "bn": 0, "warmup": 2}}
     grid_columns = 10
     grid_scale = 8
 

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 
 from converters import wan as wan_converters
 from converters.lora import wan as wan_lora
+from jaxdit.cache.hooks import ALL_CACHES
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.models import wan
@@ -133,6 +134,7 @@ def _preset(steps: int, height: int, width: int, kind: str, frames: int = 81, ex
 
 class WanFamily(ModelFamily):
     name = "wan"
+    caches = ALL_CACHES  # its transformer has every hook of jaxdit.cache.hooks.CacheHooks
     display = "Wan"
     checkpoints = wan_converters.CHECKPOINTS
     lora = wan_lora.LORA

@@ -68,6 +68,7 @@ class ZImageForward:
 
 class ZImageFamily(ModelFamily):
     name = "z-image"
+    caches = frozenset({"fbcache", "dbcache", "taylorseer"})  # its model's one hook: cache_metric_stream
     display = "Z-Image"
     checkpoints = z_image_converters.CHECKPOINTS
     lora = z_image_lora.LORA

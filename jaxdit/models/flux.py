@@ -32,7 +32,7 @@ residual streams, LayerNorm/RMSNorm, RoPE, AdaLN modulation and the softmax stat
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -161,9 +161,22 @@ class FluxTransformer(nnx.Module):
         return self.final_layer(ctx.layout.split_local(streams)[IMAGE], cond.vec)
 
     # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
+    #: TeaCache's input is computed in the step from the latents (jaxdit.cache.hooks.CacheHooks).
+    TEACACHE_METRIC: ClassVar[str] = "step_input"
+
     def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
-        """First-Block-Cache compares the image stream (as diffusers' hook does): (it, its real tokens)."""
-        return streams[IMAGE], ctx.layout.split_after(ctx.token_valid(), TEXT, axis=0)[1]
+        """First-Block-Cache / DBCache compare the image stream (as diffusers' hook does; with reference
+        images, the image stream carries them too): (it, its real tokens), from the (text, image) streams
+        of the double blocks or the joined stream of the single blocks."""
+        valid = ctx.layout.split_after(ctx.token_valid(), TEXT, axis=0)[1]
+        if isinstance(streams, tuple | list):
+            return streams[IMAGE], valid
+        return ctx.layout.split_after(streams, TEXT)[1], valid
+
+    def cache_output_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """MagCache measures the image tokens of the final (joined) stream, as MagCache4FLUX does."""
+        valid = ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+        return ctx.layout.split_local(streams)[IMAGE], valid
 
     def teacache_input(
         self, block: DoubleStreamBlock, streams: Any, cond: FluxCond, ctx: ShardContext
@@ -172,6 +185,21 @@ class FluxTransformer(nnx.Module):
         + shift1 (TeaCache4FLUX's ``transformer_blocks[0].norm1``), and the image's real tokens."""
         shift, scale = jnp.split(_fp32_out(block.img_mod, jax.nn.silu(cond.vec)), 6, axis=-1)[:2]
         return _modulate(streams[IMAGE], shift, scale), self.cache_metric_stream(streams, ctx)[1]
+
+    def teacache_timestep_input(self, timestep: jax.Array) -> jax.Array:
+        raise NotImplementedError("FLUX's TeaCache input depends on the latents (teacache_input)")
+
+    def magcache_defaults(self, grid: tuple[int, ...]) -> dict[str, Any] | None:
+        """MagCache's ratios: the authors' calibration of FLUX.1-dev (MagCache4FLUX, 28 steps, threshold
+        0.24, K 5, retention 0.1) or FLUX.1-schnell (4 steps), else jaxdit's shipped calibration of this
+        architecture (tiny-digits), else None. FLUX.1 Kontext [dev] has FLUX.1-dev's architecture and
+        takes its ratios by default; its own are ``MagCache(ratios="flux-kontext-dev")``."""
+        from jaxdit.cache.magcache import config_key, shipped
+
+        for preset in ("flux-dev", "flux-schnell"):
+            if self.config == FluxConfig.preset(preset):
+                return shipped(preset)
+        return shipped(config_key("flux", self.config))
 
     def teacache_defaults(self, grid: tuple[int, ...]) -> tuple[tuple[float, ...], float]:
         """TeaCache4FLUX's rescaling polynomial (ali-vilab/TeaCache ``TeaCache4FLUX/teacache_flux.py``) and

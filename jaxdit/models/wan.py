@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -238,9 +238,38 @@ class WanTransformer(nnx.Module):
         return self.head_prediction(streams, cond.temb, cond.token_time)
 
     # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
+    #: TeaCache's input is the time embedding: the host plans it (jaxdit.cache.hooks.CacheHooks).
+    TEACACHE_METRIC: ClassVar[str] = "schedule"
+
     def cache_metric_stream(self, streams: jax.Array, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
-        """First-Block-Cache compares the video stream: (it, its real tokens)."""
+        """First-Block-Cache / DBCache compare the video stream: (it, its real tokens)."""
         return streams, ctx.token_valid()
+
+    def cache_output_stream(self, streams: jax.Array, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """MagCache measures the video tokens (MagCache4Wan2.1's residual of all blocks)."""
+        return streams, ctx.token_valid()
+
+    def teacache_input(self, block: Any, streams: Any, cond: Any, ctx: ShardContext) -> Any:
+        raise NotImplementedError("Wan's TeaCache input is the time embedding (teacache_timestep_input)")
+
+    def magcache_defaults(self, grid: tuple[int, ...]) -> dict[str, Any] | None:
+        """MagCache's ratios: the authors' calibration of this published model (MagCache4Wan2.1 /
+        MagCache4Wan2.2: two branches, conditional and unconditional; I2V 14B 480P / 720P by ``grid`` as
+        for TeaCache; TI2V-5B's text-to-video set), else jaxdit's shipped calibration of this
+        architecture, else None."""
+        from jaxdit.cache.magcache import config_key, shipped
+
+        cfg = self.config
+        short_side = min(grid[1:], default=0) * cfg.patch_size[1] * 8
+        for preset in WanConfig.PRESETS:
+            if dataclasses.replace(cfg, **WanConfig.PRESETS[preset]) != cfg:
+                continue
+            if preset == "wan2.1-i2v-14b":
+                preset += "@720p" if short_side >= 720 else "@480p"
+            found = shipped(preset)
+            if found is not None:
+                return found
+        return shipped(config_key("wan", cfg))
 
     def teacache_timestep_input(self, timestep: jax.Array) -> jax.Array:
         """TeaCache's metric input, the time embedding [B, E] (TeaCache4Wan2.1's ``e``): it depends on the

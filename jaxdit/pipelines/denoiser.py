@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdit.cache import CacheReport
 from jaxdit.cache.cached_forward import CachedForward, resolve
+from jaxdit.cache.hooks import hooks_for
 from jaxdit.distributed import fetch
 from jaxdit.models.sharded_forward import ShardedForward
 from jaxdit.parallel.cfg import combine_branches, replicate_branches
@@ -476,7 +477,8 @@ class Denoiser:
         @jax.jit
         def metric_input(params, schedule, i):
             t = jnp.full((rows,), sampler.model_time(schedule, i), jnp.float32)
-            return nnx.merge(graphdef, params).teacache_timestep_input(t)
+            model = nnx.merge(graphdef, params)
+            return hooks_for(model, "teacache").teacache_timestep_input(t)
 
         return np.stack(
             [np.asarray(jax.device_get(metric_input(pick(s), schedule, np.int32(s)))) for s in range(steps)]

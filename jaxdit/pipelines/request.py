@@ -22,7 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxdit.cache import FirstBlockCache, TeaCache
+from jaxdit.cache import CacheConfig
+from jaxdit.cache.magcache import MagCacheCalibration
 
 __all__ = ["OUTPUT_TYPES", "GenerationRequest", "prompt_list"]
 
@@ -140,9 +141,9 @@ class GenerationRequest:
             raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
         if self.height < 1 or self.width < 1:
             raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
-        if self.cache is not None and not isinstance(self.cache, FirstBlockCache | TeaCache):
+        if self.cache is not None and not isinstance(self.cache, CacheConfig | MagCacheCalibration):
             raise ValueError(
-                "cache must be a jaxdit.cache.FirstBlockCache(threshold=...) or TeaCache(threshold=...), "
+                "cache must be a jaxdit.cache FirstBlockCache, TeaCache, MagCache, TaylorSeer or DBCache, "
                 f"got {self.cache!r}"
             )
 

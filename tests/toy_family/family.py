@@ -24,6 +24,7 @@ TEXT_LEN = 8
 
 class ToyFamily(ModelFamily):
     name = "toy"
+    caches = frozenset({"fbcache", "dbcache", "taylorseer"})  # its model's one hook: cache_metric_stream
     display = "Toy DiT"
     checkpoints = CHECKPOINTS
     presets = {
