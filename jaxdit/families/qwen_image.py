@@ -19,6 +19,7 @@ from jax.sharding import Mesh
 
 from converters import qwen_image as qwen_converters
 from converters.lora import qwen_image as qwen_lora
+from jaxdit.cache.hooks import ALL_CACHES
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.families.forward import as_float, expect_shape, per_batch
 from jaxdit.loading.qwen_image_encoder import check_text_encoder_folder
@@ -110,6 +111,7 @@ class QwenImageFamily(ModelFamily):
     folder_classes = FOLDER_CLASSES
     pipeline_class = QwenImagePipeline
     staged_model = PipeFusionQwenImage
+    caches = ALL_CACHES  # its transformer has every hook of jaxdit.cache.hooks.CacheHooks
     cfg_scale_argument = "true_cfg_scale"
     cfg_needs = (
         "a --negative_prompt (or negative embeddings) and --true_cfg_scale > 1 (Qwen-Image's default 4)"

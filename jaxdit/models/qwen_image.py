@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +150,9 @@ class QwenImageTransformer(nnx.Module):
         return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx)
 
     # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
+    #: TeaCache's input is computed in the step from the latents (jaxdit.cache.hooks.TeaCacheHooks).
+    TEACACHE_METRIC: ClassVar[str] = "step_input"
+
     def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
         """First-Block-Cache compares the image stream (as diffusers' hook does): (it, its real tokens)."""
         return streams[IMAGE], ctx.layout.split_after(ctx.token_valid(), TEXT, axis=0)[1]
@@ -163,8 +166,19 @@ class QwenImageTransformer(nnx.Module):
         x = layer_norm(streams[IMAGE], EPS) * (1.0 + scale[:, None]) + shift[:, None]
         return x, self.cache_metric_stream(streams, ctx)[1]
 
+    def teacache_timestep_input(self, timestep: jax.Array) -> jax.Array:
+        raise NotImplementedError("Qwen-Image's TeaCache input depends on the latents (teacache_input)")
+
     def teacache_defaults(self, grid: tuple[int, ...]) -> None:
         """No TeaCache coefficients are published for Qwen-Image: pass TeaCache(threshold=, coefficients=)."""
+        return None
+
+    def cache_output_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """MagCache measures the image stream leaving the last block, and its real tokens."""
+        return self.cache_metric_stream(streams, ctx)
+
+    def magcache_defaults(self, grid: tuple[int, ...]) -> None:
+        """No MagCache ratios are published for Qwen-Image: calibrate them (``--calibrate_magcache``)."""
         return None
 
     def output(self, streams: Any, cond: QwenImageCond, ctx: ShardContext) -> jax.Array:
