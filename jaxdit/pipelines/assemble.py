@@ -99,7 +99,7 @@ def load_model(
             raise ValueError(f"pipefusion={parallel.pipefusion}: this family has no PipeFusion stage layout")
         if config is not None:
             raise ValueError("a transformer config override loads on plain meshes only (not pipefusion)")
-        return staged._load(path, where.mesh, as_dtype(dtype), checks)
+        return staged._load(path, where, as_dtype(dtype), checks)
     return load_params(
         path, where, as_dtype(dtype), checkpoints=checkpoints, check=checks, config=config, fp8=fp8
     )

@@ -383,19 +383,41 @@ class Denoiser:
         x, state, i, *rest, scale = self.place(inputs, layout)
         pick, scale_of = self._per_step(inputs, params, scale)
         self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest, scale)))
+        carry = (x, state, i)
+
+        def advance(n: int) -> tuple[jax.Array, Any]:
+            nonlocal carry
+            *carry, seen = step(pick(n), *carry, *rest, scale_of(n))
+            return carry[0], seen
+
         start = time.perf_counter()
-        watch = finite.StepWatch(self.mesh, inputs.steps)
-        for n in progress_bar(range(inputs.steps), progress, inputs.steps):
-            x, state, i, seen = step(pick(n), x, state, i, *rest, scale_of(n))
-            watch.add(n, seen)
-            if callback is not None:
-                x.block_until_ready()  # the callback sees finished steps, not just dispatched ones
-                if callback(n + 1, inputs.steps) is False:
-                    raise GenerationCancelled(f"stopped after step {n + 1} of {inputs.steps}")
-        watch.finish()
-        tokens = fetch(x)  # across processes too
+        tokens = self._loop(inputs.steps, x, advance, progress, callback)
         seconds = time.perf_counter() - start
         return DenoiseResult(layout.unpad(tokens, self.group, axis=1), seconds)
+
+    def _loop(
+        self,
+        steps: int,
+        x: jax.Array,
+        advance: Callable[[int], tuple[jax.Array, Any]],
+        progress: bool,
+        callback: Callable[[int, int], bool | None] | None,
+    ) -> np.ndarray:
+        """The loop :meth:`run` and :meth:`run_cached` share: ``advance(n)`` dispatches step n and returns
+        its latents and per-device finite flags; progress, the callback (after the step has finished on
+        the devices, so progress, cancellation and timeouts are real) and the finite check are here.
+        ``x``: the latents before the first step. Returns the final latents on the host (across processes
+        too)."""
+        watch = finite.StepWatch(self.mesh, steps)
+        for n in progress_bar(range(steps), progress, steps):
+            x, seen = advance(n)
+            watch.add(n, seen)
+            if callback is not None:
+                x.block_until_ready()
+                if callback(n + 1, steps) is False:
+                    raise GenerationCancelled(f"stopped after step {n + 1} of {steps}")
+        watch.finish()
+        return fetch(x)
 
     def _per_step(self, inputs: DenoiseInputs, params: Any, scale: jax.Array) -> tuple[Callable, Callable]:
         """(``pick(n)``: step n's parameters, ``scale_of(n)``: its guidance scale, placed) for :meth:`run`."""
@@ -455,19 +477,17 @@ class Denoiser:
             step,
             jax.tree.map(abstract_like, (pick(0), x, state, cache_state, i, *rest, scale)),
         )
+        carry = (x, state, cache_state, i)
+
+        def advance(n: int) -> tuple[jax.Array, Any]:
+            nonlocal carry
+            *carry, seen = step(pick(n), *carry, *rest, scale_of(n))
+            return carry[0], seen
+
         start = time.perf_counter()
-        watch = finite.StepWatch(self.mesh, steps)
-        for s in progress_bar(range(steps), progress, steps):
-            x, state, cache_state, i, seen = step(pick(s), x, state, cache_state, i, *rest, scale_of(s))
-            watch.add(s, seen)
-            if callback is not None:
-                x.block_until_ready()
-                if callback(s + 1, steps) is False:
-                    raise GenerationCancelled(f"stopped after step {s + 1} of {steps}")
-        watch.finish()
-        tokens = fetch(x)
+        tokens = self._loop(steps, x, advance, progress, callback)
         seconds = time.perf_counter() - start
-        report = cached.report(cache_state, shapes)
+        report = cached.report(carry[2], shapes)
         return DenoiseResult(layout.unpad(tokens, self.group, axis=1), seconds, report)
 
     def _timestep_inputs(self, pick: Callable, schedule: Any, rows: int, steps: int) -> np.ndarray:

@@ -29,7 +29,7 @@ from converters.keymap import place_params
 from converters.safetensors_io import LazyTensor
 from jaxdit.loading import flat_path as _path
 from jaxdit.loading import load_params
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models.partitioning import named_shardings, partition_specs
 from jaxdit.parallel.pipefusion import stage_layer_order
 from sharding_rules import rules_for
@@ -116,7 +116,9 @@ class StagedModel:
 
     def __init__(self, config: Any, state: nnx.State, graphdef: nnx.GraphDef, mesh: Mesh):
         self.config = config
-        self.parallel = ParallelConfig.from_mesh(mesh)
+        where = DeviceMesh.of(mesh)  # a DeviceMesh passes through; a jax mesh gives its degrees
+        mesh = where.mesh
+        self.parallel = where.parallel
         self.check(config, self.parallel)
         self.mesh = mesh
         self.graphdef, self.state = graphdef, state
@@ -135,7 +137,7 @@ class StagedModel:
 
     @classmethod
     def _container(cls, config: Any, mesh: Mesh, dtype: Any) -> tuple[nnx.GraphDef, nnx.State]:
-        stages = ParallelConfig.from_mesh(mesh).pipefusion
+        stages = DeviceMesh.of(mesh).parallel.pipefusion
         model = cls.abstract_model(cls.padded(config, stages), dtype)
         if tuple(cls.depth_fields) != type(model).STACKS:  # stack i is pass i: the forward's order
             raise TypeError(f"{cls.__name__}.depth_fields {tuple(cls.depth_fields)} != {type(model).STACKS}")
@@ -143,13 +145,14 @@ class StagedModel:
 
     @staticmethod
     def _shardings(abstract: nnx.State, mesh: Mesh) -> nnx.State:
-        pc = ParallelConfig.from_mesh(mesh)
-        return named_shardings(abstract, rules_for(tensor=pc.tensor, pipefusion=pc.pipefusion), mesh)
+        where = DeviceMesh.of(mesh)
+        pc = where.parallel
+        return named_shardings(abstract, rules_for(tensor=pc.tensor, pipefusion=pc.pipefusion), where.mesh)
 
     @classmethod
     def abstract(cls, config: Any, mesh: Mesh, dtype: Any = jnp.bfloat16) -> Self:
         """Shapes only (``jax.ShapeDtypeStruct`` parameters): for sizes and compiles without weights."""
-        cls.check(config, ParallelConfig.from_mesh(mesh))
+        cls.check(config, DeviceMesh.of(mesh).parallel)
         graphdef, state = cls._container(config, mesh, dtype)
         return cls(config, state, graphdef, mesh)
 
@@ -157,9 +160,10 @@ class StagedModel:
     def from_model(cls, model: nnx.Module, mesh: Mesh) -> Self:
         """Re-lay out a loaded model's arrays into stage slots and place them on ``mesh``."""
         config = model.config
-        cls.check(config, ParallelConfig.from_mesh(mesh))
+        parallel = DeviceMesh.of(mesh).parallel
+        cls.check(config, parallel)
         graphdef, abstract = cls._container(config, mesh, model.dtype)
-        orders = cls.stack_orders(config, ParallelConfig.from_mesh(mesh).pipefusion)
+        orders = cls.stack_orders(config, parallel.pipefusion)
         source = nnx.state(model)
 
         def relayout(path, var, sharding):
@@ -182,13 +186,13 @@ class StagedModel:
 
         The model is checked against the mesh before a tensor is read.
         """
-        pc = ParallelConfig.from_mesh(mesh)
+        pc = DeviceMesh.of(mesh).parallel
         return cls._load(path, mesh, dtype, lambda config: cls.check(config, pc))
 
     @classmethod
     def _load(cls, path: str | Path, mesh: Mesh, dtype: Any, check: Callable[[Any], None]) -> Self:
         """:meth:`load` with ``check(config)`` run on the checkpoint's config before any tensor is read."""
-        pc = ParallelConfig.from_mesh(mesh)
+        pc = DeviceMesh.of(mesh).parallel
         if orbax_io.is_orbax_checkpoint(Path(path)):
             # Orbax restores into the checkpoint's own (unpadded) stacks: restore without the layer split,
             # then re-lay out (each device briefly holds every block).

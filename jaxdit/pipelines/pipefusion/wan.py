@@ -61,7 +61,7 @@ from jax import lax
 from jax.sharding import Mesh
 
 from converters.wan import CHECKPOINTS
-from jaxdit.mesh import ParallelConfig
+from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models import wan
 from jaxdit.models.layers import rope_angles
 from jaxdit.models.wan_patchify import swap_features
@@ -174,7 +174,7 @@ class PipeFusionWan(StagedModel):
     ) -> PipeFusionWan:
         """From a Wan checkpoint (diffusers, original or ``jaxdit convert`` safetensors): each device reads
         only its own slots of the stack. Heads and the preset are checked before a tensor is read."""
-        pc = ParallelConfig.from_mesh(mesh)
+        pc = DeviceMesh.of(mesh).parallel
         check_config = preset_check(path, CHECKPOINTS, preset)
 
         def check(config: Any) -> None:
