@@ -56,7 +56,7 @@ from jaxdit.models.layers import (
     rope_angles,
     timestep_embedding,
 )
-from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
 from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
@@ -275,10 +275,6 @@ FORWARD_INPUTS: dict[str, Arg] = {
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 
 
-def _forward_body(model: FluxTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    return staged_forward(model, x, ctx)
-
-
 def sharded(
     model: FluxTransformer,
     mesh: Mesh,
@@ -290,13 +286,11 @@ def sharded(
     """The model's forward as one jitted ``shard_map`` over ``mesh``, called with diffusers' argument
     names on global arrays (see :data:`FORWARD_INPUTS`). ``model`` may be abstract
     (:func:`abstract_model`) for :meth:`ShardedForward.lower`."""
-    return ShardedForward(
+    return sharded_staged(
         model,
         mesh,
-        inputs=FORWARD_INPUTS,
-        output=FORWARD_OUTPUT,
-        body=_forward_body,
-        num_heads=model.config.num_heads,
+        FORWARD_INPUTS,
+        FORWARD_OUTPUT,
         rules=rules,
         kernel=kernel,
         compiler_options=compiler_options,

@@ -34,7 +34,7 @@ from jaxdit.models.flux2_blocks import DoubleStreamBlock, SingleStreamBlock
 from jaxdit.models.flux2_config import IMAGE, REFERENCE, TEXT, Flux2Config
 from jaxdit.models.flux_blocks import _fp32_out, _stack
 from jaxdit.models.layers import Linear, layer_norm, rope_angles, timestep_embedding
-from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
 from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
@@ -239,10 +239,6 @@ FORWARD_INPUTS: dict[str, Arg] = {
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 
 
-def _forward_body(model: Flux2Transformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    return staged_forward(model, x, ctx)
-
-
 def sharded(
     model: Flux2Transformer,
     mesh: Mesh,
@@ -253,13 +249,11 @@ def sharded(
 ) -> ShardedForward:
     """The model's forward as one jitted ``shard_map`` over ``mesh``, called with diffusers' argument
     names on global arrays (see :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``."""
-    return ShardedForward(
+    return sharded_staged(
         model,
         mesh,
-        inputs=FORWARD_INPUTS,
-        output=FORWARD_OUTPUT,
-        body=_forward_body,
-        num_heads=model.config.num_heads,
+        FORWARD_INPUTS,
+        FORWARD_OUTPUT,
         rules=rules,
         kernel=kernel,
         compiler_options=compiler_options,

@@ -47,7 +47,7 @@ from jaxdit.models import partitioning
 from jaxdit.models.layers import Linear, layer_norm, param, rms_norm, rope_angles
 from jaxdit.models.qwen_image_blocks import EPS, DualStreamBlock, TimestepEmbedder, modulation
 from jaxdit.models.qwen_image_config import IMAGE, TEXT, QwenImageConfig
-from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
 from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
@@ -249,10 +249,6 @@ FORWARD_INPUTS: dict[str, Arg] = {
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 
 
-def _forward_body(model: QwenImageTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    return staged_forward(model, x, ctx)
-
-
 def sharded(
     model: QwenImageTransformer,
     mesh: Mesh,
@@ -263,13 +259,11 @@ def sharded(
 ) -> ShardedForward:
     """The model's forward as one jitted ``shard_map`` over ``mesh``, called with diffusers' argument
     names on global arrays (see :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``."""
-    return ShardedForward(
+    return sharded_staged(
         model,
         mesh,
-        inputs=FORWARD_INPUTS,
-        output=FORWARD_OUTPUT,
-        body=_forward_body,
-        num_heads=model.config.num_heads,
+        FORWARD_INPUTS,
+        FORWARD_OUTPUT,
         rules=rules,
         kernel=kernel,
         compiler_options=compiler_options,

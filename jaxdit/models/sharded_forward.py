@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.partitioning import named_shardings, partition_specs
+from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.kernels import check_kernel_options
 from jaxdit.parallel.layout import SequenceLayout
@@ -318,3 +319,33 @@ class ShardedForward:
             shard = s.shard_shape(tuple(x.shape))
             total += math.prod(shard) * jnp.dtype(x.dtype).itemsize
         return total
+
+
+def _staged_body(model: Any, ctx: ShardContext, **inputs: jax.Array) -> jax.Array:
+    return staged_forward(model, inputs, ctx)
+
+
+def sharded_staged(
+    model: Any,
+    mesh: MeshLike,
+    inputs: Mapping[str, Arg],
+    output: Arg,
+    *,
+    rules: Mapping[str, object] | None = None,
+    kernel: Mapping[str, int] | None = None,
+    compiler_options: Mapping[str, Any] | None = None,
+) -> ShardedForward:
+    """A staged transformer's whole forward (``jaxdit.models.staged``: embed -> every stack -> output) as
+    one :class:`ShardedForward` called with the family's ``inputs`` / ``output`` (diffusers' argument
+    names): what every family's ``sharded`` is. ``model`` may be abstract, for :meth:`ShardedForward.lower`."""
+    return ShardedForward(
+        model,
+        mesh,
+        inputs=inputs,
+        output=output,
+        body=_staged_body,
+        num_heads=model.config.num_heads,
+        rules=rules,
+        kernel=kernel,
+        compiler_options=compiler_options,
+    )

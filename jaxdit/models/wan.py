@@ -57,7 +57,7 @@ from jax.sharding import Mesh
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import partitioning
 from jaxdit.models.layers import Linear, gelu_tanh, layer_norm, param, rope_angles, timestep_embedding
-from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
 from jaxdit.models.staged import staged_forward
 from jaxdit.models.wan_blocks import (
     WanBlock,
@@ -379,10 +379,6 @@ FORWARD_INPUTS: dict[str, Arg] = {
 FORWARD_OUTPUT = Arg(("batch", "seq", None), 0)
 
 
-def _forward_body(model: WanTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    return staged_forward(model, x, ctx)
-
-
 def sharded(
     model: WanTransformer,
     mesh: Mesh,
@@ -395,13 +391,11 @@ def sharded(
     :data:`FORWARD_INPUTS`: ``hidden_states`` [B, N, K] from :func:`patchify`, ``positions`` [N, 3]
     from :func:`token_positions`). ``model`` may be abstract (:func:`abstract_model`) for
     :meth:`ShardedForward.lower`. ``jaxdit.load_transformer`` wraps it with patchify/unpatchify."""
-    return ShardedForward(
+    return sharded_staged(
         model,
         mesh,
-        inputs=FORWARD_INPUTS,
-        output=FORWARD_OUTPUT,
-        body=_forward_body,
-        num_heads=model.config.num_heads,
+        FORWARD_INPUTS,
+        FORWARD_OUTPUT,
         rules=rules,
         kernel=kernel,
         compiler_options=compiler_options,

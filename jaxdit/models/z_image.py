@@ -42,7 +42,7 @@ from jax.sharding import Mesh
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import partitioning
 from jaxdit.models.layers import Linear, layer_norm, param, rms_norm, timestep_embedding
-from jaxdit.models.sharded_forward import Arg, ShardedForward
+from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
 from jaxdit.models.staged import staged_forward
 from jaxdit.models.z_image_blocks import SingleStreamBlock, TimestepEmbedder, linear_fp32
 from jaxdit.models.z_image_config import CAPTION, IMAGE, ZImageConfig
@@ -259,10 +259,6 @@ FORWARD_INPUTS: dict[str, Arg] = {
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 
 
-def _forward_body(model: ZImageTransformer, ctx: ShardContext, **x: jax.Array) -> jax.Array:
-    return staged_forward(model, x, ctx)
-
-
 def sharded(
     model: ZImageTransformer,
     mesh: Mesh,
@@ -274,13 +270,11 @@ def sharded(
     """The model's forward as one jitted ``shard_map`` over ``mesh`` on global arrays (see
     :data:`FORWARD_INPUTS`); ``model`` may be abstract for ``lower``. A :func:`sampler_view` of the model
     takes sigma and predicts the velocity."""
-    return ShardedForward(
+    return sharded_staged(
         model,
         mesh,
-        inputs=FORWARD_INPUTS,
-        output=FORWARD_OUTPUT,
-        body=_forward_body,
-        num_heads=model.config.num_heads,
+        FORWARD_INPUTS,
+        FORWARD_OUTPUT,
         rules=rules,
         kernel=kernel,
         compiler_options=compiler_options,
