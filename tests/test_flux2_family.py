@@ -94,7 +94,9 @@ def test_load_transformer_reads_a_diffusers_folder(tmp_path):
     x = tiny.inputs(1, TEXT, (ROWS, COLS), ((2, 2),), seed=2)
     forward = jaxdit.load_transformer(tmp_path, ParallelConfig(ulysses=2))
     assert families.detect_family(tmp_path).name == "flux2"
-    # A BFL file is FLUX.2's, not FLUX.1's (whose detection takes any file holding img_in.weight).
+    # A BFL file is FLUX.2's, not FLUX.1's: both hold img_in.weight, only FLUX.1 modulates per block, so
+    # FLUX.1's detection refuses it whatever order the families are tried in.
+    from converters.flux import is_flux_checkpoint
     from converters.flux2 import bfl_table, diffusers_to_params
     from converters.keymap import invert
     from converters.safetensors_io import write_safetensors
@@ -107,6 +109,7 @@ def test_load_transformer_reads_a_diffusers_folder(tmp_path):
             tmp_path / f"bfl{len(prefix)}.safetensors", {prefix + k: v for k, v in bfl.items()}
         )
         assert families.detect_family(path).name == "flux2"
+        assert not is_flux_checkpoint(path)
     got = np.asarray(forward(**x))
     tol.check(got, tiny.reference(model, x), tol.TORCH_FORWARD, "load_transformer")
     # jaxdit convert -> an orbax folder that loads to the same forward, bit for bit.

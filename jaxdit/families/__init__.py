@@ -66,9 +66,8 @@ def register(family: ModelFamily) -> None:
         cache_hooks.register_family(family.checkpoints.config_class, family)
 
 
-# Tried first: FLUX.1's detection claims any file holding img_in.weight, BFL's FLUX.2 files included.
-register(FLUX2)
 register(FLUX)
+register(FLUX2)
 register(WAN)
 register(
     FLUX_KONTEXT
