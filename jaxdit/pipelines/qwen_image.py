@@ -161,6 +161,7 @@ class QwenImagePipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        text_encoder: str | os.PathLike[str] | None = None,
     ) -> QwenImagePipeline:
         """A downloaded Qwen-Image diffusers folder (``model_index.json``, ``transformer/``, ``vae/``,
         ``text_encoder/``, ``tokenizer/``, ``scheduler/``) on the mesh of ``parallel``.
@@ -168,7 +169,8 @@ class QwenImagePipeline(DiffusionPipeline):
         The transformer is sharded over the mesh (stage slots on a pipefusion mesh); the Qwen2.5-VL encoder
         runs on ``encoder_device`` (default: the first local device); the VAE decodes row-parallel over the
         mesh. The transformer's heads and key table and the text encoder's kind are checked before any
-        weight is read.
+        weight is read. ``text_encoder``: a single-file Qwen2.5-VL (ComfyUI's ``qwen_2.5_vl_7b*.safetensors``)
+        instead of the folder's ``text_encoder/``.
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
@@ -176,9 +178,11 @@ class QwenImagePipeline(DiffusionPipeline):
         where = DeviceMesh.of(parallel)
         mesh = where.mesh
         check_transformer(folder["transformer"], where, CHECKPOINTS)
-        check_text_encoder_folder(folder.root)
+        check_text_encoder_folder(folder.root, text_encoder)
         dtype = as_dtype(dtype)
-        encoder = load_qwen_image_prompt_encoder(folder.root, device=encoder_device, dtype=dtype)
+        encoder = load_qwen_image_prompt_encoder(
+            folder.root, device=encoder_device, dtype=dtype, text_encoder=text_encoder
+        )
         vae = load_wan_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
         model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionQwenImage)
 
