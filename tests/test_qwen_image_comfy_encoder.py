@@ -82,3 +82,26 @@ def test_unknown_tensors_are_named(case, tmp_path):
         load_qwen_image_prompt_encoder(root / "comfy", text_encoder=bad)
     with pytest.raises(CheckpointError, match=r"no such \.safetensors file"):
         load_qwen_image_prompt_encoder(root / "comfy", text_encoder=tmp_path / "missing.safetensors")
+
+
+def test_offloaded_encoder_gives_the_same_embeddings_and_leaves_the_device(case):
+    import gc
+
+    import jax
+    from flax import nnx
+
+    root, _, _ = case
+    resident = load_qwen_image_prompt_encoder(root / "folder")
+    offloaded = load_qwen_image_prompt_encoder(root / "folder", offload=True)
+    leaves = jax.tree.leaves(nnx.state(offloaded.encoder.model))
+    assert leaves and all(x.is_deleted() for x in leaves)  # only the host copy is left
+    weights = {x.shape for x in leaves}
+    gc.collect()
+    before = {id(a) for a in jax.live_arrays()}
+    got = offloaded(PROMPTS)
+    gc.collect()
+    # the call copied the weights in and freed them: no new live array is one of them
+    assert not [a.shape for a in jax.live_arrays() if id(a) not in before and a.shape in weights]
+    want = resident(PROMPTS)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -78,6 +78,22 @@ def test_cli_ulysses2_tensor2_matches_diffusers(case, tmp_path, monkeypatch):
     )
 
 
+def test_cli_fp8_with_offloaded_encoder_is_e4m3_rounding(case, tmp_path, monkeypatch):
+    """``--quantize fp8 --fp8_mode weight --offload_encoders`` on ulysses2 x tensor2: the blocks' weights
+    round to E4M3 (the latents move off diffusers' fp32 ones, by less than one E4M3 step), the encoder's
+    weights wait on the host between prompts (the same prompt embeddings: the rest is exact)."""
+    folder, want_latents, _ = case
+    results = []
+    monkeypatch.setattr(generate, "write", lambda r, result: results.append(np.asarray(result.latents)))
+    mesh = ["--ulysses_degree", "2", "--tensor_parallel_degree", "2", "--quantize", "fp8"]
+    argv = [*_argv(folder, *mesh, "--fp8_mode", "weight", "--offload_encoders")]
+    assert cli.main([*argv, "--output", str(tmp_path / "picture.png")]) == 0
+    (latents,) = results
+    rel = np.linalg.norm(latents - want_latents) / np.linalg.norm(want_latents)
+    print(f"fp8 weights, offloaded encoder: latents {rel:.2e} relative to diffusers fp32")
+    assert LATENT_REL < rel < 2**-4, rel
+
+
 def test_data2_tensor2_two_prompts_match_diffusers(case):
     """data=2: each group of devices draws one of two prompts (of different lengths, padded under the mask)
     with its own noise; the CLI draws one picture per run, so this runs the Python call."""

@@ -79,10 +79,12 @@ def load_qwen_image_prompt_encoder(
     device: jax.Device | None = None,
     dtype: Any = None,
     text_encoder: str | os.PathLike[str] | None = None,
+    offload: bool = False,
 ) -> QwenImagePromptEncoder:
     """The prompt encoder of a ``QwenImagePipeline`` folder: on ``mesh`` (sharded by the decoder-LM rule
     table) or, without one, on ``device``; ``text_encoder``: a single-file encoder (ComfyUI's) used
-    instead of the folder's ``text_encoder/``, with the folder's tokenizer."""
+    instead of the folder's ``text_encoder/``, with the folder's tokenizer; ``offload`` (one device): its
+    weights wait in host memory between prompts (``DecoderLMRunner``)."""
     folder = Path(folder)
     check_text_encoder_folder(folder, text_encoder)
     if text_encoder is None:
@@ -90,4 +92,6 @@ def load_qwen_image_prompt_encoder(
     else:
         config = text_encoder_config(folder, text_encoder)
         model = load_decoder_lm(text_encoder, mesh=mesh, device=device, dtype=dtype, config=config)
-    return QwenImagePromptEncoder(load_tokenizer(folder / "tokenizer"), DecoderLMRunner(model, mesh))
+    return QwenImagePromptEncoder(
+        load_tokenizer(folder / "tokenizer"), DecoderLMRunner(model, mesh, offload=offload)
+    )
