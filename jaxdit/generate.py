@@ -76,7 +76,7 @@ def generate(pipe: Any, r: GenerateRequest) -> Any:
     """Run the request's call on ``pipe`` (a folder's image, a file's embeddings included)."""
     call = r.call()
     if r.prompt_embeds is not None:
-        call = call.replace(**load_embeddings(r.prompt_embeds))
+        call = call.with_arguments(**load_embeddings(r.prompt_embeds))
     if r.image is not None:
         from PIL import Image
 
