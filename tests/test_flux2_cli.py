@@ -35,9 +35,9 @@ def folders(tmp_path_factory):
     base = tiny.base_copy(distilled, root / "klein-base")
     rng = np.random.default_rng(7)
     pictures = []
-    for k, (w, h) in enumerate(((66, 70), (64, 64))):  # the first is cropped to 64 x 68 (multiples of 4)
+    for k in range(2):  # 66 x 70 pixels, centre-cropped to 64 x 68 (multiples of the VAE factor x 2)
         path = root / f"ref{k}.png"
-        Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+        Image.fromarray(rng.integers(0, 256, (70, 66, 3), dtype=np.uint8)).save(path)
         pictures.append(path)
     return distilled, base, pictures
 
