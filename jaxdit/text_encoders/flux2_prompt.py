@@ -21,13 +21,32 @@ import numpy as np
 
 from jaxdit.text_encoders.decoder_lm import DecoderLMRunner
 
-__all__ = ["HIDDEN_STATES", "MAX_SEQUENCE_LENGTH", "Flux2KleinPromptEncoder"]
+__all__ = [
+    "DEV_HIDDEN_STATES",
+    "HIDDEN_STATES",
+    "MAX_SEQUENCE_LENGTH",
+    "Flux2KleinPromptEncoder",
+    "stacked_features",
+]
 
 #: The hidden states stacked (transformers' ``hidden_states`` indices): diffusers' default
 #: ``text_encoder_out_layers``, the same for the 4B and the 9B model.
 HIDDEN_STATES = (9, 18, 27)
+#: FLUX.2 [dev]'s: layers 10, 20 and 30 of Mistral Small 3.1's text decoder (diffusers'
+#: ``Flux2Pipeline._get_mistral_3_small_prompt_embeds``), stacked the same way.
+DEV_HIDDEN_STATES = (10, 20, 30)
 #: diffusers' default (and the pad length of every prompt), in tokens.
 MAX_SEQUENCE_LENGTH = 512
+
+
+def stacked_features(
+    encoder: DecoderLMRunner, ids: np.ndarray, mask: np.ndarray, layers: Sequence[int]
+) -> np.ndarray:
+    """Token ids and mask [B, L] -> the hidden states ``layers`` stacked per token, float32
+    [B, L, len(layers) * E] (feature j * E + e from ``layers[j]``), as both FLUX.2 pipelines build them."""
+    hidden = np.asarray(encoder(ids, mask, layers=tuple(int(i) for i in layers)), np.float32)
+    b, n, length, e = hidden.shape  # [B, n, L, E]
+    return hidden.transpose(0, 2, 1, 3).reshape(b, length, n * e)
 
 
 class Flux2KleinPromptEncoder:
@@ -78,6 +97,4 @@ class Flux2KleinPromptEncoder:
         if max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
         ids, mask = self.tokenize(prompts, max_sequence_length)
-        hidden = np.asarray(self.encoder(ids, mask, layers=self.layers), np.float32)  # [B, n, L, E]
-        b, n, length, e = hidden.shape
-        return hidden.transpose(0, 2, 1, 3).reshape(b, length, n * e)
+        return stacked_features(self.encoder, ids, mask, self.layers)
