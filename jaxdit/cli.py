@@ -102,8 +102,9 @@ def _add_generate(sub) -> None:
         gen,
         "image",
         default=None,
+        action="append",
         help="a picture file: Wan I2V / TI2V's first frame (TI2V without it: text only), FLUX.1 Kontext's "
-        "reference image to edit (pipeline folders)",
+        "reference image to edit (pipeline folders); FLUX.2 takes several (repeat --image)",
     )
     _flag(
         gen,

@@ -80,7 +80,10 @@ def generate(pipe: Any, r: GenerateRequest) -> Any:
     if r.image is not None:
         from PIL import Image
 
-        call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
+        if isinstance(r.image, tuple):  # several reference pictures (checked: the family takes them)
+            call = call.replace(image=[np.asarray(Image.open(p).convert("RGB")) for p in r.image])
+        else:
+            call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
     if r.source == "checkpoint":
         call = call.replace(output_type="latent")
     return pipe.generate(call)
