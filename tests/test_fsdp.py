@@ -14,10 +14,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiny_pipelines
 import wan_tiny
 from flax import nnx
+from PIL import Image
 
-from jaxdit import hlo_stats, load_transformer
+from jaxdit import cli, hlo_stats, load_transformer
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux, wan
 from jaxdit.parallel.fsdp import fsdp_axes
@@ -144,3 +146,16 @@ def test_pipefusion_with_fsdp_is_bit_identical():
         runs[fsdp], sizes[fsdp] = np.asarray(out.latents), pipe.model.param_bytes_per_device()
     np.testing.assert_array_equal(runs[True], runs[False])
     assert sizes[True] < sizes[False]  # the stage's own layers are split over ulysses
+
+
+def test_generate_fsdp_writes_the_same_image(tmp_path, capsys):
+    argv = ["generate", "--weights", str(tiny_pipelines.flux_folder()), "--prompt", "a red cube"]
+    argv += ["--height", "16", "--width", "24", "--steps", "2", "--max_sequence_length", "8"]
+    argv += ["--ulysses_degree", "2"]
+    images = {}
+    for fsdp in (False, True):
+        out = tmp_path / f"{fsdp}.png"
+        assert cli.main([*argv, *(["--fsdp"] if fsdp else []), "--output", str(out)]) == 0
+        images[fsdp] = np.asarray(Image.open(out))
+    assert "+ fsdp" in capsys.readouterr().out
+    np.testing.assert_array_equal(images[True], images[False])
