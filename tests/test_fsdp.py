@@ -159,3 +159,28 @@ def test_generate_fsdp_writes_the_same_image(tmp_path, capsys):
         images[fsdp] = np.asarray(Image.open(out))
     assert "+ fsdp" in capsys.readouterr().out
     np.testing.assert_array_equal(images[True], images[False])
+
+
+class _Device:
+    process_index = 0
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def memory_stats(self):
+        return {"bytes_limit": self.limit}
+
+
+def test_memory_guard_counts_fsdp_and_names_it():
+    from jaxdit.families import FAMILIES as registry
+    from jaxdit.plan.cost import step_cost
+    from jaxdit.plan.fit import check_fits
+    from jaxdit.plan.workload import Workload
+
+    config = flux.FluxConfig.preset("flux-dev")
+    w = Workload.for_config(config, height=1024, width=1024, steps=28, family=registry["flux"])
+    plain = ParallelConfig(ulysses=8)
+    need = {f: step_cost(w, ParallelConfig(ulysses=8, fsdp=f)).param_bytes for f in (False, True)}
+    assert need[True] < need[False] / 4  # 1/8 of the blocks plus two gathered layers
+    with pytest.raises(ValueError, match=r"--fsdp: [\d.]+ GiB \(fits\)"):
+        check_fits(w, plain, [_Device(int(step_cost(w, plain).memory_bytes * 0.6))] * 8)
