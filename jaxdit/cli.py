@@ -193,6 +193,14 @@ def _add_generate(sub) -> None:
     )
     _flag(
         gen,
+        "fsdp",
+        action="store_true",
+        help="shard every transformer block's weights over the mesh's devices (all axes but cfg and data) "
+        "and all-gather each layer just before it runs, the next layer's gather overlapping this one's "
+        "compute: 1/P of the block weights per device, the same result bit for bit",
+    )
+    _flag(
+        gen,
         "offload_encoders",
         action="store_true",
         help="pipeline folders: keep the text (and image) encoders' weights in host memory between prompts, "

@@ -76,6 +76,7 @@ class GenerateRequest:
     quantize: str | None = None  # "fp8": the transformer blocks' linear weights in float8_e4m3fn
     fp8_mode: str | None = None  # weight | matmul (jaxdit.models.fp8); default: matmul where GPUs have FP8
     offload_encoders: bool = False  # pipeline folders: encoder weights wait in host memory between prompts
+    fsdp: bool = False  # the block stacks' weights sharded over the mesh, gathered per layer (parallel.fsdp)
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
     coordinator: str | None = None
     num_processes: int | None = None
@@ -181,6 +182,7 @@ class GenerateRequest:
             ring=self.ring_degree,
             ulysses=self.ulysses_degree,
             tensor=self.tensor_parallel_degree,
+            fsdp=self.fsdp,
         )
 
     # ------------------------------------------------------------------ the call

@@ -203,7 +203,7 @@ def load_transformer(
     # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
     check = lambda cfg: validate_forward(where.parallel, cfg.num_heads)
     family, model = load_params(path, where, dtype, config=config, check=check)
-    return family.wrap(model, where.mesh, kernel=kernel, compiler_options=compiler_options)
+    return family.wrap(model, where, kernel=kernel, compiler_options=compiler_options)
 
 
 def convert_checkpoint(
