@@ -170,7 +170,8 @@ class DiffusionPipeline:
     def plain_forward(self, sharded: Callable[..., Any], model: Any, kernel: Any = None) -> Any:
         """``sharded(model, mesh, kernel=)`` (the family's sharded forward) on a plain mesh; None under
         PipeFusion, where ``model`` is the stage layout and the runner computes."""
-        return None if self.parallel.pipefusion > 1 else sharded(model, self.mesh, kernel=kernel)
+        # The DeviceMesh, not its jax mesh: a mesh alone has no ParallelConfig.fsdp.
+        return None if self.parallel.pipefusion > 1 else sharded(model, self.device_mesh, kernel=kernel)
 
     def denoiser_for(
         self,

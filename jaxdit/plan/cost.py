@@ -48,6 +48,7 @@ from jaxdit.parallel.flops import attention_flops
 from jaxdit.parallel.fsdp import fsdp_axes
 from jaxdit.parallel.local_attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from jaxdit.plan.fp8 import fp8_block_saving
+from jaxdit.plan.fsdp import fsdp_stacks
 from jaxdit.plan.workload import Workload
 
 __all__ = [
@@ -61,7 +62,7 @@ __all__ = [
 ]
 
 #: Bytes per element of the dtypes the programs move.
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "bool": 1}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "bool": 1, "float8_e4m3fn": 1}
 
 
 def wire_bytes(dtype: str, cpu: bool = False) -> int:
@@ -220,7 +221,9 @@ def _tile(n: int, block: int) -> int:
     return math.ceil(n / max(1, math.ceil(n / block)))
 
 
-def _activation_bytes(w: Workload, c: ParallelConfig, block_weights: int, context_bytes: int) -> int:
+def _activation_bytes(
+    w: Workload, c: ParallelConfig, block_weights: int, context_bytes: int, fsdp_slice: int = 0
+) -> int:
     """Working memory of the busiest device inside one block (inference keeps nothing across blocks).
 
     ``block_weights``: the largest block's weights on this device. The layers are a ``lax.scan`` over
@@ -231,7 +234,8 @@ def _activation_bytes(w: Workload, c: ParallelConfig, block_weights: int, contex
     one fp32 score tile with its probabilities) and the MLP (its hidden layer in fp32 and in the model dtype, and the fp32
     partial sum). Cross-attention adds the embedded context and its K/V (the family's ``context_bytes``).
     Under PipeFusion a tick works on one patch (1/M of the tokens); its stale K/V is
-    :func:`_kv_cache_bytes`.
+    :func:`_kv_cache_bytes`. Under fsdp (``fsdp_slice``: the largest block's local shard) the scan
+    copies the shard out of the stack and holds two gathered layers, the running one and the next.
     """
     sh, a, e = shapes(w, c), w.itemsize, w.hidden
     b, n = sh.b, sh.n
@@ -251,7 +255,8 @@ def _activation_bytes(w: Workload, c: ParallelConfig, block_weights: int, contex
         + 2 * b * heads * tq * tk * 4  # one score tile and its probabilities
     )
     mlp = b * n * sh.f_t * (4 + a) + b * n * e * 4
-    return block_weights + residual + max(attention, mlp) + context_bytes
+    weights = 2 * block_weights + fsdp_slice if fsdp_slice else block_weights
+    return weights + residual + max(attention, mlp) + context_bytes
 
 
 def _kv_cache_bytes(w: Workload, c: ParallelConfig) -> int:
@@ -376,6 +381,70 @@ def _collectives(
     return out
 
 
+def fsdp_layer_gathers(n: int, pipefusion: bool) -> tuple[int, int]:
+    """(gathers per forward, gathers once per program) of each split parameter of a stack of ``n``
+    layers on a device, as compiled (``jaxdit.parallel.fsdp.gathered_scan``): the scan's body gathers
+    layer ``i + 1 mod n`` while layer ``i`` runs (``n`` per forward) after a prefetch of layer 0. The
+    prefetch depends on nothing the step computes: in PipeFusion's programs XLA hoists it out of the
+    tick loop (and merges the warm-up's P copies), so it runs once per program. A one-layer scan is no
+    loop: its one gather is the prefetch's (once per forward; PipeFusion: once per program)."""
+    if n == 1:
+        return (0, 1) if pipefusion else (1, 0)
+    return (n, 1) if pipefusion else (n + 1, 0)
+
+
+def _fsdp_gathers(
+    w: Workload, c: ParallelConfig, stacks: tuple, flops: tuple[tuple[int, float], ...]
+) -> tuple[CollectiveCost, ...]:
+    """fsdp's all-gathers of one step (:func:`fsdp_layer_gathers`): per forward on a plain mesh, per tick
+    under PipeFusion (M per step; the once-per-program prefetch is in :func:`pipefusion_programs`). A
+    layer's gathers overlap the previous layer's compute (shared by their bytes)."""
+    if not stacks:
+        return ()
+    out = []
+    patches = pipeline_shape(w, c)[1] if c.pipefusion > 1 else 1
+    for stack, (layers, block_flops) in zip(stacks, flops, strict=True):
+        if stack is None or not layers:
+            continue
+        n = _stage_layers(layers, c.pipefusion)
+        per_forward, _ = fsdp_layer_gathers(n, c.pipefusion > 1)
+        total = sum(e * ITEMSIZE[d] * k for (e, d, _), k in stack.gathers)
+        for (elements, dtype, group), k in stack.gathers:
+            if not per_forward:
+                continue
+            share = elements * ITEMSIZE[dtype] / total
+            out.append(
+                CollectiveCost(
+                    "fsdp",
+                    "all-gather",
+                    f"{k} block weights of {elements} elements each, gathered a layer ahead",
+                    k * per_forward * patches,
+                    elements,
+                    dtype,
+                    group,
+                    overlap_flops=block_flops / patches * share,
+                )
+            )
+    return tuple(out)
+
+
+def _fsdp_prefetch_bytes(w: Workload, c: ParallelConfig, cpu: bool) -> float:
+    """PipeFusion: bytes one device sends for the prefetches each program runs once."""
+    if not fsdp_axes(c):
+        return 0.0
+    stacks = fsdp_stacks(w.family, w.model, w.dtype, w.fp8, c)
+    total = 0.0
+    for stack, layers in zip(stacks, w.stack_depths, strict=True):
+        if stack is None or not layers:
+            continue
+        _, once = fsdp_layer_gathers(_stage_layers(layers, c.pipefusion), True)
+        for (elements, dtype, group), k in stack.gathers:
+            total += (
+                once * k * CollectiveCost("fsdp", "all-gather", "", 1, elements, dtype, group).sent_bytes(cpu)
+            )
+    return total
+
+
 def pipeline_shape(w: Workload, c: ParallelConfig) -> tuple[int, int]:
     """PipeFusion's (passes V, patches M): a pass per stack of blocks, M = V x P (a full pipeline)."""
     passes = len(w.stack_depths)
@@ -397,14 +466,18 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
         saving = fp8_block_saving(w.family, w.model, w.dtype, c.tensor)
         block_bytes = tuple(b - s for b, s in zip(block_bytes, saving, strict=True))
     block_weights = max(b for layers, b in zip(w.stack_depths, block_bytes, strict=True) if layers)
-    ways = fsdp_ways(c)
-    # fsdp: each device holds 1/ways of its (stage's) blocks, plus two gathered layers at a time (the one
-    # running and the next one's prefetch; jaxdit.parallel.fsdp).
+    resident = block_bytes
+    gathers: tuple = ()
+    if fsdp_axes(c):
+        # fsdp: each device keeps its share of every block of its stage (exactly as shard_stacks splits
+        # them), and holds the running layer and the next one's prefetch gathered (jaxdit.parallel.fsdp):
+        # working memory (_activation_bytes), not stored parameters.
+        gathers = fsdp_stacks(w.family, w.model, w.dtype, w.fp8, c)
+        resident = tuple(0 if s is None else s.resident for s in gathers)
+        block_weights = max(s.gathered for s in gathers if s is not None)
     params = terms.param_nonblock_bytes + sum(
-        _stage_layers(layers, p) * b // ways for layers, b in zip(w.stack_depths, block_bytes, strict=True)
+        _stage_layers(layers, p) * b for layers, b in zip(w.stack_depths, resident, strict=True)
     )
-    if ways > 1:
-        params += 2 * block_weights
     busiest = terms.nonblock_flops + sum(_stage_layers(layers, p) * f for layers, f in stacks)
     # Stages differ only in how many blocks they hold: summed over devices, every block once per
     # (data, cfg, sequence, tensor) position and the non-block work on every device.
@@ -420,13 +493,16 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
     return StepCost(
         workload=w,
         config=c,
-        collectives=tuple(_collectives(w, c, terms, attention_layers, busiest)),
+        collectives=tuple(_collectives(w, c, terms, attention_layers, busiest))
+        + _fsdp_gathers(w, c, gathers, stacks),
         flops=float(busiest),
         summed_flops=float(summed),
         single_device_flops=float(single_flops),
         attention_flops=float(attention_layers * terms.attention_flops),
         param_bytes=params,
-        activation_bytes=_activation_bytes(w, c, block_weights, terms.context_bytes),
+        activation_bytes=_activation_bytes(
+            w, c, block_weights, terms.context_bytes, max(resident) if gathers else 0
+        ),
         kv_cache_bytes=_kv_cache_bytes(w, c),
         # Every expert has the same config and shardings: the idle resident ones hold what the running
         # one does.
@@ -458,14 +534,18 @@ def pipefusion_programs(
     rest = w.steps - warmup_steps
     depth = passes * p
     ticks = (rest - 1) * max(patches, depth) + patches - 1 + depth if rest > 0 else 0
-    tick = sequence / patches + passes * act + latent + cfg / patches
-    warmup = p * sequence + passes * (p - 1) * patches * act + patches * latent + cfg
+    # fsdp: each stage's layers gathered once per forward (P forwards in the warm-up step, one per tick),
+    # and the prefetches once per program.
+    fsdp = sum(x.total_sent(cpu) for x in cost.collectives if x.strategy == "fsdp") / patches
+    once = _fsdp_prefetch_bytes(w, c, cpu)
+    tick = sequence / patches + passes * act + latent + cfg / patches + fsdp
+    warmup = p * sequence + passes * (p - 1) * patches * act + patches * latent + cfg + p * fsdp + once
     return {
         "warmup": warmup,
-        "pipelined": ticks * tick,
+        "pipelined": ticks * tick + (once if ticks else 0),
         "ticks": ticks,
         "tick": tick,
         "steady_step": patches * tick,
         "patches": patches,
-        "generation": warmup_steps * warmup + ticks * tick,
+        "generation": warmup_steps * warmup + ticks * tick + (once if ticks else 0),
     }

@@ -333,7 +333,7 @@ def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1,
         raise ValueError(f"warmup_steps={warmup_steps} for {w.steps} steps")
     devices = list(jax.devices() if devices is None else devices)[: config.num_devices]
     where = config.device_mesh(devices)
-    model = w.family.staged_model.abstract(w.model, where.mesh, jnp.dtype(w.dtype))
+    model = w.family.staged_model.abstract(w.model, where, jnp.dtype(w.dtype))
     pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
@@ -355,7 +355,7 @@ def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None
     from jaxdit.plan.cost import pipeline_shape
 
     where = config.device_mesh(jax.devices()[: config.num_devices])
-    model = w.family.staged_model.abstract(w.model, where.mesh, jnp.dtype(w.dtype))
+    model = w.family.staged_model.abstract(w.model, where, jnp.dtype(w.dtype))
     pipe = w.family.bare_pipeline(model, where, compiler_options=FAST_COMPILE)
     inputs = pipe.prepare(w.family.example_request(w)).inputs
     _, patches = pipeline_shape(w, config)
