@@ -6,8 +6,15 @@
   axes take (a device holds 1/P of every block), and for full-size FLUX.1-dev and Wan2.1-14B (abstract
   shapes, no compile) the per-device weight bytes are 1/P of the replicated ones within 2%;
 - the gathers: every stacked parameter is all-gathered once per layer inside the scan's loop body plus
-  once before it (the prefetch of layer 0), with exactly the bytes of the local shards.
+  once before it (the prefetch of layer 0), with exactly the bytes of the local shards;
+- Wan's PipeFusion (pipefusion2 x ulysses2, warm-up and pipelined phase) is bit-identical with fsdp;
+- ``jaxdit plan --fsdp``: the compiled steps' collectives (all-gathers included) equal the cost model's
+  bytes and counts, and the parameters it prices are the compiled program's, on small FLUX (tensor2 x
+  ulysses4: gathers of two group sizes) and Wan (cfg2 x ulysses4), and PipeFusion's two programs (FLUX
+  pipefusion2 x ulysses2) send what the model says per program.
 """
+
+import json
 
 import flux_tiny
 import jax
@@ -23,6 +30,7 @@ from jaxdit import cli, hlo_stats, load_transformer
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux, wan
 from jaxdit.parallel.fsdp import fsdp_axes
+from jaxdit.pipelines import pipefusion_wan
 from jaxdit.pipelines.tiny_digits import tiny_digits
 
 FAST = {"xla_backend_optimization_level": 0}
@@ -184,3 +192,106 @@ def test_memory_guard_counts_fsdp_and_names_it():
     assert need[True] < need[False] / 4  # 1/8 of the blocks plus two gathered layers
     with pytest.raises(ValueError, match=r"--fsdp: [\d.]+ GiB \(fits\)"):
         check_fits(w, plain, [_Device(int(step_cost(w, plain).memory_bytes * 0.6))] * 8)
+
+
+def test_wan_pipefusion_with_fsdp_is_bit_identical():
+    rng = np.random.default_rng(3)
+    text = (2, wan_tiny.text_len(False), wan_tiny.TEXT_DIM)
+    call = dict(
+        prompt_embeds=rng.standard_normal(text).astype(np.float32),
+        negative_prompt_embeds=rng.standard_normal(text).astype(np.float32),
+        height=64,
+        width=64,
+        num_frames=9,
+        num_inference_steps=3,
+        guidance_scale=5.0,
+        seed=0,
+        output_type="latent",
+        progress=False,
+    )
+    runs, gathers = {}, {}
+    for fsdp in (False, True):
+        where = ParallelConfig(pipefusion=2, ulysses=2, fsdp=fsdp).device_mesh(jax.devices()[:4])
+        model = pipefusion_wan.PipeFusionWan.load(wan_tiny.diffusers_folder(False), where, jnp.float32)
+        pipe = pipefusion_wan.PipeFusionWanPipeline(model, compiler_options=FAST)
+        runs[fsdp] = np.asarray(pipe(**call, num_pipeline_patch=2, warmup_steps=1).latents)
+        gathers[fsdp] = model.gathers
+    assert not gathers[False] and gathers[True]  # the stage's blocks split over ulysses
+    assert np.abs(runs[False]).max() > 0.1
+    np.testing.assert_array_equal(runs[True], runs[False])
+
+
+def test_pipelines_keep_fsdp():
+    # A pipeline built on a DeviceMesh hands its fsdp setting to the forward (a bare jax mesh has none).
+    from jaxdit.families import FAMILIES as registry
+
+    config = flux_tiny_config()
+    where = ParallelConfig(ulysses=2, fsdp=True).device_mesh(jax.devices()[:2])
+    pipe = registry["flux"].bare_pipeline(flux.abstract_model(config, jnp.float32), where)
+    assert pipe.forward.config.fsdp and pipe.forward.gathers
+
+
+def flux_tiny_config():
+    return flux.FluxConfig(
+        in_channels=16, out_channels=16, vec_in_dim=8, context_in_dim=16, hidden_size=64, num_heads=4,
+        depth=2, depth_single_blocks=3, axes_dim=(4, 6, 6), guidance_embed=False,
+    )  # fmt: skip
+
+
+def _check_programs(cmp) -> None:
+    m, model = cmp.measured, cmp.model
+    modelled = model.by_kind(cpu=True)
+    assert cmp.unexpected_kinds == [] and modelled["all-gather"]["count"] > 0
+    for kind, v in modelled.items():
+        assert m.by_kind[kind]["bytes_sent"] == v["bytes_sent"], (model.config.describe(), kind)
+        if kind != "all-reduce":  # XLA's combiner may merge all-reduces (tests/test_plan.py)
+            assert m.by_kind[kind]["count"] == v["count"], (model.config.describe(), kind)
+    assert m.param_bytes == model.param_bytes
+
+
+def test_plan_verify_prices_fsdp_exactly():
+    from test_plan import FLUX_SMALL, flux_small, wan_small
+
+    from jaxdit.plan.cost import pipefusion_programs, step_cost
+    from jaxdit.plan.verify import Comparison, lower_step, measure, verify_pipefusion
+    from jaxdit.plan.workload import Workload
+
+    P = ParallelConfig
+    flux_c, wan_c = P(tensor=2, ulysses=4, fsdp=True), P(cfg=2, ulysses=4, fsdp=True)
+    # Each step compiled once (verify_many would also compile a one-device step, for FLOPs).
+    (f, w) = [
+        Comparison(step_cost(load, c), measure(*lower_step(load, c), c)[0], 0)
+        for load, c in ((flux_small("bfloat16"), flux_c), (wan_small(), wan_c))
+    ]
+    for cmp in (f, w):
+        _check_programs(cmp)
+    # Without fsdp the same steps hold every block whole and gather nothing.
+    plain = step_cost(flux_small("bfloat16"), P(tensor=2, ulysses=4))
+    assert "all-gather" not in plain.by_kind() and plain.param_bytes > 2 * f.model.param_bytes
+
+    pf = Workload.for_config(FLUX_SMALL, height=512, width=512, text_tokens=24, steps=4, dtype="bfloat16")
+    c = P(pipefusion=2, ulysses=2, fsdp=True)
+    (cmp,) = verify_pipefusion(pf, [c])
+    modelled = pipefusion_programs(pf, c, cpu=True)
+    without = pipefusion_programs(pf, P(pipefusion=2, ulysses=2), cpu=True)
+    assert cmp.warmup_measured == modelled["warmup"] > without["warmup"]
+    assert cmp.pipelined_measured == modelled["pipelined"] > without["pipelined"]
+    assert not cmp.unexpected_kinds
+
+
+def test_plan_cli_fsdp(capsys):
+    from jaxdit.plan.command import parse_config
+
+    assert parse_config("ulysses4 x tensor2 + fsdp") == ParallelConfig(ulysses=4, tensor=2, fsdp=True)
+    args = ["plan", "--model", "flux-dev", "--devices", "8", "--json"]
+    runs = {}
+    for fsdp in (False, True):
+        assert cli.main(args + (["--fsdp"] if fsdp else [])) == 0
+        runs[fsdp] = {p["config"]: p for p in json.loads(capsys.readouterr().out)["configurations"]}
+    plain, sharded = runs[False]["ulysses8"], runs[True]["ulysses8 + fsdp"]
+    gathers = [k for k in sharded["collectives"] if k["strategy"] == "fsdp"]
+    assert gathers and all(k["kind"] == "all-gather" and k["group"] == 8 for k in gathers)
+    assert not [k for k in plain["collectives"] if k["strategy"] == "fsdp"]
+    # 1/8 of FLUX.1-dev's blocks stays; its embedders and head (0.45% of the weights) stay whole, which
+    # at P = 8 is 3.8% over 1/8 of the whole (measured: 23.80 GB -> 3.09 GB per device).
+    assert 1 < sharded["param_bytes_per_device"] * 8 / plain["param_bytes_per_device"] < 1.04

@@ -24,21 +24,25 @@ _TOKEN = re.compile(rf"({'|'.join(MESH_AXES)})\s*=?\s*(\d+)$")
 
 def parse_config(text: str):
     """``ring2xulysses4``, ``ring2 x ulysses4``, ``ring=2,ulysses=4`` (within one config: x or +), or
-    ``single`` -> ParallelConfig."""
+    ``single`` -> ParallelConfig; ``+ fsdp`` (as ``describe`` writes it) shards the blocks' weights."""
     from jaxdit.mesh import ParallelConfig
 
     text = text.strip().lower()
     if text in ("single", "single device", "1"):
         return ParallelConfig()
     degrees: dict[str, int] = {}
+    fsdp = False
     for part in re.split(r"\s*[x+]\s*", text):
+        if part.strip() == "fsdp":
+            fsdp = True
+            continue
         m = _TOKEN.match(part.strip())
         if not m:
             raise ValueError(f"cannot read {part!r} in configuration {text!r}; write e.g. ring2xulysses4")
         if m.group(1) in degrees:
             raise ValueError(f"{m.group(1)} given twice in {text!r}")
         degrees[m.group(1)] = int(m.group(2))
-    return ParallelConfig(**degrees)
+    return ParallelConfig(**degrees, fsdp=fsdp)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -94,6 +98,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--quantize", choices=("fp8",), default=None, help="fp8: price the transformer blocks' "
                    "linear weights in FP8, as `jaxdit generate --quantize fp8` holds them")  # fmt: skip
+    p.add_argument("--fsdp", action="store_true", help="every configuration with its blocks' weights sharded "
+                   "over the mesh and gathered per layer, as `jaxdit generate --fsdp` runs them")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan (and verification) as JSON")
     p.add_argument(
         "--verify",
@@ -154,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
             attention_source=None if args.attention_tflops else measured["source"],
             tflops=args.tflops or measured["tflops"] or hw.tflops,
         )
-    report = plan(workload, args.devices, hw)
+    report = plan(workload, args.devices, hw, fsdp=args.fsdp)
     cache = check_skip(args.cache, report) if args.cache else None
     data = report.to_json() if args.json else None
     if data is not None:
@@ -176,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
         )
 
         if args.configs:
-            chosen = [report.find(parse_config(c)) for c in args.configs.split(",") if c.strip()]
+            parsed = [parse_config(c) for c in args.configs.split(",") if c.strip()]
+            if args.fsdp:
+                parsed = [dataclasses.replace(c, fsdp=True) for c in parsed]
+            chosen = [report.find(c) for c in parsed]
             bad = [f"{p.name}: {'; '.join(p.reasons)}" for p in chosen if not p.valid]
             if bad:
                 raise ValueError("cannot verify invalid configurations: " + " | ".join(bad))

@@ -243,12 +243,15 @@ def recommend(plans: list[Plan], tolerance: float = TIE_TOLERANCE) -> Plan | Non
     return min(near, key=lambda p: (p.cost.bytes_sent(), p.timing.generation))
 
 
-def plan(w: Workload, devices: int, hw: Hardware | None = None) -> PlanReport:
+def plan(w: Workload, devices: int, hw: Hardware | None = None, fsdp: bool = False) -> PlanReport:
     """Evaluate every configuration of ``devices`` for ``w``: the recommended one first, then the other
     valid ones that run by modelled latency, then the modelled-only ones, then the invalid ones with their
-    reasons."""
+    reasons. ``fsdp``: every configuration with ``ParallelConfig.fsdp=True`` (``jaxdit plan --fsdp``)."""
     hw = hw or Hardware()
-    evaluated = [evaluate(w, c, hw) for c in all_configs(devices)]
+    configs = all_configs(devices)
+    if fsdp:
+        configs = [dataclasses.replace(c, fsdp=True) for c in configs]
+    evaluated = [evaluate(w, c, hw) for c in configs]
     valid = sorted((p for p in evaluated if p.valid), key=_rank)
     rec = recommend(valid)
     if rec is not None:
