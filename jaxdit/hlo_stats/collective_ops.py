@@ -148,12 +148,21 @@ def _parse_groups(attrs: str, num_devices: int) -> tuple[tuple[int, ...], ...] |
         groups = tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in listed)
         groups = tuple(g for g in groups if g)
         return groups or (tuple(range(num_devices)),)
-    # Mesh form (Shardy): mesh['a'=1,'b'=8] {'b'}: groups vary the listed axes, the others fixed.
-    mm = re.match(r"mesh\[([^\]]*)\]\s*\{([^}]*)\}", s)
+    # Mesh form (Shardy): mesh['a'=1,'b'=8] {'b'}: groups vary the listed axes, the others fixed; with
+    # ``device_ids=([d0,d1]T(perm))`` the mesh's devices are that transposed iota, not 0..n-1 in order.
+    mm = re.match(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(([^)]*\)?)\))?\s*\{([^}]*)\}", s)
     if mm:
         axes = [(name, int(size)) for name, size in re.findall(r"'([^']+)'=(\d+)", mm.group(1))]
-        varying = set(re.findall(r"'([^']+)'", mm.group(2)))
-        ids = np.arange(math.prod(size for _, size in axes)).reshape([size for _, size in axes])
+        varying = set(re.findall(r"'([^']+)'", mm.group(3)))
+        ids = np.arange(math.prod(size for _, size in axes))
+        if mm.group(2):
+            dm = re.fullmatch(r"\[([0-9,]+)\](?:T\(([0-9,]+)\))?", mm.group(2).strip())
+            if not dm:
+                raise ValueError(f"cannot parse device_ids in: {attrs[:200]}")
+            ids = ids.reshape([int(x) for x in dm.group(1).split(",")])
+            if dm.group(2):
+                ids = ids.transpose([int(x) for x in dm.group(2).split(",")])
+        ids = ids.reshape([size for _, size in axes])
         order = [i for i, (n, _) in enumerate(axes) if n not in varying] + [
             i for i, (n, _) in enumerate(axes) if n in varying
         ]

@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models.partitioning import logical_axes
 
-__all__ = ["DEFAULT_EXCLUDED", "Gathers", "fsdp_axes", "gathered_scan", "shard_stacks"]
+__all__ = ["DEFAULT_EXCLUDED", "Gathers", "fsdp_axes", "gathered_scan", "shard_rest", "shard_stacks"]
 
 #: Axes fsdp leaves alone by default: each data / cfg shard runs a different request or branch.
 DEFAULT_EXCLUDED = ("data", "cfg")
@@ -101,6 +101,47 @@ def shard_stacks(state: nnx.State, specs: Any, config: ParallelConfig) -> tuple[
         gathers.setdefault(stack, []).append((jax.tree_util.keystr(path[1:]), dim, free))
     out = jax.tree_util.tree_unflatten(spec_def, new_specs)
     return out, tuple((k, tuple(v)) for k, v in gathers.items())
+
+
+def _split_dim(shape: tuple[int, ...], parts: list[tuple[str, ...]], free, degrees, first: int) -> int | None:
+    """The largest dimension from ``first`` on whose local size the ``free`` axes divide, or None."""
+    ways = math.prod(degrees[a] for a in free)
+    local = [shape[d] // math.prod(degrees[a] for a in parts[d]) for d in range(len(shape))]
+    dims = sorted(range(first, len(shape)), key=lambda d: -local[d])
+    return next((d for d in dims if free and local[d] % ways == 0), None)
+
+
+def shard_rest(state: nnx.State, specs: Any, config: ParallelConfig) -> Any:
+    """Storage specs for the parameters outside the block stacks under fsdp: each split over the fsdp
+    axes its spec does not use, along its largest dimension they divide (a parameter with none stays
+    whole). Only how they are stored: the step's ``shard_map`` still takes them whole, so the jitted
+    step all-gathers each once per call before its body runs (XLA's resharding of the arguments), and
+    they are used where they always were (embedders, modulation, head). ``specs``: from
+    :func:`shard_stacks` (stacked parameters are left as they are)."""
+    axes = fsdp_axes(config)
+    if not axes:
+        return specs
+    degrees = config.degrees
+    flat_state, _ = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_var)
+    flat_specs, spec_def = jax.tree_util.tree_flatten(specs, is_leaf=_is_var)
+    out = []
+    for (_, var), spec_var in zip(flat_state, flat_specs, strict=True):
+        shape = tuple(var.shape)
+        if logical_axes(var)[0] == "layers" or not shape:
+            out.append(spec_var)
+            continue
+        parts = _parts(spec_var.get_value(), len(shape))
+        used = {a for p in parts for a in p}
+        free = tuple(a for a in axes if a not in used)
+        dim = _split_dim(shape, parts, free, degrees, 0)
+        if dim is None:
+            out.append(spec_var)
+            continue
+        parts[dim] = parts[dim] + free
+        out.append(
+            spec_var.replace(PartitionSpec(*[None if not p else p[0] if len(p) == 1 else p for p in parts]))
+        )
+    return jax.tree_util.tree_unflatten(spec_def, out)
 
 
 def _gather_layer(layer: nnx.State, gathers: Mapping[str, tuple[int, tuple[str, ...]]]) -> nnx.State:

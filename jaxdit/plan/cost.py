@@ -48,7 +48,7 @@ from jaxdit.parallel.flops import attention_flops
 from jaxdit.parallel.fsdp import fsdp_axes
 from jaxdit.parallel.local_attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from jaxdit.plan.fp8 import fp8_block_saving
-from jaxdit.plan.fsdp import fsdp_stacks
+from jaxdit.plan.fsdp import fsdp_rest, fsdp_stacks
 from jaxdit.plan.workload import Workload
 
 __all__ = [
@@ -425,15 +425,25 @@ def _fsdp_gathers(
                     overlap_flops=block_flops / patches * share,
                 )
             )
+    if c.pipefusion == 1:  # PipeFusion's programs gather them once each (pipefusion_programs)
+        rest = fsdp_rest(w.family, w.model, w.dtype, w.fp8, c)
+        for (elements, dtype, group), k in rest.gathers:
+            what = f"{k} weights outside the blocks of {elements} elements each, gathered for the step"
+            out.append(CollectiveCost("fsdp", "all-gather", what, k, elements, dtype, group))
     return tuple(out)
 
 
 def _fsdp_prefetch_bytes(w: Workload, c: ParallelConfig, cpu: bool) -> float:
-    """PipeFusion: bytes one device sends for the prefetches each program runs once."""
+    """PipeFusion: bytes one device sends for what each program gathers once: the stacks' prefetches and
+    the weights outside the blocks."""
     if not fsdp_axes(c):
         return 0.0
     stacks = fsdp_stacks(w.family, w.model, w.dtype, w.fp8, c)
-    total = 0.0
+    rest = fsdp_rest(w.family, w.model, w.dtype, w.fp8, c)
+    total = sum(
+        k * CollectiveCost("fsdp", "all-gather", "", 1, e, d, g).sent_bytes(cpu)
+        for (e, d, g), k in rest.gathers
+    )
     for stack, layers in zip(stacks, w.stack_depths, strict=True):
         if stack is None or not layers:
             continue
@@ -468,14 +478,19 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
     block_weights = max(b for layers, b in zip(w.stack_depths, block_bytes, strict=True) if layers)
     resident = block_bytes
     gathers: tuple = ()
+    nonblock, gathered_rest = terms.param_nonblock_bytes, 0
     if fsdp_axes(c):
         # fsdp: each device keeps its share of every block of its stage (exactly as shard_stacks splits
         # them), and holds the running layer and the next one's prefetch gathered (jaxdit.parallel.fsdp):
         # working memory (_activation_bytes), not stored parameters.
+        # The weights outside the blocks are stored split too and gathered whole for the step (shard_rest).
         gathers = fsdp_stacks(w.family, w.model, w.dtype, w.fp8, c)
+        rest = fsdp_rest(w.family, w.model, w.dtype, w.fp8, c)
         resident = tuple(0 if s is None else s.resident for s in gathers)
         block_weights = max(s.gathered for s in gathers if s is not None)
-    params = terms.param_nonblock_bytes + sum(
+        nonblock = terms.param_nonblock_bytes - rest.gathered + rest.resident
+        gathered_rest = rest.gathered
+    params = nonblock + sum(
         _stage_layers(layers, p) * b for layers, b in zip(w.stack_depths, resident, strict=True)
     )
     busiest = terms.nonblock_flops + sum(_stage_layers(layers, p) * f for layers, f in stacks)
@@ -500,9 +515,8 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
         single_device_flops=float(single_flops),
         attention_flops=float(attention_layers * terms.attention_flops),
         param_bytes=params,
-        activation_bytes=_activation_bytes(
-            w, c, block_weights, terms.context_bytes, max(resident) if gathers else 0
-        ),
+        activation_bytes=gathered_rest
+        + _activation_bytes(w, c, block_weights, terms.context_bytes, max(resident) if gathers else 0),
         kv_cache_bytes=_kv_cache_bytes(w, c),
         # Every expert has the same config and shardings: the idle resident ones hold what the running
         # one does.
