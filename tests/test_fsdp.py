@@ -11,9 +11,10 @@
 - ``jaxdit plan --fsdp``: the compiled steps' collectives (all-gathers included) equal the cost model's
   bytes and counts, and the parameters it prices are the compiled program's, on small FLUX (tensor2 x
   ulysses4: gathers of two group sizes) and Wan (cfg2 x ulysses4), and PipeFusion's two programs (FLUX
-  pipefusion2 x ulysses2) send what the model says per program.
+  pipefusion2 x ulysses2) send what the model says per program; FP8 weights with fsdp likewise.
 """
 
+import dataclasses
 import json
 
 import flux_tiny
@@ -254,13 +255,16 @@ def test_plan_verify_prices_fsdp_exactly():
 
     P = ParallelConfig
     flux_c, wan_c = P(tensor=2, ulysses=4, fsdp=True), P(cfg=2, ulysses=4, fsdp=True)
-    # Each step compiled once (verify_many would also compile a one-device step, for FLOPs).
-    (f, w) = [
+    fp8 = dataclasses.replace(flux_small("bfloat16"), fp8=True)
+    # Each step compiled once (verify_many would also compile a one-device step, for FLOPs). FP8 weights
+    # are gathered as FP8 (the CPU carries them in two bytes).
+    (f, w, q) = [
         Comparison(step_cost(load, c), measure(*lower_step(load, c), c)[0], 0)
-        for load, c in ((flux_small("bfloat16"), flux_c), (wan_small(), wan_c))
+        for load, c in ((flux_small("bfloat16"), flux_c), (wan_small(), wan_c), (fp8, flux_c))
     ]
-    for cmp in (f, w):
+    for cmp in (f, w, q):
         _check_programs(cmp)
+    assert any(k.dtype == "float8_e4m3fn" for k in q.model.collectives)
     # Without fsdp the same steps hold every block whole and gather nothing.
     plain = step_cost(flux_small("bfloat16"), P(tensor=2, ulysses=4))
     assert "all-gather" not in plain.by_kind() and plain.param_bytes > 2 * f.model.param_bytes
