@@ -13,7 +13,10 @@ layer runs, and each gathered layer is dropped after its step:
   prefetch rather than relying on the compiler's collective pipeliner. The last iteration gathers
   layer 0 again (discarded): one extra layer gathered per stack and forward, so a stack of ``n``
   layers gathers ``n + 1`` times. Two gathered layers are live at once;
-- ``all_gather`` only moves bytes, so the result is bit-identical to the unsharded step.
+- ``all_gather`` only moves bytes, so the result is bit-identical to the unsharded step;
+- the parameters outside the stacks (embedders, modulation projections, head) are stored split too
+  (:func:`shard_rest`, storage shardings only): the step's ``shard_map`` takes them whole, so the jitted
+  step gathers each once per call, before its body.
 
 Which axes: by default every mesh axis but ``data`` and ``cfg`` whose degree is > 1 (the gathers run
 over the same links as Ulysses' all-to-alls); per parameter, axes its own spec already uses (``tensor``
