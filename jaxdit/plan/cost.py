@@ -21,6 +21,11 @@ which code it models), so that ``jaxdit plan --verify`` can hold it against the 
   the tick's compute; an odd V ends on the last stage, which also sends the updated fp32 latent patch
   back to stage 0 each tick. M = V x P keeps the pipeline full. Stale K/V never leaves its device but
   costs memory.
+- fsdp (``parallel/fsdp.py``, ``plan/fsdp.py``): per stack of n layers on a device, every split block
+  parameter all-gathered n + 1 times per forward (each layer one iteration ahead, plus the prefetch of
+  layer 0; a one-layer stack once), overlapped with the previous layer; under PipeFusion n per tick and
+  the prefetch once per program. The weights outside the stacks are gathered once per compiled step.
+  The stored shares are parameters; two gathered layers and the gathered rest are working memory.
 - Data: nothing.
 
 The family-specific arithmetic (FLOPs of its blocks, parameter bytes, its all-reduces, its context's

@@ -83,7 +83,7 @@ def check_fits(workload: Workload, config: ParallelConfig, devices: Sequence[Any
         return need
     fitting = [
         p.config.describe()
-        for p in plan(workload, len(devices), Hardware(memory_gb=have / 1e9)).plans
+        for p in plan(workload, len(devices), Hardware(memory_gb=have / 1e9), fsdp=bool(config.fsdp)).plans
         if p.fits and p.runnable and p.exact
     ]
     hint = (
