@@ -10,7 +10,9 @@ Each setting is ``NAME[:FIELD=VALUE,...]`` (the fields of ``jaxdit.cache``'s con
 for the family's default of a cache (what ``jaxdit generate --cache NAME`` runs). 100 samples (10 per
 digit, seed 1, 20 Euler steps, CFG 3.0). Timing: every setting runs once to compile, then ``--repeats``
 times in turn with the uncached loop, so that a loaded machine slows them alike; the median loop time
-is reported as a ratio to the uncached median. PSNR is over pixels in [-1, 1] (peak-to-peak 2).
+is reported as a ratio to the uncached median. PSNR is over pixels in [-1, 1] (peak-to-peak 2). The
+last columns: the skipped steps' share carried over to FLUX.1-dev (1024 x 1024, 28 steps, 57 blocks) and
+the speed-up ``jaxdit plan`` expects from it on 8 devices (scripts/cache_folders.py says how).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import ast
 import os
 import statistics
 import sys
+
+import cache_folders  # scripts/: the full-size estimate
 
 #: The README's sweep: each new cache at 3-4 settings, its default among them.
 DEFAULT_SETTINGS = [
@@ -98,8 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     base = results["uncached"]
     base_time = statistics.median(times["uncached"])
     print(f"tiny-digits, {args.samples} samples, {args.steps} steps, {config.describe()} on CPU")
+    # What jaxdit plan expects the same skipped steps to save on FLUX.1-dev (tiny-digits' architecture).
+    full_size, depth = cache_folders.full_size("flux")
     print(
         f"{'setting':44} {'full steps':>10} {'skipped':>8} {'judge':>6} {'PSNR':>8} {'loop':>8} {'speed-up':>8}"
+        f" {'full-size skip':>14} {'plan':>6}"
     )
     for name, out in results.items():
         report = out.cache
@@ -112,11 +119,20 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:44} {full:>4} of {args.steps:<3} {skipped:>8} {accuracy:>6.0%} {psnr:>8} "
             f"{seconds:>6.2f} s {base_time / seconds:>7.2f}x"
+            + (_full_size(full_size, depth, settings[name], full / args.steps) if report else "")
         )
         if report:
             print(f"{'':44} {report.describe()}")
     print(f"loop: median of {args.repeats} timed runs after one compiling run; the machine may be shared")
+    print(f"full size: {cache_folders.FULL_SIZE['flux']}, 8 devices (scripts/cache_folders.py)")
     return 0
+
+
+def _full_size(report, depth: int, cache, full_share: float) -> str:
+    """The skipped steps' share carried over to FLUX.1-dev, and jaxdit plan's speed-up for it."""
+    skip = (1 - full_share) * cache_folders.skipped_per_skipped_step(cache, depth)
+    where, speedup = cache_folders.full_size_speedup(report, skip)
+    return f" {skip:>14.0%} {speedup:>5.2f}x ({where})"
 
 
 if __name__ == "__main__":

@@ -57,6 +57,8 @@ def test_same_decisions_on_every_device_and_the_single_device_result(cache):
     report = out.cache
     print(report.describe(), report.ran.astype(int))
     assert report.devices == 8 and report.per_device.shape == (8, STEPS)
+    # Every device wrote its own decision at every step (the records start at -1), both decisions taken.
+    assert set(report.per_device.ravel().tolist()) == {0, 1}, report.per_device
     for device in range(8):
         assert report.per_device[device].tolist() == report.per_device[0].tolist(), device
     assert report.devices_agree

@@ -35,6 +35,7 @@ Reading the records back (:func:`read_report`) shows whether all devices decided
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -275,15 +276,11 @@ class CachedForward:
         )
 
     def init_state(self, shapes: Mapping[str, Any], plan: np.ndarray) -> dict[str, jax.Array]:
-        """The state on the mesh: zeros, the host plan, records of -1 (no step yet)."""
-        fill = {"ran": -1, "ratio": np.nan}
-
-        def build():
-            state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), dict(shapes))
-            state.update({k: jnp.full(shapes[k].shape, v, shapes[k].dtype) for k, v in fill.items()})
-            return state
-
-        state = jax.jit(build, out_shardings=self.shardings(shapes))()
+        """The state on the mesh: zeros, the host plan, records of -1 (no step yet). The zeros' program is
+        kept per shapes and shardings: a served request of a compiled shape compiles nothing."""
+        leaves, tree = jax.tree.flatten(dict(shapes))
+        specs = tuple((tuple(s.shape), np.dtype(s.dtype).name) for s in leaves)
+        state = _zeros(tree, specs, tuple(jax.tree.leaves(self.shardings(shapes))))()
         state["plan"] = jax.device_put(np.asarray(plan, np.int32), NamedSharding(self.mesh, self.replicated))
         return state
 
@@ -348,3 +345,16 @@ class CachedForward:
             per_device=ran,
             setting=self.policy.describe(),
         )
+
+
+@functools.lru_cache(maxsize=64)
+def _zeros(tree: Any, specs: tuple, shardings: tuple) -> Any:
+    """A jitted builder of a cache state: zeros, and -1 / NaN in the records (no step yet)."""
+    fill = {"ran": -1, "ratio": np.nan}
+
+    def build():
+        state = jax.tree.unflatten(tree, [jnp.zeros(shape, dtype) for shape, dtype in specs])
+        state.update({k: jnp.full(state[k].shape, v, state[k].dtype) for k, v in fill.items() if k in state})
+        return state
+
+    return jax.jit(build, out_shardings=jax.tree.unflatten(tree, list(shardings)))

@@ -60,6 +60,17 @@ class Policy:
         """Blocks computed at every step, skipped or not (head and tail)."""
         return self.fn + self.bn
 
+    @property
+    def program_key(self) -> Policy:
+        """What the compiled step depends on: a host-planned policy (MagCache, TaylorSeer) hands its plan to
+        the step as data, so its threshold, ratios, skip limits and interval are left out and every value of
+        them shares one program; the other metrics trace their numbers into the step."""
+        if self.metric != "host":
+            return self
+        return dataclasses.replace(
+            self, threshold=0.0, mag_ratios=(), max_skips=0, retention=0.0, interval=0, warmup=0
+        )
+
     def forced(self, steps: int, switches: Sequence[int] = ()) -> list[int]:
         """Steps that always run every block: the first (and the warm-up); TeaCache's last; where the
         parameters change."""

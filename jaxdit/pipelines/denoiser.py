@@ -309,7 +309,8 @@ class Denoiser:
         """:meth:`step_fn` with a feature cache: ``step(params, x, state, cache, i, schedule, context,
         extras, scale) -> (x, state, cache, i + 1, finite)``, jitted; the cache state is donated too and stays
         on the devices from step to step."""
-        key = (layout, names, cfg, cached.policy, renorm)
+        # A host-planned cache (MagCache, TaylorSeer) shares one program over its thresholds.
+        key = (layout, names, cfg, cached.policy.program_key, renorm)
         if key in self._steps:
             return self._steps[key]
         forward = cached.step(layout, names, shapes)

@@ -89,6 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep the text encoders' weights in host memory "
         "between requests (copied to the device per prompt)",
     )
+    _flag(p, "caches", default=None, help="feature caches a request may name as `cache` (comma-separated: "
+          "fbcache, teacache, magcache, taylorseer, dbcache); each is compiled at start-up at its default "
+          "threshold (default: none)")  # fmt: skip
     _flag(p, "log_level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     par = p.add_argument_group("parallelism (xDiT's flags)")
     _flag(par, "data_parallel_degree", type=int, default=1)
@@ -116,6 +119,7 @@ class _Plan:
     batch_sizes: tuple[int, ...]
     frames: tuple[int, ...] | None
     step_counts: tuple[int, ...] | None
+    caches: tuple[str, ...] = ()
 
 
 def _numbers(text: str, flag: str) -> tuple[int, ...]:
@@ -197,7 +201,30 @@ def check(args: argparse.Namespace) -> _Plan:
     if template.family.makes_video and importlib.util.find_spec("av") is None:
         raise ValueError("serving videos (MP4) needs PyAV: pip install 'jaxdit[video]'")
     _check_shapes(template, sizes, frames, step_counts)
-    return _Plan(config, group, sizes, batch_sizes, frames, step_counts)
+    caches = _caches(args.caches, template)
+    return _Plan(config, group, sizes, batch_sizes, frames, step_counts, caches)
+
+
+def _caches(text: str | None, template) -> tuple[str, ...]:
+    """``--caches``: known names the model and the mesh take (as `jaxdit generate --cache` checks them)."""
+    from jaxdit.cache import CACHES
+    from jaxdit.generate_checks import check_request
+
+    if text is None:
+        return ()
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in CACHES]
+    if not names or unknown:
+        raise ValueError(
+            f"--caches {text!r}: {', '.join(unknown) or 'empty'}; the caches are {', '.join(sorted(CACHES))}"
+        )
+    probe = dataclasses.replace(template, prompt=template.family.example_prompt)
+    for name in names:
+        try:
+            check_request(dataclasses.replace(probe, feature_cache=name), output=False)
+        except ValueError as e:
+            raise ValueError(f"cannot serve --caches {name}: {e}") from None
+    return names
 
 
 def _check_shapes(template, sizes, frames, step_counts) -> None:
@@ -287,17 +314,19 @@ def load(args: argparse.Namespace, plan: _Plan):
         quantize=args.quantize,
         fp8_mode=args.fp8_mode,
         offload_encoders=args.offload_encoders,
+        caches=plan.caches,
     )
     card = engine.card
     sizes = plan.sizes or (card.default_size,)
     frames = plan.frames or ((card.default_frames,) if card.default_frames else (None,))
     steps = plan.step_counts or (card.default_steps,)
     warm = [
-        engine.request_for(w, h, n, f, k)
+        engine.request_for(w, h, n, f, k, c)
         for (w, h) in sizes
         for n in plan.batch_sizes
         for f in frames
         for k in steps
+        for c in (None, *plan.caches)
     ]
     try:
         engine.warm_up(warm)

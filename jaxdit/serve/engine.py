@@ -17,7 +17,10 @@ classifier-free guidance runs (two branches or one), and the step count's bucket
 an argument of the step, padded to a multiple of 64 rows: 1-63 steps share one program, 64-127 the next).
 On a PipeFusion mesh the exact step count instead: the pipelined phase is one program whose schedule of
 ticks is fixed by its number of steps (its warm-up steps and patches are the server's, fixed at start-up).
-Seeds, prompts and guidance values reuse a program.
+Seeds, prompts and guidance values reuse a program. A feature cache (``cache`` in the request, one of
+those the server was started to allow) is a program of its own: one per cache and, where the threshold is
+decided on the devices (First-Block-Cache, DBCache, TeaCache), per threshold; MagCache and TaylorSeer plan
+their steps on the host and hand the plan to the step as data, so every threshold shares one program.
 
 PipeFusion reports progress, and can be stopped, after each warm-up step and at the end of its pipelined
 phase only (one program for all its steps; see ``jaxdit.pipelines.pipefusion.denoiser``).
@@ -60,7 +63,11 @@ _FIELDS = {
     # PipeFusion's (the server's flags): a request's steps or size is what they do not fit.
     "warmup_steps": "steps",
     "num_pipeline_patch": "size",
+    "cache_threshold": "cache_threshold",
+    "cache": "cache",
 }
+#: The caches whose threshold is traced into the compiled step (the others plan their steps on the host).
+_THRESHOLD_IN_PROGRAM = ("fbcache", "dbcache", "teacache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +141,7 @@ class Engine:
         quantize: str | None = None,
         fp8_mode: str | None = None,
         offload_encoders: bool = False,
+        caches: tuple[str, ...] = (),
     ) -> Engine:
         """The pipeline for ``weights`` (None: the bundled model; else a pipeline folder) on ``mesh``;
         jax must be started (devices, processes). ``compiler_options``: XLA's, for the compiled steps.
@@ -190,6 +198,7 @@ class Engine:
             max_prompt_chars=limits.max_prompt_chars,
             max_pixels=limits.max_pixels,
             max_frames=limits.max_frames,
+            caches=tuple(caches),
         )
         return cls(pipe, template, card, mesh)
 
@@ -253,6 +262,8 @@ class Engine:
             true_cfg_scale=g.true_cfg_scale,
             num_frames=g.num_frames,
             seed=g.seed,
+            feature_cache=g.cache,
+            cache_threshold=g.cache_threshold,
         )
 
     def call(self, g: Generation, on_step: StepCallback | None = None) -> GenerationRequest:
@@ -276,17 +287,30 @@ class Engine:
     def shape_key(self, g: Generation) -> tuple:
         """What the compiled programs of ``g`` depend on (see the module docstring)."""
         steps = g.steps if self.exact_steps else schedule_rows(g.steps)
-        return (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), steps)
+        return (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), steps, self.cache_key(g))
+
+    def cache_key(self, g: Generation) -> tuple:
+        """The part of a program the request's cache decides: () without one, else its name and its
+        threshold (the family's default filled in) where the threshold is traced into the step, 0.0 where
+        it is not (or is the model's published one); keys stay sortable."""
+        if g.cache is None:
+            return ()
+        threshold = getattr(self._flags(g).cache(), "threshold", None)
+        return (g.cache, float(threshold or 0.0) if g.cache in _THRESHOLD_IN_PROGRAM else 0.0)
 
     @property
     def shape_fields(self) -> tuple[str, ...]:
         """The request field behind each position of a shape key (to name the one a refusal is about)."""
-        return ("size", "size", "n", "num_frames", _FIELDS[self.family.cfg_scale_argument], "steps")
+        cfg = _FIELDS[self.family.cfg_scale_argument]
+        return ("size", "size", "n", "num_frames", cfg, "steps", "cache")
 
     def describe(self, key: tuple) -> str:
-        width, height, n, frames, cfg, rows = key
+        width, height, n, frames, cfg, rows, cache = key
         parts = [f"{width}x{height}", f"n={n}"] + ([f"{frames} frames"] if frames is not None else [])
         steps = f"{rows} steps" if self.exact_steps else f"{max(1, rows - SCHEDULE_ROWS)}-{rows - 1} steps"
+        if cache:
+            name, threshold = cache
+            steps += f" {name}" + (f" threshold {threshold:g}" if threshold else "")
         return " ".join([*parts, steps, "with CFG" if cfg else "without CFG"])
 
     def check(self, g: Generation) -> None:
@@ -310,7 +334,13 @@ class Engine:
             raise RequestError(str(e), _field_of(str(e))) from None
 
     def request_for(
-        self, width: int, height: int, n: int = 1, num_frames: int | None = None, steps: int | None = None
+        self,
+        width: int,
+        height: int,
+        n: int = 1,
+        num_frames: int | None = None,
+        steps: int | None = None,
+        cache: str | None = None,
     ) -> Generation:
         """The default request of a shape (for warm-up)."""
         c = self.card
@@ -326,6 +356,7 @@ class Engine:
             seed=0,
             negative_prompt=c.default_negative,
             num_frames=num_frames if c.kind == VIDEO else None,
+            cache=cache,
         )
 
     # ------------------------------------------------------------------ running

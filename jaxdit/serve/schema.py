@@ -6,7 +6,8 @@ The shapes follow OpenAI's API, which clients already speak: ``POST /v1/images/g
 ``POST /v1/videos`` takes ``prompt``, ``size``, ``seconds`` and ``model``. The diffusion fields are optional
 keys beside them, named as ``jaxdit generate``'s flags: ``seed``, ``steps``, ``guidance`` (the pipeline's
 ``guidance_scale``), ``negative_prompt``, ``true_cfg_scale`` where the model takes it (FLUX), and
-``num_frames`` for videos. A field left out takes the served model's default (its :class:`ModelCard`), the
+``num_frames`` for videos, and a feature cache: ``cache`` (one of the caches the server was started to
+allow, ``jaxdit serve --caches``) with ``cache_threshold``. A field left out takes the served model's default (its :class:`ModelCard`), the
 default ``jaxdit generate`` uses. Unknown fields are refused by name (a typo such as ``step``
 would otherwise be silently ignored).
 
@@ -75,6 +76,8 @@ class ModelCard:
     #: False where the model ignores ``guidance`` (a FLUX model without a guidance embedding: FLUX.1-schnell,
     #: tiny-digits): a request giving it is refused rather than answered as if it had mattered.
     takes_guidance: bool = True
+    #: The feature caches a request may name (``jaxdit serve --caches``); empty: none.
+    caches: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,8 @@ class Generation:
     negative_prompt: str | None = None
     num_frames: int | None = None
     true_cfg_scale: float | None = None
+    cache: str | None = None  # a feature cache (jaxdit.cache.CACHES), None: every block every step
+    cache_threshold: float | None = None  # None: the family's measured one, else the cache's own
 
     @property
     def size(self) -> str:
@@ -252,7 +257,42 @@ def _common(body: dict, card: ModelCard, allowed: set[str]) -> dict[str, Any]:
         else _number(body, "guidance", card.default_guidance, 0.0, card.max_guidance),
         seed=_integer(body, "seed", 0, 0, MAX_SEED),
         true_cfg_scale=true_cfg,
+        **_cache(body, card),
     )
+
+
+#: Above it a cache skips nearly every step (the published thresholds are 0.03-0.8): refused as a typo.
+MAX_CACHE_THRESHOLD = 1.0
+
+
+def _cache(body: dict, card: ModelCard) -> dict[str, Any]:
+    """``cache`` and ``cache_threshold``: a cache the server allows, a finite threshold in (0, 1]."""
+    name = body.get("cache")
+    if name is not None:
+        allowed = ", ".join(card.caches) if card.caches else "none (start it with --caches NAME[,...])"
+        if not isinstance(name, str) or name not in card.caches:
+            raise RequestError(
+                f"cache {json.dumps(name)[:40]}: this server allows the feature caches {allowed}", "cache"
+            )
+    if "cache_threshold" not in body or body["cache_threshold"] is None:
+        return dict(cache=name, cache_threshold=None)
+    if name is None:
+        raise RequestError("cache_threshold needs a cache: send cache too", "cache_threshold")
+    if name == "taylorseer":
+        raise RequestError(
+            "TaylorSeer has no threshold (it runs every block every few steps)", "cache_threshold"
+        )
+    value = body["cache_threshold"]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise RequestError(
+            f"cache_threshold must be a number, got {json.dumps(value)[:40]}", "cache_threshold"
+        )
+    if not math.isfinite(value) or not 0 < value <= MAX_CACHE_THRESHOLD:
+        raise RequestError(
+            f"cache_threshold must be a finite number in (0, {MAX_CACHE_THRESHOLD:g}], got {value}",
+            "cache_threshold",
+        )
+    return dict(cache=name, cache_threshold=float(value))
 
 
 #: Far above any clip a card serves (its frame limit refuses it by name); keeps ``seconds x fps`` finite.
@@ -272,7 +312,9 @@ def _seconds(value: Any) -> float:
     return seconds
 
 
-_DIFFUSION_FIELDS = {"model", "prompt", "size", "seed", "steps", "guidance", "negative_prompt"}
+_DIFFUSION_FIELDS = {
+    "model", "prompt", "size", "seed", "steps", "guidance", "negative_prompt", "cache", "cache_threshold"
+}  # fmt: skip
 
 
 def _fields(card: ModelCard) -> set[str]:
