@@ -128,6 +128,9 @@ class ZImageTransformer(nnx.Module):
     -> context refiner (caption) -> joint layers ([image; caption]) -> output layer on the image."""
 
     STACKS = ("noise_refiner", "context_refiner", "layers")
+    #: Feature caches start at the first joint layer, as diffusers' hooks do (they take the model's
+    #: ``layers`` list; the refiners are not in it): the refiners run on every step.
+    CACHE_FROM = "layers"
 
     def __init__(self, config: ZImageConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
         cfg = config
@@ -206,8 +209,13 @@ class ZImageTransformer(nnx.Module):
         return jnp.where(cond.image_real[None, :, None], -out, 0).astype(out.dtype)
 
     def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
-        """First-Block-Cache compares the image stream: (it, its tokens that are not layout padding)."""
-        return streams[IMAGE], ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+        """First-Block-Cache compares what diffusers' hook compares, the first joint layer's residual on
+        the whole joint stream [image; caption] (pad tokens included: they are part of the model), over
+        the tokens that are not layout padding. Before the joint layers (a cache started earlier), the
+        image stream."""
+        if isinstance(streams, tuple):
+            return streams[IMAGE], ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+        return streams, ctx.token_valid()
 
     def __call__(self, *, ctx: ShardContext | None = None, **inputs: jax.Array) -> jax.Array:
         """Local view on the inputs of :data:`FORWARD_INPUTS` (``cap_mask`` may be None); without ``ctx``
