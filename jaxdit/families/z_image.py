@@ -70,6 +70,7 @@ class ZImageFamily(ModelFamily):
     name = "z-image"
     caches = frozenset({"fbcache", "dbcache", "taylorseer"})  # its model's one hook: cache_metric_stream
     display = "Z-Image"
+    several_prompts = True
     checkpoints = z_image_converters.CHECKPOINTS
     lora = z_image_lora.LORA
     presets = {
