@@ -3,7 +3,7 @@ weights, offline tokenizer) from a prompt to a PNG on 4 emulated devices, agains
 reloaded folder with the project's noise (numpy ``default_rng(seed).standard_normal`` in the latent
 grid): Turbo's guidance 0 on ulysses2 x ring2 with one prompt, the base model's guidance on cfg2 x ulysses2
 with two prompts of different lengths in one run (``--prompt`` repeated: one picture each, written as a
-grid); Turbo's ``--use_cfg_parallel`` refused in one line before any weight loads, and several prompts
+grid), Turbo on pipefusion2 x ulysses2 with the same two prompts; Turbo's ``--use_cfg_parallel`` refused in one line before any weight loads, and several prompts
 refused where the family takes one."""
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ torch = pytest.importorskip("torch")
 diffusers = pytest.importorskip("diffusers")
 
 PROMPT = "a photo of a cat on a mat"
-LONG = "a big blue house with a tree at sunset and a small dog on a red mat"
+#: 42 tokens with the chat template (PROMPT: 16): padded to 64 and 32, so the caption mask is in play.
+LONG = (
+    "a big blue house with a tree at sunset and a small dog on a red mat next to a big red house with a "
+    "small cat and a blue tree on a mat"
+)
 H, W, STEPS, SEED = 32, 48, 3, 5
 LATENT_REL, PNG_STEPS = 1e-4, 1.5
 
@@ -91,11 +95,12 @@ def test_cli_turbo_refuses_cfg_parallel(folder, tmp_path, capsys):
     assert not out.exists()
 
 
-def test_cli_pipefusion_refused_in_one_line(folder, tmp_path, capsys):
-    argv = [*_argv(folder, 0.0, "--pipefusion_parallel_degree", "2"), "--output", str(tmp_path / "p.png")]
-    assert cli.main(argv) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err and "Z-Image has no PipeFusion stage layout" in err[-1], err
+def test_cli_pipefusion2_ulysses2_two_prompts_match_diffusers(folder, tmp_path):
+    """Every step a warm-up step: PipeFusion's synchronous steps are the serial forward through the three
+    stacks' stage slots (the refiners' one-group attention masked inside the patch attention), with both
+    prompts' caption masks."""
+    mesh = ["--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", str(STEPS)]
+    _check(folder, tmp_path, 0.0, mesh, [PROMPT, LONG])
 
 
 def test_cli_transformer_and_embeddings_file(folder, tmp_path):
