@@ -142,9 +142,13 @@ def _reference(pipe: ZImagePipeline, inputs) -> np.ndarray:
     return x
 
 
-def test_pipelined_pipefusion_matches_the_serial_reference(folder):
+@pytest.fixture(scope="module")
+def pipe(folder):
     pc = ParallelConfig(pipefusion=2, ulysses=2)
-    pipe = ZImagePipeline.from_pretrained(folder, pc.make_mesh(jax.devices()[:4]), compiler_options=FAST)
+    return ZImagePipeline.from_pretrained(folder, pc.make_mesh(jax.devices()[:4]), compiler_options=FAST)
+
+
+def test_pipelined_pipefusion_matches_the_serial_reference(folder, pipe):
     one = ZImagePipeline.from_pretrained(folder, ParallelConfig().make_mesh(jax.devices()[:1]))
     got = pipe(
         PROMPTS, num_pipeline_patch=PATCHES, warmup_steps=1, output_type="latent", progress=False, **CALL
@@ -159,3 +163,16 @@ def test_pipelined_pipefusion_matches_the_serial_reference(folder):
     )
     tol.check(got.latents, want, tol.PIPEFUSION, "Z-Image pipelined PipeFusion vs the serial reference")
     assert np.abs(serial - want).max() > 1e-3 * np.abs(serial).max()  # stale K/V changed the result
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        (dict(cfg_normalization=True), "cfg_normalization caps each image's guided norm"),
+        (dict(cfg_truncation=0.1), "PipeFusion takes one guidance scale per run"),
+    ],
+)
+def test_per_image_or_per_step_guidance_is_refused(pipe, option, message):
+    call = dict(CALL, guidance_scale=2.0, num_inference_steps=2)
+    with pytest.raises(ValueError, match=message):
+        pipe(PROMPTS[0], output_type="latent", progress=False, **call, **option)
