@@ -78,7 +78,10 @@ def _add_generate(sub) -> None:
         gen,
         "prompt",
         default=None,
-        help="the text prompt (pipeline folders); tiny-digits: the digits to draw, e.g. 0123456789 (default)",
+        action="append",
+        help="the text prompt (pipeline folders); repeat it for one picture per prompt in one run, written "
+        "as a grid (families whose pipeline takes a batch: Z-Image); tiny-digits: the digits to draw, e.g. "
+        "0123456789 (default)",
     )
     _flag(gen, "negative_prompt", default=None, help="negative prompt for true CFG (tiny-digits: '' = empty)")
     _flag(

@@ -70,6 +70,10 @@ def check_request(r: GenerateRequest, *, output: bool = True) -> None:
         value = getattr(r, name)
         if value is not None and not math.isfinite(value):
             raise ValueError(f"--{name} must be a finite number, got {value}")
+    if isinstance(r.prompt, tuple) and (r.folder is None or not r.family.several_prompts):
+        raise ValueError(
+            f"{r.label} ({r.family.display}) takes one --prompt per run; {len(r.prompt)} were given"
+        )
     if r.folder is not None:
         _check_folder(r)
     elif r.image is not None or r.max_sequence_length is not None:
@@ -113,7 +117,7 @@ def _check_folder(r: GenerateRequest) -> None:
         preflight.check_image_file(path)
     for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
         if prompt is not None:
-            preflight.check_prompts([prompt], flag)
+            preflight.check_prompts(list(prompt) if isinstance(prompt, tuple) else [prompt], flag)
     limit, why = family.text_token_limit or (MAX_SEQUENCE_LENGTH, "the T5 encoders' length")
     if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= limit:
         raise ValueError(f"--max_sequence_length must be in 1..{limit} ({why}), got {r.max_sequence_length}")

@@ -40,7 +40,8 @@ class GenerateRequest:
 
     model: str | None = None  # a preset or bundled model's name; None: the folder's, or the bundled default
     weights: str | None = None
-    prompt: str | None = None
+    #: one prompt, or several (a tuple: ``--prompt`` repeated, one picture each, where the family takes a batch)
+    prompt: str | tuple[str, ...] | None = None
     negative_prompt: str | None = None
     prompt_embeds: str | None = None
     height: int | None = None
@@ -101,6 +102,9 @@ class GenerateRequest:
         values["lora"] = tuple(values.get("lora") or ())
         values["lora_2"] = tuple(values.get("lora_2") or ())
         values["family_flags"] = tuple(values.get("family_flags") or ())
+        prompts = values.get("prompt")
+        if isinstance(prompts, list):  # --prompt repeated: one stays a string, several are a tuple
+            values["prompt"] = prompts[0] if len(prompts) == 1 else tuple(prompts)
         images = values.get("image")
         if isinstance(images, list):  # --image repeated: one stays a path, several are a tuple
             values["image"] = images[0] if len(images) == 1 else tuple(images)
@@ -202,7 +206,7 @@ class GenerateRequest:
         defaults.update(self.family.generate_defaults(self))
         pick = lambda name, value: defaults.get(name) if value is None else value
         return GenerationRequest(
-            prompt=pick("prompt", self.prompt),
+            prompt=list(self.prompt) if isinstance(self.prompt, tuple) else pick("prompt", self.prompt),
             negative_prompt=pick("negative_prompt", self.negative_prompt),
             height=pick("height", self.height),
             width=pick("width", self.width),

@@ -5,8 +5,10 @@ cache state carried from step to step, built on :meth:`ShardedForward.carry_step
 ``shard_map`` as the plain forward, with the state going in and out). Inside it, in the local view of
 one device:
 
-1. ``embed``, then the first stack is entered. First-Block-Cache runs block 0 and takes its residual on
-   the model's metric stream (``model.cache_metric_stream``: FLUX's image tokens, Wan's video tokens);
+1. ``embed``, then the first stack is entered; the blocks before the cache's start (``CACHE_FROM``:
+   Z-Image's refiners) run. First-Block-Cache runs the cache's first block and takes its residual on
+   the model's metric stream (``model.cache_metric_stream``: FLUX's image tokens, Wan's video tokens,
+   Z-Image's joint stream);
    TeaCache takes the model's metric input (``model.teacache_input``: FLUX's block-0 modulated image
    input) or, when the model's metric depends on the schedule only (``model.teacache_timestep_input``:
    Wan's timestep embedding), nothing: the host planned the step.
@@ -106,17 +108,18 @@ def cached_body(
     hooks = hooks_for(model, policy.name)
     streams, cond = model.embed(inputs, ctx)
     streams = segments.start(model, streams, ctx)
-    total = segments.depth(model)
-    head, tail = policy.fn, total - policy.bn
+    total, begin = segments.depth(model), segments.cache_start(model)
+    streams = segments.advance(model, streams, 0, begin, cond, ctx)  # before the cache's blocks: always run
+    head, tail = begin + policy.fn, total - policy.bn
     step = cache["step"]
     code = cache["plan"][step]
     reference = cache.get("reference")
     ratio = jnp.float32(jnp.nan)
     new = dict(cache, step=step + 1)
 
-    start = segments.advance(model, streams, 0, head, cond, ctx)  # the head: always computed
+    start = segments.advance(model, streams, begin, head, cond, ctx)  # the head: always computed
     if policy.metric == "first_block":
-        x_in, valid = hooks.cache_metric_stream(segments.carry(model, streams, 0, head, ctx), ctx)
+        x_in, valid = hooks.cache_metric_stream(segments.carry(model, streams, begin, head, ctx), ctx)
         x_out, _ = hooks.cache_metric_stream(start, ctx)
         fresh = x_out - x_in  # the head's residual on the metric stream
         numerator, denominator = _mesh_sum(*_masked_l1(fresh, reference, valid))
@@ -179,10 +182,12 @@ def _probe(policy: Policy, model: Any, ctx: ShardContext, **inputs: jax.Array) -
     hooks = hooks_for(model, policy.name)
     streams, cond = model.embed(inputs, ctx)
     streams = segments.start(model, streams, ctx)
-    total = segments.depth(model)
-    final = segments.carry(model, streams, 0, total - policy.bn, ctx)
+    total, begin = segments.depth(model), segments.cache_start(model)
+    streams = segments.carry(model, streams, 0, begin, ctx)
+    final = segments.carry(model, streams, begin, total - policy.bn, ctx)
     if policy.metric == "first_block":
-        return final, hooks.cache_metric_stream(segments.carry(model, streams, 0, policy.fn, ctx), ctx)[0]
+        head = begin + policy.fn
+        return final, hooks.cache_metric_stream(segments.carry(model, streams, begin, head, ctx), ctx)[0]
     if policy.metric == "step_input":
         return final, hooks.teacache_input(segments.first_block(model), streams, cond, ctx)[0]
     return final, None
@@ -340,7 +345,7 @@ class CachedForward:
             devices=ran.shape[0],
             devices_agree=bool((ran == ran[:1]).all()),
             blocks_per_step=self.blocks_per_step,
-            always_run=self.policy.always_run,
+            always_run=self.policy.always_run + segments.cache_start(self.model),
             bytes_per_device=self.bytes_per_device(shapes),
             per_device=ran,
             setting=self.policy.describe(),

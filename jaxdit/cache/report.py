@@ -19,7 +19,7 @@ class CacheReport:
     relative L1 change each step's decision read (NaN where the host decided); ``per_device``
     [devices, steps]: every device's decisions, 1 = ran; ``devices_agree``: all rows equal.
     ``blocks_per_step``: blocks of a full step; ``always_run``: blocks that run at every step (1 for
-    First-Block-Cache's block 0, 0 for TeaCache).
+    First-Block-Cache's first block, 0 for TeaCache; plus the blocks before the cache's start).
     """
 
     title: str

@@ -18,7 +18,7 @@ from jaxdit.cache.magcache import (
     resolve_ratios,
 )
 from jaxdit.cache.policies import FirstBlockCache, TeaCache
-from jaxdit.cache.segments import depth
+from jaxdit.cache.segments import cache_start, depth
 from jaxdit.cache.taylor import TaylorSeer, taylorseer_pattern
 
 __all__ = ["Policy", "resolve"]
@@ -127,7 +127,7 @@ def resolve(config: Any, model: Any, grid: Sequence[int] = ()) -> Policy:
         )
     hooks = hooks_for(model, config.name)  # the family's, refused in one line if it lacks them
     kind = type(model).__name__
-    blocks = depth(model)
+    blocks = depth(model) - cache_start(model)  # the blocks a cache may skip or keep
     if isinstance(config, FirstBlockCache):
         return Policy(
             config.name,

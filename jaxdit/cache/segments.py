@@ -7,6 +7,7 @@ blocks on the joined stream), so this module names a point of the forward by the
 before it. The streams "at position p" have entered every stack that starts at or before p
 (``model.enter``: FLUX joins text and image before its single blocks): a stack is entered when the
 position reaches its first block, and an empty stack (None) is entered as its position is passed.
+A model may start its caches later (``CACHE_FROM``, :func:`cache_start`): the blocks before always run.
 """
 
 from __future__ import annotations
@@ -19,7 +20,16 @@ from flax import nnx
 from jaxdit.models.staged import scan_blocks, stack_gathers
 from jaxdit.parallel.context import ShardContext
 
-__all__ = ["advance", "carry", "depth", "first_block", "first_stack", "stack_ranges", "start"]
+__all__ = [
+    "advance",
+    "cache_start",
+    "carry",
+    "depth",
+    "first_block",
+    "first_stack",
+    "stack_ranges",
+    "start",
+]
 
 
 def _count(blocks: Any) -> int:
@@ -42,11 +52,21 @@ def depth(model: Any) -> int:
 
 
 def first_stack(model: Any) -> str:
-    """The first stack holding blocks."""
+    """The first stack holding blocks from the cache's start on (``cache_start``)."""
+    begin = cache_start(model)
     for name, first, end in stack_ranges(model):
-        if end > first:
+        if end > first and first >= begin:
             return name
     raise ValueError(f"{type(model).__name__} has no blocks to cache")
+
+
+def cache_start(model: Any) -> int:
+    """The position of a cache's first block: the first of the model's ``CACHE_FROM`` stack (see
+    ``jaxdit.models.staged``), else 0. The blocks before it run on every step."""
+    name = getattr(type(model), "CACHE_FROM", None)
+    if name is None:
+        return 0
+    return next(first for stack, first, _ in stack_ranges(model) if stack == name)
 
 
 def _slice(blocks: nnx.Module, lo: int, hi: int) -> nnx.Module:
@@ -56,7 +76,7 @@ def _slice(blocks: nnx.Module, lo: int, hi: int) -> nnx.Module:
 
 
 def first_block(model: Any) -> nnx.Module:
-    """The first block of the forward, as one (unstacked) block module."""
+    """The cache's first block (:func:`cache_start`), as one (unstacked) block module."""
     graphdef, state = nnx.split(getattr(model, first_stack(model)))
     return nnx.merge(graphdef, jax.tree.map(lambda a: a[0], state))
 

@@ -188,6 +188,9 @@ class ModelFamily:
     #: Several pictures of one run are written as a grid of this many columns, each pixel this many
     #: times over (a tiny model's pictures are small).
     grid_columns: ClassVar[int] = 4
+    #: Whether a folder's pipeline takes several prompts in one run (``--prompt`` repeated: a list, one
+    #: picture each, written as a grid); families without it are told to give one.
+    several_prompts: ClassVar[bool] = False
     grid_scale: ClassVar[int] = 1
     #: Whether the service draws only the default size (a model trained at one size).
     serves_default_size_only: ClassVar[bool] = False
@@ -216,9 +219,9 @@ class ModelFamily:
         defaults (a bundled model's training record); ``request`` is the ``GenerateRequest``."""
         return {}
 
-    def prompt_batch(self, prompt: str) -> int:
-        """Pictures one prompt asks for (what ``--data_parallel_degree`` must divide)."""
-        return 1
+    def prompt_batch(self, prompt: str | list[str]) -> int:
+        """Pictures a run's prompt (or list of prompts) asks for (what ``--data_parallel_degree`` must divide)."""
+        return len(prompt) if isinstance(prompt, (list, tuple)) else 1
 
     def default_output(self, makes_pixels: bool) -> str:
         """The output file of a run without ``--output``."""

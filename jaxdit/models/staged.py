@@ -17,6 +17,9 @@ The contract (:class:`StagedTransformer`), in the local view of one shard (insid
 - ``STACKS``: the names of the model's stacked block attributes, in the order a forward runs them.
   Each is an ``nnx`` module whose parameters carry a leading layer axis (or None when the model has no
   block of that kind); ``lax.scan`` runs them, so a program holds ONE block whatever the depth.
+- ``CACHE_FROM`` (optional): the stack whose first block is a feature cache's first block; the blocks of
+  the stacks before it always run (Z-Image's refiners, outside the block list diffusers' cache hooks
+  take). Without it the caches start at the first block of the forward.
 - ``embed(inputs, ctx) -> (streams, cond)``: the residual stream(s) entering the first stack (a pytree
   of fp32 arrays, e.g. FLUX's ``(text, image)``) and what every block reads besides them (time
   modulation, RoPE angles, text context: a pytree computed once per step).

@@ -46,7 +46,6 @@ from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
 from jaxdit.models.staged import staged_forward
 from jaxdit.models.z_image_blocks import SingleStreamBlock, TimestepEmbedder, linear_fp32
 from jaxdit.models.z_image_config import CAPTION, IMAGE, ZImageConfig
-from jaxdit.parallel.attention import attention_in_shard
 from jaxdit.parallel.context import ShardContext
 from jaxdit.parallel.layout import SequenceLayout
 
@@ -109,25 +108,14 @@ def _stack(make, n: int, rngs: nnx.Rngs):
     return build(rngs)
 
 
-def _group_attention(ctx: ShardContext, group: int):
-    """Attention over one token group only (a refiner's): the group's own layout on the same shards, its
-    slice of the gathered key mask, the same kernel options."""
-    layout = ctx.layout
-    sub = SequenceLayout((layout.lengths[group],), layout.shards)
-    keys = ctx.key_mask
-    if keys is not None:
-        start = sum(layout.local_lengths[:group])
-        per_shard = keys.reshape(keys.shape[0], layout.shards, layout.local_length)
-        keys = per_shard[:, :, start : start + layout.local_lengths[group]].reshape(keys.shape[0], -1)
-    kernel = dict(ctx.kernel)
-    return lambda q, k, v: attention_in_shard(q, k, v, sub, ctx.config, all_keys=keys, **kernel)
-
-
 class ZImageTransformer(nnx.Module):
     """Z-Image transformer, a staged forward (``jaxdit.models.staged``): embed -> noise refiner (image)
     -> context refiner (caption) -> joint layers ([image; caption]) -> output layer on the image."""
 
     STACKS = ("noise_refiner", "context_refiner", "layers")
+    #: Feature caches start at the first joint layer, as diffusers' hooks do (they take the model's
+    #: ``layers`` list; the refiners are not in it): the refiners run on every step.
+    CACHE_FROM = "layers"
 
     def __init__(self, config: ZImageConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
         cfg = config
@@ -156,8 +144,8 @@ class ZImageTransformer(nnx.Module):
     def dtype(self) -> Any:
         return self.x_embedder.kernel.dtype
 
-    def _angles(self, ids: jax.Array) -> jax.Array:
-        """RoPE ids [B, L, 3] -> angles [B, L, D/2] fp32, read off the fp32 tables."""
+    def angles(self, ids: jax.Array) -> jax.Array:
+        """RoPE ids [..., 3] -> angles [..., D/2] fp32, read off the fp32 tables."""
         cfg = self.config
         tables = rope_tables(cfg.axes_dims, cfg.axes_lens, cfg.rope_theta)
         return jnp.concatenate([jnp.asarray(t)[ids[..., i]] for i, t in enumerate(tables)], axis=-1)
@@ -171,25 +159,36 @@ class ZImageTransformer(nnx.Module):
             sigma = timestep.astype(jnp.float32)
             timestep = (1000.0 - sigma * 1000.0) / 1000.0
         temb = self.t_embedder(time_features(timestep, cfg.t_scale))
-        img = self.x_embedder(inputs["hidden_states"]).astype(jnp.float32)
-        img = jnp.where(inputs["x_pad"][None, :, None], self.x_pad_token[...].astype(jnp.float32), img)
-        cap = rms_norm(inputs["cap_feats"], self.cap_norm[...], cfg.norm_eps).astype(self.dtype)
-        cap = self.cap_embedder(cap).astype(jnp.float32)
-        cap = jnp.where(inputs["cap_pad"][..., None], self.cap_pad_token[...].astype(jnp.float32), cap)
-        img_angles, cap_angles = self._angles(inputs["img_ids"]), self._angles(inputs["cap_ids"])
+        img, cap = self.embed_tokens(
+            inputs["hidden_states"], inputs["x_pad"], inputs["cap_feats"], inputs["cap_pad"]
+        )
+        img_angles, cap_angles = self.angles(inputs["img_ids"]), self.angles(inputs["cap_ids"])
         joint = ctx.layout.join_local([img_angles, cap_angles])
         real = ctx.token_valid()[: ctx.layout.local_lengths[IMAGE]] & ~inputs["x_pad"]
         return (img, cap), ZImageCond(temb, real, (img_angles, cap_angles, joint))
+
+    def embed_tokens(
+        self, patches: jax.Array, x_pad: jax.Array | None, cap_feats: jax.Array, cap_pad: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """Latent patches [B, N, p*p*C] and caption features [B, T, C'] -> the fp32 (image, caption)
+        streams, the learnt pad tokens where ``x_pad`` [N] (None: no image pad) and ``cap_pad`` [B, T]."""
+        img = self.x_embedder(patches.astype(self.dtype)).astype(jnp.float32)
+        if x_pad is not None:
+            img = jnp.where(x_pad[None, :, None], self.x_pad_token[...].astype(jnp.float32), img)
+        cap = rms_norm(cap_feats, self.cap_norm[...], self.config.norm_eps).astype(self.dtype)
+        cap = self.cap_embedder(cap).astype(jnp.float32)
+        cap = jnp.where(cap_pad[..., None], self.cap_pad_token[...].astype(jnp.float32), cap)
+        return img, cap
 
     def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
         return ctx.layout.join_local(list(streams)) if stack == "layers" else streams
 
     def run_block(self, stack: str, block: nnx.Module, streams: Any, cond: ZImageCond, ctx: ShardContext):
         if stack == "noise_refiner":
-            img = block(streams[IMAGE], cond.temb, cond.angles[IMAGE], _group_attention(ctx, IMAGE), ctx)
+            img = block(streams[IMAGE], cond.temb, cond.angles[IMAGE], ctx.group_attention(IMAGE), ctx)
             return (img, streams[CAPTION])
         if stack == "context_refiner":
-            cap = block(streams[CAPTION], None, cond.angles[CAPTION], _group_attention(ctx, CAPTION), ctx)
+            cap = block(streams[CAPTION], None, cond.angles[CAPTION], ctx.group_attention(CAPTION), ctx)
             return (streams[IMAGE], cap)
         return block(streams, cond.temb, cond.angles[2], ctx.attention, ctx)
 
@@ -206,8 +205,13 @@ class ZImageTransformer(nnx.Module):
         return jnp.where(cond.image_real[None, :, None], -out, 0).astype(out.dtype)
 
     def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
-        """First-Block-Cache compares the image stream: (it, its tokens that are not layout padding)."""
-        return streams[IMAGE], ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+        """First-Block-Cache compares what diffusers' hook compares, the first joint layer's residual on
+        the whole joint stream [image; caption] (pad tokens included: they are part of the model), over
+        the tokens that are not layout padding. Before the joint layers (a cache started earlier), the
+        image stream."""
+        if isinstance(streams, tuple):
+            return streams[IMAGE], ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+        return streams, ctx.token_valid()
 
     def __call__(self, *, ctx: ShardContext | None = None, **inputs: jax.Array) -> jax.Array:
         """Local view on the inputs of :data:`FORWARD_INPUTS` (``cap_mask`` may be None); without ``ctx``

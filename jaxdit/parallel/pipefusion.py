@@ -296,6 +296,34 @@ class PatchContext(ShardContext):
         self.fresh.append((k_all, v_all))
         return out
 
+    def group_attention(self, group: int):
+        """Attention over one token group alone, against fresh and stale K/V: the group's q/k/v are put
+        in the patch's full token layout (zeros for the other groups), the other groups' keys are masked
+        in the fresh block and in the buffer, and the group's tokens come back. Exact: a masked key adds
+        nothing. The stored K/V keep the full layout (the same buffer shape for every stack)."""
+        layout = self.layout
+        own = np.concatenate([np.full(n, i == group) for i, n in enumerate(layout.local_lengths)])
+        fresh_keys = np.tile(own, self.config.ulysses)  # a ring position's block: U shards' local tokens
+        fresh = jnp.asarray(fresh_keys) if self.fresh_valid is None else self.fresh_valid & fresh_keys
+        fresh = jnp.broadcast_to(fresh, (self.config.ring, *fresh.shape[-1:])) if fresh.ndim == 1 else fresh
+        stale = self.stale
+        if stale is not None:
+            k_buf, v_buf, valid = stale
+            stale = (k_buf, v_buf, valid & np.tile(own, valid.shape[-1] // own.size))
+        inner = dataclasses.replace(self, fresh_valid=fresh, stale=stale)  # shares ``fresh``'s list
+
+        def attend(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+            def full(x):
+                parts = [
+                    x if i == group else jnp.zeros((x.shape[0], n, *x.shape[2:]), x.dtype)
+                    for i, n in enumerate(layout.local_lengths)
+                ]
+                return layout.join_local(parts)
+
+            return layout.split_local(inner.attention(full(q), full(k), full(v)))[group]
+
+        return attend
+
 
 def write_patch(buffer: jax.Array, fresh: jax.Array, patch: jax.Array, valid: jax.Array) -> jax.Array:
     """Store one patch's fresh K (or V) of every slot: buffer [slots, B, M, L, h, D], fresh [slots, B, L,

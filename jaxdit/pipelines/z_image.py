@@ -34,6 +34,7 @@ from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
+from jaxdit.pipelines.pipefusion.z_image import PipeFusionZImage, ZImagePatches
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
@@ -65,7 +66,7 @@ class ZImagePipeline(DiffusionPipeline):
     cfg_hint = "pass guidance_scale > 0 (the base model; Turbo runs without guidance)"
     default_size = (1024, 1024)
     checkpoints = CHECKPOINTS
-    staged_model = None
+    staged_model = PipeFusionZImage
 
     def __init__(
         self,
@@ -90,8 +91,9 @@ class ZImagePipeline(DiffusionPipeline):
             model,
             kernel,
         )
+        # Under PipeFusion ``model`` is the stage layout (PipeFusionZImage).
         self.denoiser = self.denoiser_for(
-            model, self.sampler, patches=None, kernel=kernel, compiler_options=compiler_options
+            model, self.sampler, patches=ZImagePatches, kernel=kernel, compiler_options=compiler_options
         )
 
     @classmethod
@@ -119,7 +121,7 @@ class ZImagePipeline(DiffusionPipeline):
         tokenizer = AutoTokenizer.from_pretrained(folder["tokenizer"])
         encoder = DecoderLMRunner(load_decoder_lm(folder["text_encoder"], dtype=dtype))
         vae = load_flux_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=None)
+        model = load_model(folder["transformer"], mesh, dtype, CHECKPOINTS, staged=PipeFusionZImage)
         return cls(
             model,
             mesh,
@@ -152,11 +154,14 @@ class ZImagePipeline(DiffusionPipeline):
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
         cache: Any = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
     ) -> GenerationOutput:
         """Generate images as diffusers' ``ZImagePipeline`` does (its defaults; Turbo: 8 steps,
         ``guidance_scale=0``). ``prompt_embeds``: one [L_i, E] array per image. ``latents``: initial noise
         [B, C, H/f, W/f] instead of the seed's. ``cfg_normalization`` (True = 1, or a factor): the guided
-        prediction's norm is capped at that x the positive one's, per image, as diffusers does."""
+        prediction's norm is capped at that x the positive one's, per image, as diffusers does. PipeFusion
+        (a mesh with pipefusion > 1): ``num_pipeline_patch``, ``warmup_steps``."""
         if isinstance(cfg_normalization, bool):
             cfg_normalization = 1.0 if cfg_normalization else 0.0
         if not float(cfg_normalization) >= 0.0:
@@ -249,6 +254,18 @@ class ZImagePipeline(DiffusionPipeline):
             scale=1.0 + scale,
             scales=scales,
             renorm=renorm if cfg else 0.0,
+            grid=(h // self.config.patch_size, w // self.config.patch_size),
         )
+        if self.parallel.pipefusion > 1 and cfg:
+            if renorm:
+                raise ValueError(
+                    "cfg_normalization caps each image's guided norm over all its tokens, which PipeFusion's "
+                    "patches do not see together: leave it off, or use ulysses/ring/cfg parallelism"
+                )
+            if len(set(scales)) > 1:
+                raise ValueError(
+                    f"cfg_truncation={truncation} changes the guidance within the run, and PipeFusion takes "
+                    "one guidance scale per run: leave it at 1, or use ulysses/ring/cfg parallelism"
+                )
         c, p = self.config.in_channels, self.config.patch_size
         return Prepared(inputs, lambda t: np.asarray(unpack(np.asarray(t), c, h, w, p)))
