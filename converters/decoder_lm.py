@@ -2,7 +2,10 @@
 (``jaxdit/text_encoders/decoder_lm.py``).
 
 The folder people download: ``config.json`` plus ``model.safetensors`` or shards named by
-``model.safetensors.index.json`` (a diffusers pipeline's ``text_encoder/``). The text decoder's tensors sit
+``model.safetensors.index.json`` (a diffusers pipeline's ``text_encoder/``); or one ``.safetensors`` file
+with the config given (ComfyUI's split text-encoder files, e.g. ``qwen_2.5_vl_7b.safetensors``: the text
+decoder under ``model.``, the vision tower under ``visual.``, FP8 variants dequantized on read), whose
+config :func:`config_from_shapes` can read off its tensors. The text decoder's tensors sit
 under a prefix that depends on the class and the transformers version that saved it: ``model.`` for a
 ``*ForCausalLM`` (and transformers 4.x's ``Qwen2_5_VLForConditionalGeneration``), ``model.language_model.``
 for the multimodal classes since transformers 4.52, none for a bare ``Qwen3Model``/``MistralModel``. The
@@ -28,7 +31,7 @@ from converters.keymap import IDENTITY, TRANSPOSE, KeyRule, KeyTable, Without, r
 from converters.safetensors_io import LazyTensor, open_checkpoint
 from jaxdit.text_encoders.decoder_lm_config import DecoderLMConfig
 
-__all__ = ["SKIPPED_GROUPS", "DecoderLMCheckpoint", "hf_table", "open_decoder_lm"]
+__all__ = ["SKIPPED_GROUPS", "DecoderLMCheckpoint", "config_from_shapes", "hf_table", "open_decoder_lm"]
 
 LAYERS = "layers"
 #: Where a checkpoint keeps the text decoder, most specific first.
@@ -93,14 +96,65 @@ class DecoderLMCheckpoint:
         return resolve(self.table, self.ckpt, expected, prefix=self.prefix)
 
 
+def _text_prefix(files: Any) -> str:
+    prefix = next((p for p in TEXT_PREFIXES if p + "embed_tokens.weight" in files), None)
+    if prefix is None:
+        raise CheckpointError(
+            f"{where(files)}: no token embedding (embed_tokens.weight under any of the prefixes "
+            f"{', '.join(repr(p) for p in TEXT_PREFIXES if p)}); not a decoder-LM checkpoint"
+        )
+    return prefix
+
+
+def config_from_shapes(path: str | os.PathLike[str], base: DecoderLMConfig, head_dim: int) -> DecoderLMConfig:
+    """``base`` with the sizes a single-file checkpoint's tensors show (a file without a ``config.json``,
+    as ComfyUI ships text encoders): vocabulary, widths, layers, and the heads at ``head_dim`` each (a
+    q/k/v projection shows only heads x head width). Headers only."""
+    with open_checkpoint(path) as files:
+        return _sized(files, base, head_dim)
+
+
+def _sized(files: Any, base: DecoderLMConfig, head_dim: int) -> DecoderLMConfig:
+    prefix = _text_prefix(files)
+    shape = lambda key: tuple(files.shape(prefix + key))  # noqa: E731
+    layers = 0
+    while prefix + f"layers.{layers}.input_layernorm.weight" in files:
+        layers += 1
+    vocab, hidden = shape("embed_tokens.weight")
+    q, k = shape("layers.0.self_attn.q_proj.weight")[0], shape("layers.0.self_attn.k_proj.weight")[0]
+    if q % head_dim or k % head_dim:
+        raise CheckpointError(
+            f"{where(files)}: q/k projections of {q}/{k} features are no whole number of {head_dim}-wide heads"
+        )
+    return dataclasses.replace(
+        base,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=shape("layers.0.mlp.gate_proj.weight")[0],
+        num_hidden_layers=layers,
+        num_attention_heads=q // head_dim,
+        num_key_value_heads=k // head_dim,
+        head_dim=head_dim,
+        qkv_bias=prefix + "layers.0.self_attn.q_proj.bias" in files,
+        qk_norm=prefix + "layers.0.self_attn.q_norm.weight" in files,
+    )
+
+
 def open_decoder_lm(
     path: str | os.PathLike[str], config: DecoderLMConfig | None = None
 ) -> DecoderLMCheckpoint:
-    """Open a transformers text-encoder folder (headers only). ``config`` overrides the folder's
-    ``config.json`` (its shapes are still checked against every tensor)."""
+    """Open a transformers text-encoder folder, or one ``.safetensors`` file when ``config`` is given
+    (headers only). ``config`` overrides the folder's ``config.json`` (its shapes are still checked
+    against every tensor)."""
     folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder}: not a folder; a decoder-LM text encoder is a transformers folder")
+    if folder.is_file() and folder.suffix == ".safetensors":
+        if config is None:
+            raise CheckpointError(f"{folder}: a single-file text encoder needs its config given")
+    elif not folder.is_dir():
+        raise CheckpointError(
+            f"{folder}: not a folder or .safetensors file; a decoder-LM text encoder is a transformers "
+            "folder (or one safetensors file with its config)"
+        )
     if config is None:
         if not (folder / "config.json").is_file():
             raise CheckpointError(f"{folder}: no config.json (a transformers text-encoder folder has one)")
@@ -112,12 +166,7 @@ def open_decoder_lm(
             ) from None
     files = open_checkpoint(folder)
     keys = list(files.keys())
-    prefix = next((p for p in TEXT_PREFIXES if p + "embed_tokens.weight" in files), None)
-    if prefix is None:
-        raise CheckpointError(
-            f"{where(files)}: no token embedding (embed_tokens.weight under any of the prefixes "
-            f"{', '.join(repr(p) for p in TEXT_PREFIXES if p)}); not a decoder-LM checkpoint"
-        )
+    prefix = _text_prefix(files)
     skipped = _skipped(keys)
     dropped = {k for group in skipped.values() for k in group}
     return DecoderLMCheckpoint(

@@ -293,7 +293,20 @@ def is_flux_checkpoint(path: str | os.PathLike[str]) -> bool:
         keys = set(open_checkpoint(path).keys())
     except CheckpointError:
         return False
-    return any(k in keys for k in ("img_in.weight", BFL_PREFIX + "img_in.weight", "x_embedder.weight"))
+    if not any(k in keys for k in ("img_in.weight", BFL_PREFIX + "img_in.weight", "x_embedder.weight")):
+        return False
+    # FLUX.1 modulates every block from its own linear layer; FLUX.2 (whose files share img_in.weight and
+    # x_embedder.weight) has one modulation per stack and none per block.
+    return any(k.endswith(_PER_BLOCK_MODULATION) for k in keys)
+
+
+#: Tensor-name endings only FLUX.1's per-block modulation has (BFL double/single, diffusers double/single).
+_PER_BLOCK_MODULATION = (
+    ".img_mod.lin.weight",
+    ".modulation.lin.weight",
+    ".norm1.linear.weight",
+    ".norm.linear.weight",
+)
 
 
 def _diffusers_shapes_to_config(shapes: Mapping[str, tuple[int, ...]]) -> FluxConfig:

@@ -102,8 +102,9 @@ def _add_generate(sub) -> None:
         gen,
         "image",
         default=None,
+        action="append",
         help="a picture file: Wan I2V / TI2V's first frame (TI2V without it: text only), FLUX.1 Kontext's "
-        "reference image to edit (pipeline folders)",
+        "reference image to edit (pipeline folders); FLUX.2 takes several (repeat --image)",
     )
     _flag(
         gen,
@@ -189,6 +190,14 @@ def _add_generate(sub) -> None:
         help="with --quantize fp8: weight (weights dequantized into bf16/fp32 matmuls) or matmul (FP8 "
         "matmuls with per-token activation scales; GPUs of compute capability 8.9+, emulated on CPU). "
         "Default: matmul where every GPU has FP8, else weight",
+    )
+    _flag(
+        gen,
+        "fsdp",
+        action="store_true",
+        help="shard every transformer block's weights over the mesh's devices (all axes but cfg and data) "
+        "and all-gather each layer just before it runs, the next layer's gather overlapping this one's "
+        "compute: 1/P of the block weights per device, the same result bit for bit",
     )
     _flag(
         gen,

@@ -8,6 +8,7 @@ Parsing flags must not import jax (``jaxdit.families`` does), so a help string c
 from __future__ import annotations
 
 import argparse
+import textwrap
 
 __all__ = ["RegistryHelp"]
 
@@ -21,3 +22,8 @@ class RegistryHelp(argparse.HelpFormatter):
             text = text.replace("{presets}", ", ".join(families.presets()))
             text = text.replace("{bundled}", " / ".join(families.bundled_names()))
         return text
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # Model and preset names hold hyphens (qwen-image-16x9, flux2-klein-4b): wrap between words only,
+        # so every name prints whole and can be copied from the help.
+        return textwrap.wrap(self._whitespace_matcher.sub(" ", text).strip(), width, break_on_hyphens=False)

@@ -76,11 +76,14 @@ def generate(pipe: Any, r: GenerateRequest) -> Any:
     """Run the request's call on ``pipe`` (a folder's image, a file's embeddings included)."""
     call = r.call()
     if r.prompt_embeds is not None:
-        call = call.replace(**load_embeddings(r.prompt_embeds))
+        call = call.with_arguments(**load_embeddings(r.prompt_embeds))
     if r.image is not None:
         from PIL import Image
 
-        call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
+        if isinstance(r.image, tuple):  # several reference pictures (checked: the family takes them)
+            call = call.replace(image=[np.asarray(Image.open(p).convert("RGB")) for p in r.image])
+        else:
+            call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
     if r.source == "checkpoint":
         call = call.replace(output_type="latent")
     return pipe.generate(call)

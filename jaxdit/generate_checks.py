@@ -107,8 +107,10 @@ def _check_folder(r: GenerateRequest) -> None:
             f"--image is for models that take a picture (image-to-video, image editing); {r.weights} is "
             f"{folder.kind}, which takes none"
         )
-    if r.image is not None:
-        preflight.check_image_file(r.image)
+    if isinstance(r.image, tuple) and takes_image != "several":
+        raise ValueError(f"{r.weights} ({folder.kind}) takes one --image; {len(r.image)} were given")
+    for path in (r.image,) if isinstance(r.image, str) else r.image or ():
+        preflight.check_image_file(path)
     for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
         if prompt is not None:
             preflight.check_prompts([prompt], flag)

@@ -64,7 +64,8 @@ class GenerateRequest:
     warmup_steps: int | None = None
     num_frames: int | None = None  # video families
     flow_shift: float | None = None  # Wan
-    image: str | None = None  # image-to-video (pipeline folders): the first frame
+    #: image-to-video (pipeline folders): the first frame; several (a tuple) for FLUX.2's references
+    image: str | tuple[str, ...] | None = None
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
     #: A family's own flags given (``jaxdit.pipelines.call_options``: its pipeline's ``call_options``), as
     #: (flag name, value) pairs; they become the call's ``family_arguments``.
@@ -75,6 +76,7 @@ class GenerateRequest:
     quantize: str | None = None  # "fp8": the transformer blocks' linear weights in float8_e4m3fn
     fp8_mode: str | None = None  # weight | matmul (jaxdit.models.fp8); default: matmul where GPUs have FP8
     offload_encoders: bool = False  # pipeline folders: encoder weights wait in host memory between prompts
+    fsdp: bool = False  # the block stacks' weights sharded over the mesh, gathered per layer (parallel.fsdp)
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
     coordinator: str | None = None
     num_processes: int | None = None
@@ -99,6 +101,9 @@ class GenerateRequest:
         values["lora"] = tuple(values.get("lora") or ())
         values["lora_2"] = tuple(values.get("lora_2") or ())
         values["family_flags"] = tuple(values.get("family_flags") or ())
+        images = values.get("image")
+        if isinstance(images, list):  # --image repeated: one stays a path, several are a tuple
+            values["image"] = images[0] if len(images) == 1 else tuple(images)
         return cls(**values)
 
     @functools.cached_property
@@ -177,6 +182,7 @@ class GenerateRequest:
             ring=self.ring_degree,
             ulysses=self.ulysses_degree,
             tensor=self.tensor_parallel_degree,
+            fsdp=self.fsdp,
         )
 
     # ------------------------------------------------------------------ the call

@@ -32,7 +32,9 @@ class ParallelConfig:
     ``data``: independent requests (throughput only). ``cfg``: the conditional and unconditional
     halves of classifier-free guidance (1 or 2). ``pipefusion``: PipeFusion stages over the stacked
     blocks. ``ring``/``ulysses``: sequence parallelism (USP when both are > 1). ``tensor``:
-    Megatron-style heads/MLP split.
+    Megatron-style heads/MLP split. ``fsdp``: the stacked blocks' weights sharded over mesh axes and
+    gathered one layer at a time (``jaxdit.parallel.fsdp``): False, True (every axis but data and cfg),
+    or the axis names to shard over. Not a degree: it uses no devices of its own.
     """
 
     data: int = 1
@@ -41,8 +43,17 @@ class ParallelConfig:
     ring: int = 1
     ulysses: int = 1
     tensor: int = 1
+    fsdp: bool | tuple[str, ...] = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.fsdp, bool):
+            axes = (self.fsdp,) if isinstance(self.fsdp, str) else tuple(self.fsdp)
+            unknown = [a for a in axes if a not in MESH_AXES]
+            if unknown or not axes:
+                raise ValueError(
+                    f"ParallelConfig.fsdp={self.fsdp!r}: expected True/False or mesh axes from {MESH_AXES}"
+                )
+            object.__setattr__(self, "fsdp", axes)
         for name in MESH_AXES:
             value = getattr(self, name)
             if not isinstance(value, int | np.integer) or isinstance(value, bool):
@@ -77,7 +88,8 @@ class ParallelConfig:
 
     def describe(self) -> str:
         parts = [f"{k}{v}" for k, v in self.degrees.items() if v > 1]
-        return " x ".join(parts) if parts else "single device"
+        text = " x ".join(parts) if parts else "single device"
+        return text + " + fsdp" if self.fsdp else text
 
     # ------------------------------------------------------------- validation
     def validate_devices(self, num_devices: int) -> None:

@@ -69,7 +69,8 @@ def test_missing_components_are_all_listed(tmp_path):
 def test_unsupported_pipeline_class_is_named(tmp_path):
     root = _diffusers_folder(tmp_path / "sd", "StableDiffusionPipeline", ("unet", "vae", "scheduler"))
     with pytest.raises(
-        ValueError, match="'StableDiffusionPipeline'; jaxdit runs FluxKontextPipeline, FluxPipeline"
+        ValueError,
+        match="'StableDiffusionPipeline'; jaxdit runs Flux2KleinPipeline, FluxKontextPipeline, FluxPipeline",
     ):
         open_model_folder(root)
 

@@ -67,8 +67,11 @@ def test_masked_text_is_no_key_in_pipelined_pipefusion(case):
 
 def test_loras_of_every_layout_match_diffusers(case, tmp_path):
     """A kohya LoRA (``lora_unet_`` + underscored module names, alpha), the same factors in ComfyUI's
-    layout (``diffusion_model.`` + module names) and a PEFT LoRA written by diffusers, each fused on a
-    2-device mesh, against diffusers' ``load_lora_weights`` on the reloaded folder (2 steps with CFG)."""
+    layout (``diffusion_model.`` + module names), a PEFT LoRA written by diffusers, and a LoRA in the
+    layout of lightx2v's Qwen-Image-Lightning 4/8-step files (diffusers' module names unprefixed,
+    ``lora_down``/``lora_up`` with an ``.alpha`` below the rank: theirs is 8 at rank 64; later releases
+    name the factors ``lora_A``/``lora_B``, the same delta), each fused on a 2-device mesh, against
+    diffusers' ``load_lora_weights`` on the reloaded folder (2 steps with CFG)."""
     import lora_tiny
     from safetensors.numpy import load_file
 
@@ -99,6 +102,21 @@ def test_loras_of_every_layout_match_diffusers(case, tmp_path):
         if k.startswith("lora_unet_" + m.replace(".", "_") + ".")
     }
     write_safetensors(tmp_path / "comfy.safetensors", comfy)
+    # Lightning adapts every linear layer of the blocks; alpha / rank = 1/8 as in its files.
+    lightning = lora_tiny.write_kohya_style(
+        tmp_path / "lightning.safetensors",
+        shapes,
+        modules[:-1],
+        prefix="",
+        underscore=False,
+        rank=8,
+        alpha=1.0,
+    )
+    renamed = {
+        k.replace(".lora_down.", ".lora_A.").replace(".lora_up.", ".lora_B."): v
+        for k, v in load_file(lightning).items()
+    }
+    write_safetensors(tmp_path / "lightning_ab.safetensors", renamed)
     peft = lora_tiny.write_peft(
         ref.transformer, tmp_path / "peft.safetensors", ["to_v", "add_q_proj", "img_mlp.net.2"], pipeline=ref
     )
@@ -118,12 +136,13 @@ def test_loras_of_every_layout_match_diffusers(case, tmp_path):
     run = lambda: pipe(**call, num_inference_steps=2, seed=SEED, output_type="latent", progress=False).latents
     plain = run()
     got = {}
-    for name in ("kohya", "comfy", "peft"):
+    for name in ("kohya", "comfy", "peft", "lightning", "lightning_ab"):
         pipe.load_lora(str(tmp_path / f"{name}.safetensors"))
         got[name] = run()
         pipe.unload_lora()
     np.testing.assert_allclose(got["comfy"], got["kohya"], rtol=0, atol=1e-6)  # one delta, two layouts
-    for name, lora in (("kohya", kohya), ("peft", peft)):
+    np.testing.assert_allclose(got["lightning_ab"], got["lightning"], rtol=0, atol=1e-6)
+    for name, lora in (("kohya", kohya), ("peft", peft), ("lightning", lightning)):
         want = reference(lora)
         rel = np.linalg.norm(got[name] - want) / np.linalg.norm(want)
         without = np.linalg.norm(plain - want) / np.linalg.norm(want)

@@ -71,6 +71,59 @@ def test_cli_ulysses2_ring2_matches_diffusers(case, tmp_path, monkeypatch):
     _check_against_diffusers(case, tmp_path, monkeypatch, ["--ulysses_degree", "2", "--ring_degree", "2"])
 
 
+def test_cli_ulysses2_tensor2_matches_diffusers(case, tmp_path, monkeypatch):
+    """Heads and MLP split over tensor=2 (one all-reduce after each row-parallel projection per stream)."""
+    _check_against_diffusers(
+        case, tmp_path, monkeypatch, ["--ulysses_degree", "2", "--tensor_parallel_degree", "2"]
+    )
+
+
+def test_cli_fp8_with_offloaded_encoder_is_e4m3_rounding(case, tmp_path, monkeypatch):
+    """``--quantize fp8 --fp8_mode weight --offload_encoders`` on ulysses2 x tensor2: the blocks' weights
+    round to E4M3 (the latents move off diffusers' fp32 ones, by less than one E4M3 step), the encoder's
+    weights wait on the host between prompts (the same prompt embeddings: the rest is exact)."""
+    folder, want_latents, _ = case
+    results = []
+    monkeypatch.setattr(generate, "write", lambda r, result: results.append(np.asarray(result.latents)))
+    mesh = ["--ulysses_degree", "2", "--tensor_parallel_degree", "2", "--quantize", "fp8"]
+    argv = [*_argv(folder, *mesh, "--fp8_mode", "weight", "--offload_encoders")]
+    assert cli.main([*argv, "--output", str(tmp_path / "picture.png")]) == 0
+    (latents,) = results
+    rel = np.linalg.norm(latents - want_latents) / np.linalg.norm(want_latents)
+    print(f"fp8 weights, offloaded encoder: latents {rel:.2e} relative to diffusers fp32")
+    assert LATENT_REL < rel < 2**-4, rel
+
+
+def test_data2_tensor2_two_prompts_match_diffusers(case):
+    """data=2: each group of devices draws one of two prompts (of different lengths, padded under the mask)
+    with its own noise; the CLI draws one picture per run, so this runs the Python call."""
+    import diffusers
+    import torch
+
+    from jaxdit import ParallelConfig
+    from jaxdit.pipelines import latents as latent_ops
+    from jaxdit.pipelines.qwen_image import QwenImagePipeline
+
+    folder = case[0]
+    prompts, negatives = [PROMPT, "a photo of a small house with a tree"], [NEGATIVE, NEGATIVE]
+    noise = latent_ops.initial_noise(SEED, (2, 4, H // 2, W // 2))
+    call = dict(prompt=prompts, negative_prompt=negatives, true_cfg_scale=CFG, height=H, width=W)
+    ref = diffusers.QwenImagePipeline.from_pretrained(folder)
+    with torch.no_grad():
+        packed = ref(
+            **call,
+            num_inference_steps=2,
+            latents=torch.from_numpy(latent_ops.pack(noise)),
+            output_type="latent",
+        ).images
+    want = latent_ops.unpack(packed.numpy(), H // 2, W // 2)
+    pipe = QwenImagePipeline.from_pretrained(folder, ParallelConfig(data=2, tensor=2))
+    got = pipe(**call, num_inference_steps=2, latents=noise, output_type="latent", progress=False).latents
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    print(f"data2 x tensor2, 2 prompts: latents {rel:.2e} relative")
+    assert got.shape == (2, 4, H // 2, W // 2) and rel < LATENT_REL, rel
+
+
 def test_cli_pipefusion2_ulysses2_matches_diffusers(case, tmp_path, monkeypatch):
     """Every step a warm-up step: PipeFusion's synchronous steps are the serial forward; the text mask of
     both prompts reaches its patch attention."""

@@ -4,6 +4,9 @@
 
 - ``diffusers`` (PEFT): ``transformer_blocks.0.attn.to_q.lora_A.weight`` / ``lora_B.weight``, with or
   without the ``transformer.`` prefix; scale from PEFT's config in the header, else ``.alpha`` keys, else 1.
+  lightx2v's Qwen-Image-Lightning 4/8-step distillation LoRAs read as this layout: unprefixed module
+  names with ``lora_down``/``lora_up`` (later releases ``lora_A``/``lora_B``) and an ``.alpha`` per module
+  (8 at rank 64: a scale of 1/8, which diffusers applies the same way).
 - ``comfyui``: the same module names with ComfyUI's ``diffusion_model.`` prefix, ``lora_down``/``lora_up``
   or ``lora_A``/``lora_B``, optional ``.alpha`` (alpha / rank, else 1).
 - ``kohya`` (kohya's sd-scripts / musubi-tuner): ``lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight``

@@ -231,7 +231,7 @@ class CachedForward:
     ) -> dict[str, jax.ShapeDtypeStruct]:
         """The global shapes of the state for a step of these (abstract, padded) forward inputs."""
         fwd, policy = self.forward, self.policy
-        ctx = ShardContext(fwd.config, layout, fwd.kernel)
+        ctx = ShardContext(fwd.config, layout, fwd.kernel, gathers=fwd.gathers)
 
         def local(state, *args):
             local_ctx, inputs = fwd.bind(ctx, names, args)

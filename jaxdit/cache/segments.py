@@ -16,7 +16,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxdit.models.staged import scan_blocks
+from jaxdit.models.staged import scan_blocks, stack_gathers
 from jaxdit.parallel.context import ShardContext
 
 __all__ = ["advance", "carry", "depth", "first_block", "first_stack", "stack_ranges", "start"]
@@ -78,7 +78,10 @@ def advance(model: Any, streams: Any, p0: int, p1: int, cond: Any, ctx: ShardCon
         if lo < hi:
             blocks = _slice(getattr(model, name), lo - first, hi - first)
             streams = scan_blocks(
-                blocks, streams, lambda block, s, name=name: model.run_block(name, block, s, cond, ctx)
+                blocks,
+                streams,
+                lambda block, s, name=name: model.run_block(name, block, s, cond, ctx),
+                stack_gathers(ctx.gathers, name),
             )
     return streams
 

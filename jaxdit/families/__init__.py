@@ -66,9 +66,8 @@ def register(family: ModelFamily) -> None:
         cache_hooks.register_family(family.checkpoints.config_class, family)
 
 
-# Tried first: FLUX.1's detection claims any file holding img_in.weight, BFL's FLUX.2 files included.
-register(FLUX2)
 register(FLUX)
+register(FLUX2)
 register(WAN)
 register(
     FLUX_KONTEXT
@@ -204,7 +203,7 @@ def load_transformer(
     # Heads vs ulysses x tensor (and no pipefusion) before a single weight is read.
     check = lambda cfg: validate_forward(where.parallel, cfg.num_heads)
     family, model = load_params(path, where, dtype, config=config, check=check)
-    return family.wrap(model, where.mesh, kernel=kernel, compiler_options=compiler_options)
+    return family.wrap(model, where, kernel=kernel, compiler_options=compiler_options)
 
 
 def convert_checkpoint(

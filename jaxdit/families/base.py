@@ -251,7 +251,8 @@ class ModelFamily:
 
     def image_input(self, folder: ModelFolder) -> str:
         """Whether a folder's pipeline takes a picture (``--image``): "required" (image-to-video),
-        "optional" (text- or image-to-video) or "none"."""
+        "optional" (text- or image-to-video), "several" (any number of reference pictures, none
+        included) or "none"."""
         return "required" if folder.takes_image else "none"
 
     def video_fps(self, folder: ModelFolder | None) -> int:

@@ -1,57 +1,33 @@
-"""FLUX.2 [dev] / [klein] as a jaxdit model family (see ``jaxdit.families.base``): for now its
-transformer (``models/flux2.py``, ``converters/flux2.py``) with presets and the cost terms ``jaxdit plan``
-prices. jaxdit has no FLUX.2 pipeline yet (text encoders, sampler loop), so ``jaxdit generate`` refuses a
-FLUX.2 model by name before loading anything, and ``jaxdit plan --verify`` (which lowers a pipeline's
-step) is not available for it.
+"""FLUX.2 [dev] / [klein] as a jaxdit model family (see ``jaxdit.families.base``): its transformer
+(``models/flux2.py``, ``converters/flux2.py``) with presets and the cost terms ``jaxdit plan`` prices, and
+the klein pipeline (``pipelines/flux2.py``: Qwen3 encoder, multi-reference editing; distilled without CFG,
+base with it). FLUX.2 [dev]'s pipeline (Mistral Small 3.1 encoder, embedded guidance) is not in jaxdit
+yet: a dev transformer runs from prompt embeddings only where a klein one would, and is refused by the
+klein pipeline.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 from jax.sharding import Mesh
 
 from converters import flux2 as flux2_converters
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.models import flux2
 from jaxdit.models.flux2_config import Flux2Config
-from jaxdit.pipelines.model_folder import ModelFolder
+from jaxdit.pipelines.flux2 import FOLDER_CLASSES, Flux2KleinPipeline
+from jaxdit.pipelines.model_folder import ModelFolder, read_json
+from jaxdit.pipelines.request import GenerationRequest
 
-__all__ = ["FLUX2", "Flux2Family", "NoFlux2Pipeline"]
+__all__ = ["FLUX2", "Flux2Family"]
 
 #: Text tokens the pipelines pad the prompt to (diffusers' ``max_sequence_length`` default, both
 #: ``Flux2Pipeline`` and ``Flux2KleinPipeline``).
 TEXT_LEN = 512
 #: The VAE's 8x spatial compression x the 2x2 patches the pipelines fold into channels.
 PIXELS_PER_TOKEN = 16
-
-_NO_PIPELINE = (
-    "jaxdit has no FLUX.2 pipeline yet: its transformer loads (jaxdit.load_transformer) and jaxdit plan "
-    "prices it, but a generation needs the FLUX.2 text encoders and sampler, which are not implemented"
-)
-
-
-class NoFlux2Pipeline:
-    """Stands where the family's pipeline class goes until there is one: the generate checks read its
-    call signature (it takes prompt embeddings only) and every use says why there is none."""
-
-    #: No call arguments of its own (the registry lists every family's for ``jaxdit generate``'s flags).
-    call_options: tuple = ()
-
-    @classmethod
-    def from_pretrained(cls, path: Any) -> NoFlux2Pipeline:
-        raise ValueError(_NO_PIPELINE)
-
-    @classmethod
-    def call_defaults(cls) -> dict[str, Any]:
-        """Asked first by ``jaxdit generate``'s checks: the refusal, as a request error."""
-        raise ValueError(_NO_PIPELINE)
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise ValueError(_NO_PIPELINE)
-
-    def __call__(self, prompt_embeds: Any = None) -> Any:
-        raise ValueError(_NO_PIPELINE)
 
 
 class Flux2Family(ModelFamily):
@@ -64,30 +40,62 @@ class Flux2Family(ModelFamily):
         "flux2-klein-4b": Preset(steps=4, height=1024, width=1024),
         "flux2-klein-9b": Preset(steps=4, height=1024, width=1024),
     }
-    folder_classes: dict = {}
-    pipeline_class = NoFlux2Pipeline
+    folder_classes = FOLDER_CLASSES
+    pipeline_class = Flux2KleinPipeline
+    staged_model = None  # no PipeFusion stage layout yet
     cfg_note = "FLUX.2-dev's guidance is an embedded input and distilled klein runs without CFG"
     cfg_scale_argument = "guidance_scale"
-    cfg_needs = "a klein base model (not implemented in jaxdit yet)"
-    embedding_names = ("prompt_embeds",)
+    cfg_needs = "a klein base model (not distilled) with --guidance_scale > 1"
+    embedding_names = ("prompt_embeds", "negative_prompt_embeds")
 
     def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
-        raise ValueError(_NO_PIPELINE)
+        return Flux2KleinPipeline(model, mesh, **options)
 
-    def example_request(self, workload: Any) -> Any:
-        raise ValueError(_NO_PIPELINE)
+    def image_input(self, folder: ModelFolder) -> str:
+        return "several"  # text-to-image, or editing with one or more reference pictures
+
+    def example_request(self, w: Any) -> Any:
+        m, (text, _), rows = w.model, w.tokens, w.requests
+        embeds = np.zeros((rows, text, m.joint_attention_dim), np.float32)
+        height, width, _ = w.size
+        cfg = dict(negative_prompt_embeds=embeds) if w.branches == 2 else {}
+        return GenerationRequest(
+            prompt_embeds=embeds,
+            height=height,
+            width=width,
+            num_inference_steps=w.steps,
+            output_type="latent",
+            guidance_scale=4.0 if cfg else 1.0,
+            **cfg,
+        )
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
-        raise ValueError(_NO_PIPELINE)
+        """A distilled klein folder runs one branch whatever --guidance_scale says, so --use_cfg_parallel
+        would have nothing to split; a dev transformer has no pipeline here."""
+        if config is not None and config.guidance_embeds:
+            raise ValueError(
+                "FLUX.2 [dev] (a transformer with a guidance embedding) has no jaxdit pipeline yet; "
+                "jaxdit runs FLUX.2 [klein]"
+            )
+        folder = getattr(request, "folder", None)
+        if folder is not None and folder.kind == "flux2-klein" and parallel.cfg == 2:
+            raise ValueError(
+                f"--use_cfg_parallel needs classifier-free guidance: {folder.root.name} is a distilled "
+                "FLUX.2 klein, which runs without it (use a klein base model)"
+            )
 
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
-        raise ValueError(_NO_PIPELINE)
+        raise ValueError("FLUX.2 has no PipeFusion stage layout yet")
 
     def pipefusion_unsupported(self, workload: Any) -> str | None:
         return "no FLUX.2 PipeFusion runner yet"
 
     def size_multiple(self, folder: ModelFolder | None) -> int:
-        return PIXELS_PER_TOKEN
+        """The VAE's factor (2 per level after the first: 8 for FLUX.2's) x the 2x2 patches."""
+        if folder is None:
+            return PIXELS_PER_TOKEN
+        levels = len(read_json(folder["vae"] / "config.json").get("block_out_channels", (0,) * 4))
+        return 2 ** (levels - 1) * 2
 
     def wrap(self, model: Any, mesh: Mesh, **options: Any) -> Any:
         """diffusers-named keyword arguments (``models/flux2.py``'s ``FORWARD_INPUTS``) on global arrays."""

@@ -151,7 +151,7 @@ class QwenImageFamily(ModelFamily):
         if w.branches == 2:
             cfg = dict(negative_prompt_embeds=embeds, negative_prompt_embeds_mask=mask, true_cfg_scale=4.0)
         height, width, _ = w.size
-        return GenerationRequest(
+        return GenerationRequest.of(  # the masks are Qwen-Image's own arguments (family_arguments)
             prompt_embeds=embeds,
             prompt_embeds_mask=mask,
             height=height,

@@ -111,7 +111,7 @@ def load_params(
         if meta.get("fp8"):
             quantize_model(model, fp8 or "weight")
         graphdef, abstract = nnx.split(model)
-        shardings = named_shardings(abstract, rules, mesh)
+        shardings = named_shardings(abstract, rules, mesh, degrees)
         target = jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings
         )
@@ -128,7 +128,8 @@ def load_params(
     flat = nnx.to_flat_state(abstract)
     lazies = source.resolve({flat_path(p): tuple(v.shape) for p, v in flat})
     shardings = {
-        flat_path(p): s.get_value() for p, s in nnx.to_flat_state(named_shardings(abstract, rules, mesh))
+        flat_path(p): s.get_value()
+        for p, s in nnx.to_flat_state(named_shardings(abstract, rules, mesh, degrees))
     }
     arrays = place_params(lazies, shardings, dtype)
     model = nnx.merge(graphdef, _fill(abstract, arrays))

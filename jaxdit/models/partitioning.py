@@ -35,8 +35,14 @@ def partition_specs(state: nnx.State, rules: Mapping[str, object]):
     )
 
 
-def named_shardings(state: nnx.State, rules: Mapping[str, object], mesh: Mesh):
+def named_shardings(state: nnx.State, rules: Mapping[str, object], mesh: Mesh, parallel=None):
+    """NamedShardings from the rule table; with ``parallel`` (a ParallelConfig) whose ``fsdp`` is set,
+    the stacked blocks' weights also split over the fsdp axes (``jaxdit.parallel.fsdp``)."""
     specs = partition_specs(state, rules)
+    if parallel is not None and parallel.fsdp:
+        from jaxdit.parallel.fsdp import shard_stacks  # parallel.fsdp imports this module
+
+        specs, _ = shard_stacks(state, specs, parallel)
     return jax.tree.map(
         lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
     )

@@ -38,6 +38,7 @@ from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
 from jaxdit.models.partitioning import named_shardings, partition_specs
 from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
+from jaxdit.parallel.fsdp import shard_stacks
 from jaxdit.parallel.kernels import check_kernel_options
 from jaxdit.parallel.layout import SequenceLayout
 from sharding_rules import logical_to_spec, rules_for
@@ -159,8 +160,10 @@ class ShardedForward:
         self.body = body
         self.kernel = tuple(sorted((kernel or {}).items()))
         self.compiler_options = dict(compiler_options) if compiler_options else None
-        self.param_specs = partition_specs(self.state, self.rules)
-        self.param_shardings = named_shardings(self.state, self.rules, mesh)
+        specs = partition_specs(self.state, self.rules)
+        #: Under fsdp: the stacked weights also split over the fsdp axes, and the scan's gathers.
+        self.param_specs, self.gathers = shard_stacks(self.state, specs, self.config)
+        self.param_shardings = named_shardings(self.state, self.rules, mesh, self.config)
         self._steps: dict[tuple, Callable] = {}
 
     # ---------------------------------------------------------------- shapes
@@ -226,7 +229,7 @@ class ShardedForward:
         """
         key = (layout, names)
         if key not in self._steps:
-            ctx = ShardContext(self.config, layout, self.kernel)
+            ctx = ShardContext(self.config, layout, self.kernel, gathers=self.gathers)
             graphdef, body = self.graphdef, self.body
 
             def local(state, *args):
@@ -255,7 +258,7 @@ class ShardedForward:
         lays the carry out on the mesh. Feature caches (``jaxdit.cache``) keep their state this way.
         Not memoized: the caller's own jitted step holds it.
         """
-        ctx = ShardContext(self.config, layout, self.kernel)
+        ctx = ShardContext(self.config, layout, self.kernel, gathers=self.gathers)
         graphdef = self.graphdef
 
         def local(state, carry, *args):

@@ -29,7 +29,7 @@ The contract (:class:`StagedTransformer`), in the local view of one shard (insid
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -37,7 +37,7 @@ from flax import nnx
 
 from jaxdit.parallel.context import ShardContext
 
-__all__ = ["StagedTransformer", "run_stacks", "scan_blocks", "staged_forward"]
+__all__ = ["StagedTransformer", "run_stacks", "scan_blocks", "stack_gathers", "staged_forward"]
 
 Streams = Any  # a pytree of [B, L, E] fp32 arrays
 Cond = Any  # a pytree of per-step conditioning
@@ -59,15 +59,35 @@ class StagedTransformer(Protocol):
     def output(self, streams: Streams, cond: Cond, ctx: ShardContext) -> jax.Array: ...
 
 
-def scan_blocks(blocks: nnx.Module, carry: Any, step: Callable[[nnx.Module, Any], Any]) -> Any:
-    """Run stacked ``blocks`` in order with ``lax.scan``: the program holds ONE block, whatever the depth."""
+def scan_blocks(
+    blocks: nnx.Module,
+    carry: Any,
+    step: Callable[[nnx.Module, Any], Any],
+    gathers: Mapping[str, tuple[int, tuple[str, ...]]] | None = None,
+) -> Any:
+    """Run stacked ``blocks`` in order with ``lax.scan``: the program holds ONE block, whatever the depth.
+
+    ``gathers``: the fsdp-sharded parameters of one block and how to gather them
+    (``jaxdit.parallel.fsdp``): each layer is then all-gathered one iteration ahead of its step."""
     graphdef, state = nnx.split(blocks)
+    if gathers:
+        from jaxdit.parallel.fsdp import gathered_scan  # models -> parallel.fsdp -> models.partitioning
+
+        return gathered_scan(graphdef, state, carry, step, gathers)
 
     def body(c, block_state):
         return step(nnx.merge(graphdef, block_state), c), None
 
     carry, _ = jax.lax.scan(body, carry, state)
     return carry
+
+
+def stack_gathers(gathers: tuple, stack: str) -> dict[str, tuple[int, tuple[str, ...]]]:
+    """One stack's fsdp gathers (``ShardContext.gathers``): keystr -> (dimension, axes); {} for none."""
+    for name, items in gathers:
+        if name == stack:
+            return {k: (d, a) for k, d, a in items}
+    return {}
 
 
 def run_stacks(model: StagedTransformer, streams: Streams, cond: Cond, ctx: ShardContext) -> Streams:
@@ -77,7 +97,10 @@ def run_stacks(model: StagedTransformer, streams: Streams, cond: Cond, ctx: Shar
         stack = getattr(model, name)
         if stack is not None:
             streams = scan_blocks(
-                stack, streams, lambda block, s, name=name: model.run_block(name, block, s, cond, ctx)
+                stack,
+                streams,
+                lambda block, s, name=name: model.run_block(name, block, s, cond, ctx),
+                stack_gathers(ctx.gathers, name),
             )
     return streams
 

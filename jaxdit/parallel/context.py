@@ -33,6 +33,9 @@ class ShardContext:
     #: order (padding False), gathered once per forward by :meth:`with_key_mask`; None: only the layout's
     #: padding is masked (a static function of the shard index, nothing communicated).
     key_mask: jax.Array | None = None
+    #: The stacked weights' per-layer all-gathers under fsdp (``jaxdit.parallel.fsdp.Gathers``): what the
+    #: scan over each stack gathers before a layer runs; () when the weights are not fsdp-sharded.
+    gathers: tuple = ()
 
     def __post_init__(self) -> None:
         check_kernel_options(dict(self.kernel))

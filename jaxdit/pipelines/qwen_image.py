@@ -161,6 +161,9 @@ class QwenImagePipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        text_encoder: str | os.PathLike[str] | None = None,
+        fp8: str | None = None,
+        offload_encoders: bool = False,
     ) -> QwenImagePipeline:
         """A downloaded Qwen-Image diffusers folder (``model_index.json``, ``transformer/``, ``vae/``,
         ``text_encoder/``, ``tokenizer/``, ``scheduler/``) on the mesh of ``parallel``.
@@ -168,7 +171,10 @@ class QwenImagePipeline(DiffusionPipeline):
         The transformer is sharded over the mesh (stage slots on a pipefusion mesh); the Qwen2.5-VL encoder
         runs on ``encoder_device`` (default: the first local device); the VAE decodes row-parallel over the
         mesh. The transformer's heads and key table and the text encoder's kind are checked before any
-        weight is read.
+        weight is read. ``text_encoder``: a single-file Qwen2.5-VL (ComfyUI's ``qwen_2.5_vl_7b*.safetensors``)
+        instead of the folder's ``text_encoder/``. ``fp8``: ``"weight"`` or ``"matmul"``: the transformer
+        blocks' linear layers in FP8 (``jaxdit.models.fp8``; plain meshes, not PipeFusion).
+        ``offload_encoders``: the encoder's weights wait in host memory between prompts.
         """
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
@@ -176,11 +182,19 @@ class QwenImagePipeline(DiffusionPipeline):
         where = DeviceMesh.of(parallel)
         mesh = where.mesh
         check_transformer(folder["transformer"], where, CHECKPOINTS)
-        check_text_encoder_folder(folder.root)
+        check_text_encoder_folder(folder.root, text_encoder)
         dtype = as_dtype(dtype)
-        encoder = load_qwen_image_prompt_encoder(folder.root, device=encoder_device, dtype=dtype)
+        encoder = load_qwen_image_prompt_encoder(
+            folder.root,
+            device=encoder_device,
+            dtype=dtype,
+            text_encoder=text_encoder,
+            offload=offload_encoders,
+        )
         vae = load_wan_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionQwenImage)
+        model = load_model(
+            folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionQwenImage, fp8=fp8
+        )
 
         def decode(z: np.ndarray) -> np.ndarray:
             frames = vae.decode_latents(np.asarray(z, np.float32)[:, :, None], mesh=mesh)  # [B, 3, 1, H, W]
@@ -230,8 +244,9 @@ class QwenImagePipeline(DiffusionPipeline):
         W/f] instead of the seed's (``generator`` in diffusers); ``prompt_embeds`` [B, T, C] with
         ``prompt_embeds_mask`` [B, T] (None: every token real); ``max_sequence_length``: text tokens kept
         (at most 1024). PipeFusion (a mesh with pipefusion > 1): ``num_pipeline_patch``, ``warmup_steps``.
-        ``output_type``: np, pil or latent."""
-        return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
+        ``output_type``: np, pil or latent. ``sigmas`` and the masks are Qwen-Image's own arguments: they
+        travel in the request's ``family_arguments``."""
+        return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     # ------------------------------------------------------------------ family hook
     def latent_size(self, height: int, width: int) -> tuple[int, int]:
@@ -248,14 +263,15 @@ class QwenImagePipeline(DiffusionPipeline):
                 f"max_sequence_length is at most {MAX_PROMPT_TOKENS} for Qwen-Image, got {r.max_sequence_length}"
             )
         h, w = self.latent_size(r.height, r.width)
-        txt, mask = self._conditioning(r.prompt, r.prompt_embeds, r.prompt_embeds_mask, r)
+        own = r.family_arguments
+        txt, mask = self._conditioning(r.prompt, r.prompt_embeds, own.get("prompt_embeds_mask"), r)
         has_negative = r.negative_prompt is not None or r.negative_prompt_embeds is not None
         cfg = has_negative and r.true_cfg_scale > 1.0
         self.check_cfg(cfg)
         batch = len(txt)
         if cfg:
             neg, neg_mask = self._conditioning(
-                r.negative_prompt, r.negative_prompt_embeds, r.negative_prompt_embeds_mask, r, batch
+                r.negative_prompt, r.negative_prompt_embeds, own.get("negative_prompt_embeds_mask"), r, batch
             )
             if len(neg) != batch or neg.shape[2] != txt.shape[2]:
                 raise ValueError(
@@ -280,7 +296,7 @@ class QwenImagePipeline(DiffusionPipeline):
         inputs = DenoiseInputs(
             tokens=tokens,
             context=context,
-            schedule=self.schedule(r.num_inference_steps, tokens.shape[1], r.sigmas),
+            schedule=self.schedule(r.num_inference_steps, tokens.shape[1], own.get("sigmas")),
             steps=r.num_inference_steps,
             cfg=cfg,
             scale=r.true_cfg_scale,

@@ -74,9 +74,6 @@ class GenerationRequest:
     flow_shift: float | None = None  # Wan: UniPC sigma shift (default: the scheduler's or by resolution)
     seed: int = 0
     latents: Any = None  # initial noise instead of the seed's, shaped like the family's latents
-    sigmas: Any = None  # the unshifted sigmas, one per step, instead of the family's default grid
-    prompt_embeds_mask: Any = None  # Qwen-Image: [B, T] real tokens of prompt_embeds (None: all)
-    negative_prompt_embeds_mask: Any = None
     max_sequence_length: int | None = None
     num_images_per_prompt: int = 1
     output_type: str = "np"
@@ -103,6 +100,15 @@ class GenerationRequest:
         shared = {f.name for f in dataclasses.fields(cls)}
         own = {k: v for k, v in arguments.items() if k not in shared}
         return cls(**{k: v for k, v in arguments.items() if k in shared}).with_family_arguments(**own)
+
+    def with_arguments(self, **arguments: Any) -> GenerationRequest:
+        """This request with call arguments changed: shared fields replaced, the rest among
+        ``family_arguments`` (e.g. the arrays of an embeddings file, which a family may name)."""
+        shared = {f.name for f in dataclasses.fields(self)}
+        own = {k: v for k, v in arguments.items() if k not in shared}
+        return self.replace(**{k: v for k, v in arguments.items() if k in shared}).with_family_arguments(
+            **own
+        )
 
     def with_family_arguments(self, **arguments: Any) -> GenerationRequest:
         return self.replace(family_arguments={**self.family_arguments, **arguments}) if arguments else self

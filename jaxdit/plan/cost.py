@@ -45,6 +45,7 @@ import math
 from jaxdit.families.base import StepTerms
 from jaxdit.mesh import ParallelConfig
 from jaxdit.parallel.flops import attention_flops
+from jaxdit.parallel.fsdp import fsdp_axes
 from jaxdit.parallel.local_attention import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 from jaxdit.plan.fp8 import fp8_block_saving
 from jaxdit.plan.workload import Workload
@@ -381,6 +382,11 @@ def pipeline_shape(w: Workload, c: ParallelConfig) -> tuple[int, int]:
     return passes, passes * c.pipefusion
 
 
+def fsdp_ways(c: ParallelConfig) -> int:
+    """How many ways fsdp splits a block's weights beyond tensor and PipeFusion (1 without fsdp)."""
+    return math.prod(c.degrees[a] for a in fsdp_axes(c) if a not in ("tensor", "pipefusion"))
+
+
 def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
     """The analytic cost of one denoising step of ``w`` on ``c`` (see the module docstring)."""
     p = c.pipefusion
@@ -390,10 +396,15 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
     if w.fp8:
         saving = fp8_block_saving(w.family, w.model, w.dtype, c.tensor)
         block_bytes = tuple(b - s for b, s in zip(block_bytes, saving, strict=True))
-    params = terms.param_nonblock_bytes + sum(
-        _stage_layers(layers, p) * b for layers, b in zip(w.stack_depths, block_bytes, strict=True)
-    )
     block_weights = max(b for layers, b in zip(w.stack_depths, block_bytes, strict=True) if layers)
+    ways = fsdp_ways(c)
+    # fsdp: each device holds 1/ways of its (stage's) blocks, plus two gathered layers at a time (the one
+    # running and the next one's prefetch; jaxdit.parallel.fsdp).
+    params = terms.param_nonblock_bytes + sum(
+        _stage_layers(layers, p) * b // ways for layers, b in zip(w.stack_depths, block_bytes, strict=True)
+    )
+    if ways > 1:
+        params += 2 * block_weights
     busiest = terms.nonblock_flops + sum(_stage_layers(layers, p) * f for layers, f in stacks)
     # Stages differ only in how many blocks they hold: summed over devices, every block once per
     # (data, cfg, sequence, tensor) position and the non-block work on every device.

@@ -14,11 +14,12 @@ to fail; it is never a promise that what passes fits.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from jaxdit.mesh import ParallelConfig
-from jaxdit.plan.cost import step_cost
+from jaxdit.plan.cost import fsdp_ways, step_cost
 from jaxdit.plan.latency import Hardware
 from jaxdit.plan.search import plan
 from jaxdit.plan.workload import Workload
@@ -55,6 +56,24 @@ def available_bytes(devices: Sequence[Any]) -> int | None:
     return host // local
 
 
+def _weight_hint(workload: Workload, config: ParallelConfig, have: int) -> str:
+    """What holding the weights otherwise would need on the same mesh: --fsdp, --quantize fp8, both."""
+    options = []
+    fsdp = dataclasses.replace(config, fsdp=True)
+    fp8 = dataclasses.replace(workload, fp8=True)
+    if not config.fsdp and fsdp_ways(fsdp) > 1:
+        options.append(("--fsdp", workload, fsdp))
+    if not workload.fp8:
+        options.append(("--quantize fp8", fp8, config))
+        if not config.fsdp and fsdp_ways(fsdp) > 1:
+            options.append(("--fsdp --quantize fp8", fp8, fsdp))
+    said = []
+    for flags, w, c in options:
+        need = step_cost(w, c).memory_bytes
+        said.append(f"{flags}: {need / GiB:.1f} GiB{' (fits)' if need <= have else ''}")
+    return f"; on this mesh with {', '.join(said)}" if said else ""
+
+
 def check_fits(workload: Workload, config: ParallelConfig, devices: Sequence[Any]) -> int:
     """Raise ValueError if the cost model's memory per device for ``workload`` on ``config`` exceeds what
     ``devices`` have, naming both and the configurations of as many devices that fit. Returns the need."""
@@ -74,6 +93,7 @@ def check_fits(workload: Workload, config: ParallelConfig, devices: Sequence[Any
         # Only what the request has not already chosen: bf16 halves a float32 run's bytes.
         + (", or --dtype bfloat16" if workload.dtype == "float32" else "")
     )
+    hint += _weight_hint(workload, config, have)
     raise ValueError(
         f"{workload.describe()} with {config.describe()} needs about {need / GiB:.1f} GiB per device (the "
         f"planner's model: parameters, activations, K/V), and each device has {have / GiB:.1f} GiB; {hint}"

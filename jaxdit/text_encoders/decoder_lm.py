@@ -195,9 +195,19 @@ class DecoderLMRunner:
     does); the batch is padded to a multiple of data x cfg and the sequence to a multiple of the
     sequence axes' product with masked tokens (causal attention: tokens appended at the end change
     nothing before them), and the padding is cut off the result.
+
+    ``offload`` (one device only): the parameters leave the device now and wait in host memory; each call
+    copies them in, runs and frees them, so between prompts the device holds none of the encoder.
     """
 
-    def __init__(self, model: DecoderLM, mesh: Mesh | None = None, rules: Mapping[str, object] | None = None):
+    def __init__(
+        self,
+        model: DecoderLM,
+        mesh: Mesh | None = None,
+        rules: Mapping[str, object] | None = None,
+        *,
+        offload: bool = False,
+    ):
         self.model = model
         self.mesh = mesh
         self.rules = (
@@ -205,6 +215,14 @@ class DecoderLMRunner:
         )
         graphdef, state = nnx.split(model)
         self._state = state
+        self._host = None
+        if offload:
+            if mesh is not None:
+                raise ValueError("offload keeps a one-device encoder in host memory; this one is on a mesh")
+            (self._device,) = {d for leaf in jax.tree.leaves(state) for d in leaf.devices()}
+            self._host = jax.device_get(state)
+            for leaf in jax.tree.leaves(state):
+                leaf.delete()  # only the host copy is used from now on
 
         def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
             if mesh is None:
@@ -243,5 +261,12 @@ class DecoderLMRunner:
             where = NamedSharding(self.mesh, logical_to_spec(("batch", "seq"), self.rules))
             ids, mask = jax.device_put(ids, where), jax.device_put(mask, where)
         key = layers if layers is None or isinstance(layers, int) else tuple(int(i) for i in layers)
-        out = self._jitted(self._state, ids, mask, key)
+        if self._host is None:
+            return self._jitted(self._state, ids, mask, key)[:b, ..., :length, :]
+        on_device = jax.device_put(self._host, self._device)
+        try:
+            out = jax.block_until_ready(self._jitted(on_device, ids, mask, key))
+        finally:
+            for leaf in jax.tree.leaves(on_device):
+                leaf.delete()
         return out[:b, ..., :length, :]

@@ -39,8 +39,10 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdit.models.staged import stack_gathers
 from jaxdit.parallel.cfg import guidance as cfg_guidance
 from jaxdit.parallel.context import ShardContext
+from jaxdit.parallel.fsdp import gathered_scan
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.pipefusion import (
     PatchContext,
@@ -220,18 +222,26 @@ class PipeFusionPrograms:
         and each slot's fresh K/V [slots, B, L', h, D]."""
         graphdef, state = nnx.split(getattr(model, stack))
 
-        def body(c, xs):
+        def body_block(block, c, kv):
             if stale is None:
-                block_state, stale_kv = xs, None
+                stale_kv = None
             else:
-                block_state, kb, vb = xs
+                kb, vb = kv
                 flat = lambda b: b.reshape(b.shape[0], -1, *b.shape[3:])  # [B, M*L, h, D]
                 stale_kv = (flat(kb), flat(vb), stale[2])
             ctx = PatchContext(self.parallel, layout, self.kernel, fresh_valid=fresh_valid, stale=stale_kv)
-            c = model.run_block(stack, nnx.merge(graphdef, block_state), c, cond, ctx)
+            c = model.run_block(stack, block, c, cond, ctx)
             ((k, v),) = ctx.fresh  # one self-attention per block
             return c, (k, v)
 
+        def body(c, xs):
+            block_state, kv = (xs, None) if stale is None else (xs[0], xs[1:])
+            return body_block(nnx.merge(graphdef, block_state), c, kv)
+
+        gathers = stack_gathers(self.model.gathers, stack)
+        if gathers:  # fsdp: each slot's weights gathered one slot ahead (jaxdit.parallel.fsdp)
+            kv = () if stale is None else stale[:2]
+            return gathered_scan(graphdef, state, streams, body_block, gathers, xs=kv)
         return lax.scan(body, streams, state if stale is None else (state, *stale[:2]))
 
     def _jit(self, local: Callable, *, pipelined: bool, state_count: int) -> Callable:

@@ -31,6 +31,7 @@ from jaxdit.loading import flat_path as _path
 from jaxdit.loading import load_params
 from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models.partitioning import named_shardings, partition_specs
+from jaxdit.parallel.fsdp import shard_stacks
 from jaxdit.parallel.pipefusion import stage_layer_order
 from sharding_rules import rules_for
 
@@ -123,8 +124,11 @@ class StagedModel:
         self.mesh = mesh
         self.graphdef, self.state = graphdef, state
         self.rules = rules_for(tensor=self.parallel.tensor, pipefusion=self.parallel.pipefusion)
-        self.param_specs = partition_specs(state, self.rules)
-        self.param_shardings = named_shardings(state, self.rules, mesh)
+        # Under fsdp a stage's own layers are also split over the non-pipefusion axes (gathered per slot).
+        self.param_specs, self.gathers = shard_stacks(
+            state, partition_specs(state, self.rules), self.parallel
+        )
+        self.param_shardings = named_shardings(state, self.rules, mesh, self.parallel)
         self.orders = self.stack_orders(config, self.parallel.pipefusion)
 
     @property
@@ -147,7 +151,9 @@ class StagedModel:
     def _shardings(abstract: nnx.State, mesh: Mesh) -> nnx.State:
         where = DeviceMesh.of(mesh)
         pc = where.parallel
-        return named_shardings(abstract, rules_for(tensor=pc.tensor, pipefusion=pc.pipefusion), where.mesh)
+        return named_shardings(
+            abstract, rules_for(tensor=pc.tensor, pipefusion=pc.pipefusion), where.mesh, pc
+        )
 
     @classmethod
     def abstract(cls, config: Any, mesh: Mesh, dtype: Any = jnp.bfloat16) -> Self:

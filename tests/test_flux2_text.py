@@ -1,0 +1,69 @@
+"""FLUX.2's text features against transformers, per encoder: stacked hidden states of a right-padded
+batch, every token kept (padding included, as the FLUX.2 pipelines keep it).
+
+- klein: Qwen3 layers 9, 18, 27 (the whole prompt path, tokenizer and chat template included, is the
+  CLI test's, ``tests/test_flux2_cli.py``);
+- dev: Mistral Small 3.1's text decoder inside ``Mistral3ForConditionalGeneration``, layers 10, 20, 30,
+  from token ids (jaxdit has no FLUX.2 [dev] pipeline, so its Pixtral processor and system-prompt
+  template are not exercised here).
+"""
+
+from __future__ import annotations
+
+import decoder_lm_tiny
+import numpy as np
+import pytest
+import tolerance as tol
+
+from jaxdit.loading.decoder_lm import load_decoder_lm
+from jaxdit.text_encoders.decoder_lm import DecoderLMRunner
+from jaxdit.text_encoders.flux2_prompt import DEV_HIDDEN_STATES, HIDDEN_STATES, stacked_features
+
+torch = pytest.importorskip("torch")
+
+
+def _mistral3(layers: int):
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = dict(decoder_lm_tiny.TEXT, num_hidden_layers=layers, num_key_value_heads=1, head_dim=8)
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                  patch_size=4, image_size=16, head_dim=8)  # fmt: skip
+    config = Mistral3Config(text_config={"model_type": "mistral", **text}, vision_config=vision)
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(4)
+    return decoder_lm_tiny._perturb(Mistral3ForConditionalGeneration(config), 4)
+
+
+def _ids_and_mask():
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1, decoder_lm_tiny.TEXT["vocab_size"], (2, 12))
+    mask = np.ones_like(ids)
+    mask[1, 7:] = 0  # the second prompt padded on the right, as padding="max_length" pads
+    return ids, mask
+
+
+@pytest.mark.parametrize(
+    "name, build, layers",
+    [
+        ("klein", lambda: decoder_lm_tiny.qwen3(num_hidden_layers=28), HIDDEN_STATES),
+        ("dev", lambda: _mistral3(31), DEV_HIDDEN_STATES),
+    ],
+    ids=["klein-qwen3", "dev-mistral3"],
+)
+def test_stacked_features_match_transformers(tmp_path, name, build, layers):
+    model = build()
+    model.save_pretrained(tmp_path / "text_encoder")
+    ids, mask = _ids_and_mask()
+    got = stacked_features(DecoderLMRunner(load_decoder_lm(tmp_path / "text_encoder")), ids, mask, layers)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            output_hidden_states=True,
+            use_cache=False,
+        )
+    want = torch.stack([out.hidden_states[k] for k in layers], dim=1)
+    b, n, length, e = want.shape
+    want = want.permute(0, 2, 1, 3).reshape(b, length, n * e).numpy()
+    assert got.shape == want.shape == (2, 12, 3 * decoder_lm_tiny.TEXT["hidden_size"])
+    tol.check(got, want, tol.TORCH_FORWARD, f"FLUX.2 {name} stacked text features vs transformers")
