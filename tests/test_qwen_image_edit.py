@@ -159,18 +159,22 @@ def case(tmp_path_factory):
     pictures = [Image.open(p).convert("RGB") for p in paths]
     noise = latent_ops.initial_noise(SEED, (1, 4, H // 2, W // 2))
     call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG, height=H, width=W)
+    final = []
+
+    def keep(pipe, step, t, tensors):  # the latents after each step; the last one is decoded
+        final.append(tensors["latents"].clone())
+        return tensors
+
     with torch.no_grad():
         out = ref(
-            pictures, **call, num_inference_steps=STEPS, latents=torch.from_numpy(latent_ops.pack(noise))
-        )
-        packed = ref(
             pictures,
             **call,
             num_inference_steps=STEPS,
             latents=torch.from_numpy(latent_ops.pack(noise)),
-            output_type="latent",
-        ).images
-    want_latents = latent_ops.unpack(packed.numpy(), H // 2, W // 2)
+            output_type="np",
+            callback_on_step_end=keep,
+        )
+    want_latents = latent_ops.unpack(final[-1].numpy(), H // 2, W // 2)
     want_pixels = np.asarray(out.images[0], np.float32)
     yield dict(folder=folder, paths=paths, ref=ref, latents=want_latents, png=want_pixels)
     patch.undo()
