@@ -230,3 +230,76 @@ def test_cli_ulysses2_ring2_two_pictures_match_diffusers(case, tmp_path, monkeyp
     print(f"ulysses2 x ring2, two pictures: latents {rel:.2e} relative, PNG {worst:.2f}/255")
     assert latents.shape == want.shape and rel < LATENT_REL, rel
     assert png.shape == (H, W, 3) and worst <= PNG_STEPS, worst
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["edit-2509", "edit-2511"])
+def test_transformer_with_references_matches_diffusers(tmp_path, zero_cond_t):
+    """The transformer with two reference pictures joined to the noise (RoPE frames 1 and 2, each grid
+    centred on its own, the text past the largest), on ulysses2 x ring2 (three token groups padded),
+    against diffusers' forward on ``img_shapes``; Edit-2511's ``zero_cond_t``: the reference tokens'
+    modulation from timestep 0."""
+    from jaxdit import ParallelConfig, families
+    from jaxdit.models.qwen_image_config import edit_rope_positions
+
+    model = qwen_image_tiny.transformer(zero_cond_t=zero_cond_t)
+    model.save_pretrained(tmp_path / "transformer")
+    grids = [(3, 5), (4, 4), (2, 3)]  # the denoised image, then two pictures (packed tokens)
+    x = qwen_image_tiny.inputs(2, 7, 3, 5, [7, 4])
+    rng = np.random.default_rng(3)
+    refs = rng.standard_normal((2, 16 + 6, qwen_image_tiny.CONFIG["in_channels"])).astype(np.float32)
+    with torch.no_grad():
+        want = model(
+            hidden_states=torch.from_numpy(np.concatenate([x["hidden_states"], refs], axis=1)),
+            encoder_hidden_states=torch.from_numpy(x["encoder_hidden_states"]),
+            encoder_hidden_states_mask=torch.from_numpy(x["encoder_hidden_states_mask"]),
+            timestep=torch.from_numpy(x["timestep"]),
+            img_shapes=[[(1, r, c) for r, c in grids]] * 2,
+            return_dict=False,
+        )[0][:, :15].numpy()
+    txt_ids, img_ids, ref_ids = edit_rope_positions(7, grids)
+    forward = families.load_transformer(tmp_path / "transformer", ParallelConfig(ulysses=2, ring=2))
+    got = np.asarray(
+        forward(**x, txt_ids=txt_ids, img_ids=img_ids, reference_hidden_states=refs, reference_ids=ref_ids)
+    )
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"transformer with references (zero_cond_t={zero_cond_t}): {err:.2e} relative")
+    assert err < EMBED_REL
+    _PREDICTIONS[zero_cond_t] = want  # the same weights either way: zero_cond_t must change the output
+    if len(_PREDICTIONS) == 2:
+        assert np.abs(_PREDICTIONS[True] - _PREDICTIONS[False]).max() > 1e3 * EMBED_REL * np.abs(want).max()
+
+
+_PREDICTIONS: dict[bool, np.ndarray] = {}
+
+
+# ------------------------------------------------------------------ refused, before any weight loads
+
+
+def _refused(argv, tmp_path, capsys, message):
+    out = tmp_path / "never.png"
+    assert cli.main([*argv, "--output", str(out)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_unsupported_runs_are_refused(case, tmp_path, capsys):
+    import shutil
+
+    base = ["generate", "--weights", str(case["folder"]), "--prompt", PROMPT, "--steps", "2"]
+    base += ["--height", str(H), "--width", str(W)]
+    picture = ["--image", str(case["paths"][0])]
+    _refused(base, tmp_path, capsys, "Qwen-Image-Edit edits a picture: pass --image IN.png")
+    _refused(
+        [*base, *picture, "--pipefusion_parallel_degree", "2"],
+        tmp_path,
+        capsys,
+        "Qwen-Image-Edit has no PipeFusion stage layout",
+    )
+    _refused([*base, *picture, "--cache", "fbcache"], tmp_path, capsys, "not available for Qwen-Image-Edit")
+    layered = shutil.copytree(case["folder"], tmp_path / "layered")
+    config = layered / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_layer3d_rope": True}))
+    _refused(
+        ["generate", "--weights", str(layered), *base[3:], *picture], tmp_path, capsys, "use_layer3d_rope"
+    )

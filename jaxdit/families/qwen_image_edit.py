@@ -35,6 +35,24 @@ class QwenImageEditFamily(QwenImageFamily):
     def image_input(self, folder: ModelFolder) -> str:
         return "several" if folder.kind == "qwen-image-edit-plus" else "required"
 
+    def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
+        """An input picture (or several, for Plus), before any weight loads."""
+        super().check_generate(request, config, parallel)
+        image = getattr(getattr(request, "request", None), "image", None)
+        if image is None:
+            raise ValueError("Qwen-Image-Edit edits a picture: pass --image IN.png (repeat it for several)")
+        folder = getattr(request, "folder", None)
+        if (
+            isinstance(image, tuple)
+            and len(image) > 1
+            and folder is not None
+            and folder.kind == "qwen-image-edit"
+        ):
+            raise ValueError(
+                f"Qwen-Image-Edit reads one input picture, got {len(image)} (Qwen-Image-Edit-2509's "
+                "QwenImageEditPlusPipeline reads several)"
+            )
+
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
         raise ValueError("Qwen-Image-Edit has no PipeFusion layout with reference pictures yet")
 

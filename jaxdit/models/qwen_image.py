@@ -71,6 +71,8 @@ class QwenImageCond(NamedTuple):
 
     temb: jax.Array  # [B, E] fp32 timestep embedding
     angles: tuple[jax.Array, jax.Array]  # (text [1, T, D/2], image [1, N, D/2]) fp32, this shard's
+    #: Edit-2511 (``zero_cond_t``) with reference tokens: the [B, E] embedding of timestep 0 they take.
+    reference_temb: jax.Array | None = None
 
 
 def time_features(sigma: jax.Array) -> jax.Array:
@@ -146,7 +148,13 @@ class QwenImageTransformer(nnx.Module):
             img_ids = jnp.concatenate([img_ids, inputs["reference_ids"].astype(img_ids.dtype)], axis=0)
         streams = self.embed_tokens(inputs["encoder_hidden_states"], img)
         angles = (self.rope(inputs["txt_ids"])[None], self.rope(img_ids)[None])
-        return streams, QwenImageCond(self.time_embedding(inputs["timestep"]), angles)
+        sigma = inputs["timestep"]
+        clean = (
+            self.time_embedding(jnp.zeros_like(sigma))
+            if ref is not None and self.config.zero_cond_t
+            else None
+        )
+        return streams, QwenImageCond(self.time_embedding(sigma), angles, clean)
 
     def image_tokens(self, stream: jax.Array, ctx: ShardContext) -> jax.Array:
         """This shard's image stream without its reference tokens (none without references)."""
@@ -158,7 +166,10 @@ class QwenImageTransformer(nnx.Module):
         return streams
 
     def run_block(self, stack: str, block: nnx.Module, streams: Any, cond: QwenImageCond, ctx: ShardContext):
-        return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx)
+        if cond.reference_temb is None:
+            return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx)
+        image = ctx.layout.local_lengths[IMAGE]
+        return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx, cond.reference_temb, image)
 
     # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
     #: TeaCache's input is computed in the step from the latents (jaxdit.cache.hooks.TeaCacheHooks).

@@ -18,9 +18,9 @@ __all__ = ["IMAGE", "REFERENCE", "TEXT", "QwenImageConfig", "edit_rope_positions
 TEXT, IMAGE, REFERENCE = 0, 1, 2  # REFERENCE: the edit pipelines' clean input-image tokens
 #: Blocks a config may ask for (Qwen-Image: 60); more is a typo that would cost minutes of building.
 MAX_BLOCKS = 1000
-#: diffusers' switches of the later Qwen-Image variants (Edit-2511's zero-timestep reference tokens,
-#: Layered's extra condition and 3-D layer RoPE), not implemented here.
-_VARIANT_SWITCHES = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
+#: diffusers' switches of the later Qwen-Image variants (Layered's extra condition and 3-D layer RoPE),
+#: not implemented here (Edit-2511's ``zero_cond_t`` is).
+_VARIANT_SWITCHES = ("use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class QwenImageConfig:
     joint_attention_dim: int = 3584  # Qwen2.5-VL-7B's hidden size
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)  # (frame, row, column) RoPE dims; sum = head_dim
     theta: float = 10000.0
+    #: Edit-2511: the reference tokens' image-stream modulation is the embedding of timestep 0.
+    zero_cond_t: bool = False
     mlp_ratio: int = 4  # diffusers' FeedForward default
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"qwen-image": {}}
@@ -110,6 +112,7 @@ class QwenImageConfig:
             num_attention_heads=int(c.get("num_attention_heads", 24)),
             joint_attention_dim=int(c.get("joint_attention_dim", 3584)),
             axes_dims_rope=tuple(c.get("axes_dims_rope", (16, 56, 56))),
+            zero_cond_t=bool(c.get("zero_cond_t", False)),
         )
 
     def to_json(self) -> dict[str, Any]:
