@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from jaxdit.text_encoders.qwen_vl_encoder import load_qwen_vl_encoder, mrope_positions
+from jaxdit.loading.qwen_vl_encoder import load_qwen_vl_encoder
+from jaxdit.text_encoders.qwen_vl_encoder import mrope_positions
 from jaxdit.text_encoders.qwen_vl_vision import QwenVisionConfig, run_vision, vision_params
 
 VISION_MARKERS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]

@@ -4,8 +4,8 @@ Qwen-Image's transformer, converters, LoRA layouts and cost terms, with its own 
 noise as reference tokens) and folder classes.
 
 The edit transformer has Qwen-Image's shapes, so a checkpoint alone cannot say which it is: a diffusers
-folder says so in ``model_index.json``. Not here yet (refused): PipeFusion and the feature caches with
-reference tokens, Edit-2511's zero-timestep reference tokens (``zero_cond_t``, refused by the config).
+folder says so in ``model_index.json``; Edit-2511 is a Plus folder whose transformer sets
+``zero_cond_t``. Not here yet (refused): PipeFusion and the feature caches with reference tokens.
 """
 
 from __future__ import annotations

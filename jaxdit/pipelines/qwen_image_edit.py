@@ -16,9 +16,13 @@ rescale, schedule and decoding) whose calls read pictures twice:
   centred on its own grid, and the text starts past the largest half side of all of them
   (``models.qwen_image_config.edit_rope_positions``).
 
-The output size defaults to ``VAE_AREA`` pixels at the aspect ratio of the last picture (Plus) or the
-picture (Qwen-Image-Edit). Not supported (refused): Edit-2511's zero-timestep reference tokens
-(``zero_cond_t``), several prompts in one call (diffusers' Plus refuses them too), PipeFusion.
+Edit-2511 (a Plus folder whose transformer sets ``zero_cond_t``) runs the same call; its reference
+tokens take the image-stream modulation of timestep 0. The output size defaults to ``VAE_AREA`` pixels
+at the aspect ratio of the last picture (Plus) or the picture (Qwen-Image-Edit). The text encoder gets
+Qwen2.5-VL's 3-axis positions (what the model was trained with; diffusers 0.42 on transformers 5 drops
+the processor's ``mm_token_type_ids`` and so falls back to 1-D positions, diffusers issue 14194). Not
+supported (refused): several prompts in one call (diffusers' Plus refuses them too), prompt embeddings
+instead of prompts, PipeFusion, the feature caches.
 """
 
 from __future__ import annotations
@@ -117,8 +121,8 @@ def load_edit_prompt_encoder(folder: str | os.PathLike[str], *, plus: bool) -> A
     ``processor/`` (the tokenizer of ``tokenizer/`` where ``processor/`` holds none) -> the encoder."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
+    from jaxdit.loading.qwen_vl_encoder import load_qwen_vl_encoder
     from jaxdit.text_encoders.qwen_image_edit_prompt import QwenImageEditPromptEncoder
-    from jaxdit.text_encoders.qwen_vl_encoder import load_qwen_vl_encoder
 
     root = Path(folder)
     processor = root / "processor"

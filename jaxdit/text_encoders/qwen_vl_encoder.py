@@ -11,8 +11,6 @@ start + max(rows, columns). Padding tokens get position 0 and are masked as keys
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,12 +18,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from converters.checkpoint_files import open_checkpoint
-from jaxdit.text_encoders.common import read_json
 from jaxdit.text_encoders.decoder_lm import DecoderLM, Layers
-from jaxdit.text_encoders.qwen_vl_vision import Grid, QwenVisionConfig, run_vision, vision_params
+from jaxdit.text_encoders.qwen_vl_vision import Grid, QwenVisionConfig, run_vision
 
-__all__ = ["QwenVLEncoder", "load_qwen_vl_encoder", "mrope_positions"]
+__all__ = ["IMAGE_TOKEN_ID", "QwenVLEncoder", "mrope_positions"]
 
 #: Qwen2.5-VL's ``image_token_id`` when a config names none.
 IMAGE_TOKEN_ID = 151655
@@ -127,22 +123,3 @@ class QwenVLEncoder:
         positions = mrope_positions(ids, mask, grid, self.image_token_id, self.vision.spatial_merge_size)
         key = layers if layers is None or isinstance(layers, int) else tuple(int(i) for i in layers)
         return self._jitted(self._state, ids, mask, embeds, jnp.asarray(positions, jnp.int32), key)
-
-
-def load_qwen_vl_encoder(path: str | os.PathLike[str]) -> QwenVLEncoder:
-    """A transformers ``Qwen2_5_VLForConditionalGeneration`` folder -> the encoder with its vision tower."""
-    from jaxdit.loading.decoder_lm import load_decoder_lm
-
-    folder = Path(path)
-    config = read_json(folder / "config.json")
-    if config.get("model_type") != "qwen2_5_vl" or "vision_config" not in config:
-        raise ValueError(f"{folder}: not a Qwen2.5-VL folder with a vision tower (model_type qwen2_5_vl)")
-    model = load_decoder_lm(folder)
-    if model.config.mrope_section is None:
-        raise ValueError(f"{folder / 'config.json'}: no mrope_section in the text RoPE parameters")
-    vision = QwenVisionConfig.from_hf_config(config)
-    files = open_checkpoint(folder)
-    names = list(files.keys())
-    tensors = {k: files.tensor(k) for k in names if "visual." in k}
-    image_token = config.get("image_token_id", config.get("text_config", {}).get("image_token_id"))
-    return QwenVLEncoder(model, vision, vision_params(tensors, vision), int(image_token or IMAGE_TOKEN_ID))
