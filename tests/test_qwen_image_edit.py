@@ -232,44 +232,75 @@ def test_cli_ulysses2_ring2_two_pictures_match_diffusers(case, tmp_path, monkeyp
     assert png.shape == (H, W, 3) and worst <= PNG_STEPS, worst
 
 
-@pytest.mark.parametrize("zero_cond_t", [False, True], ids=["edit-2509", "edit-2511"])
-def test_transformer_with_references_matches_diffusers(tmp_path, zero_cond_t):
-    """The transformer with two reference pictures joined to the noise (RoPE frames 1 and 2, each grid
-    centred on its own, the text past the largest), on ulysses2 x ring2 (three token groups padded),
-    against diffusers' forward on ``img_shapes``; Edit-2511's ``zero_cond_t``: the reference tokens'
-    modulation from timestep 0."""
-    from jaxdit import ParallelConfig, families
-    from jaxdit.models.qwen_image_config import edit_rope_positions
-
-    model = qwen_image_tiny.transformer(zero_cond_t=zero_cond_t)
-    model.save_pretrained(tmp_path / "transformer")
-    grids = [(3, 5), (4, 4), (2, 3)]  # the denoised image, then two pictures (packed tokens)
-    x = qwen_image_tiny.inputs(2, 7, 3, 5, [7, 4])
-    rng = np.random.default_rng(3)
-    refs = rng.standard_normal((2, 16 + 6, qwen_image_tiny.CONFIG["in_channels"])).astype(np.float32)
+def _diffusers_forward(model, x, refs, grids):
     with torch.no_grad():
-        want = model(
+        out = model(
             hidden_states=torch.from_numpy(np.concatenate([x["hidden_states"], refs], axis=1)),
             encoder_hidden_states=torch.from_numpy(x["encoder_hidden_states"]),
             encoder_hidden_states_mask=torch.from_numpy(x["encoder_hidden_states_mask"]),
             timestep=torch.from_numpy(x["timestep"]),
             img_shapes=[[(1, r, c) for r, c in grids]] * 2,
             return_dict=False,
-        )[0][:, :15].numpy()
+        )[0]
+    return out[:, : x["hidden_states"].shape[1]].numpy()
+
+
+def test_edit_2511_transformer_with_references_matches_diffusers(tmp_path):
+    """Edit-2511's transformer (``zero_cond_t``: the reference tokens' modulation from timestep 0) with
+    two reference pictures joined to the noise (RoPE frames 1 and 2, each grid centred on its own, the
+    text past the largest), on ulysses2 x ring2 (three token groups padded), against diffusers' forward
+    on ``img_shapes``; the same weights without ``zero_cond_t`` predict far from it (the 2509 path is the
+    CLI test's)."""
+    from jaxdit import ParallelConfig, families
+    from jaxdit.models.qwen_image_config import edit_rope_positions
+
+    model = qwen_image_tiny.transformer(zero_cond_t=True)
+    model.save_pretrained(tmp_path / "transformer")
+    grids = [(3, 5), (4, 4), (2, 3)]  # the denoised image, then two pictures (packed tokens)
+    x = qwen_image_tiny.inputs(2, 7, 3, 5, [7, 4])
+    refs = np.random.default_rng(3).standard_normal((2, 16 + 6, 16)).astype(np.float32)
+    want = _diffusers_forward(model, x, refs, grids)
+    plain = _diffusers_forward(qwen_image_tiny.transformer(), x, refs, grids)
     txt_ids, img_ids, ref_ids = edit_rope_positions(7, grids)
     forward = families.load_transformer(tmp_path / "transformer", ParallelConfig(ulysses=2, ring=2))
     got = np.asarray(
         forward(**x, txt_ids=txt_ids, img_ids=img_ids, reference_hidden_states=refs, reference_ids=ref_ids)
     )
     err = np.abs(got - want).max() / np.abs(want).max()
-    print(f"transformer with references (zero_cond_t={zero_cond_t}): {err:.2e} relative")
+    off = np.abs(plain - want).max() / np.abs(want).max()
+    print(f"Edit-2511 transformer with references: {err:.2e} relative (without zero_cond_t: {off:.2e})")
+    assert err < EMBED_REL and off > 1e3 * EMBED_REL
+
+
+def test_edit_prompt_with_one_picture_matches_diffusers(case):
+    """Qwen-Image-Edit's own template (one slot before the instruction; the picture at the VAE size) as
+    diffusers' ``QwenImageEditPipeline.encode_prompt``, the same folder's components."""
+    import diffusers
+
+    ref = case["ref"]
+    edit = diffusers.QwenImageEditPipeline(
+        scheduler=ref.scheduler,
+        vae=ref.vae,
+        text_encoder=ref.text_encoder,
+        tokenizer=ref.tokenizer,
+        processor=None,
+        transformer=ref.transformer,
+    )
+    object.__setattr__(edit, "processor", ref.processor)
+    picture = Image.open(case["paths"][1]).convert("RGB")
+    pipe_like = qwen_image_edit.QwenImageEditPipeline.__new__(qwen_image_edit.QwenImageEditPipeline)
+    pipe_like.plus = False
+    (condition,) = pipe_like.condition_pictures([picture])
+    with torch.no_grad():
+        want, _ = edit.encode_prompt(PROMPT, image=condition)
+    got, mask = qwen_image_edit.load_edit_prompt_encoder(case["folder"], plus=False)(
+        [PROMPT], images=[condition]
+    )
+    want = want.numpy()
+    assert mask.all() and got.shape == want.shape, (got.shape, want.shape)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"Qwen-Image-Edit prompt embeddings (one picture): {err:.2e} relative")
     assert err < EMBED_REL
-    _PREDICTIONS[zero_cond_t] = want  # the same weights either way: zero_cond_t must change the output
-    if len(_PREDICTIONS) == 2:
-        assert np.abs(_PREDICTIONS[True] - _PREDICTIONS[False]).max() > 1e3 * EMBED_REL * np.abs(want).max()
-
-
-_PREDICTIONS: dict[bool, np.ndarray] = {}
 
 
 # ------------------------------------------------------------------ refused, before any weight loads
