@@ -130,8 +130,10 @@ def test_bad_checkpoints_are_refused(case, tmp_path):
         load_params(
             extra, single_device_mesh(), checkpoints=CHECKPOINTS, config=QwenImageConfig(**tiny.CONFIG)
         )
-    with pytest.raises(ValueError, match="zero_cond_t: that Qwen-Image variant is not supported"):
-        QwenImageConfig.from_diffusers({"_class_name": "QwenImageTransformer2DModel", "zero_cond_t": True})
+    with pytest.raises(ValueError, match="use_layer3d_rope: that Qwen-Image variant is not supported"):
+        QwenImageConfig.from_diffusers(
+            {"_class_name": "QwenImageTransformer2DModel", "use_layer3d_rope": True}
+        )
 
 
 def test_jaxdit_convert_to_orbax_loads_the_same_model(case, tmp_path):

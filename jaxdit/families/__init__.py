@@ -24,6 +24,7 @@ from jaxdit.families.flux import FLUX
 from jaxdit.families.flux2 import FLUX2
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.qwen_image import QWEN_IMAGE
+from jaxdit.families.qwen_image_edit import QWEN_IMAGE_EDIT
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
 from jaxdit.families.z_image import Z_IMAGE
@@ -75,6 +76,7 @@ register(
 register(TINY_DIGITS)
 register(Z_IMAGE)
 register(QWEN_IMAGE)
+register(QWEN_IMAGE_EDIT)  # a variant of Qwen-Image: found by its folder's pipeline class
 
 
 def get(name: str) -> ModelFamily:

@@ -53,8 +53,10 @@ class QwenImageForward:
 
     ``hidden_states`` [B, N, in_channels] packed latents, ``encoder_hidden_states`` [B, T, text width],
     ``timestep`` [B] (or a scalar) sigma in [0, 1], ``img_ids`` [N, 3], ``txt_ids`` [T, 3],
-    ``encoder_hidden_states_mask`` [B, T] (1 = real token; None: all real). Returns [B, N, 4 x
-    out_channels] as a jax array in the model's dtype.
+    ``encoder_hidden_states_mask`` [B, T] (1 = real token; None: all real); the edit models' input
+    pictures: ``reference_hidden_states`` [B, R, in_channels] and ``reference_ids`` [R, 3]
+    (``edit_rope_positions``; diffusers joins them to ``hidden_states``). Returns [B, N, 4 x
+    out_channels] (the denoised tokens only) as a jax array in the model's dtype.
     """
 
     def __init__(self, model: nnx.Module, mesh: Mesh, **options: Any) -> None:
@@ -73,6 +75,8 @@ class QwenImageForward:
         img_ids: Any,
         txt_ids: Any,
         encoder_hidden_states_mask: Any = None,
+        reference_hidden_states: Any = None,
+        reference_ids: Any = None,
     ) -> jax.Array:
         c, sizes = self.config, {}
         expect_shape("hidden_states", hidden_states, ("B", "N", c.in_channels), sizes)
@@ -89,6 +93,13 @@ class QwenImageForward:
         if encoder_hidden_states_mask is not None:
             expect_shape("encoder_hidden_states_mask", encoder_hidden_states_mask, ("B", "T"), sizes)
             inputs["encoder_hidden_states_mask"] = np.asarray(encoder_hidden_states_mask).astype(bool)
+        if (reference_hidden_states is None) != (reference_ids is None):
+            raise ValueError("pass reference_hidden_states [B, R, C] and reference_ids [R, 3] together")
+        if reference_hidden_states is not None:  # the edit pipelines' clean input-picture tokens
+            expect_shape("reference_hidden_states", reference_hidden_states, ("B", "R", c.in_channels), sizes)
+            expect_shape("reference_ids", reference_ids, ("R", 3), sizes)
+            inputs["reference_hidden_states"] = as_float(reference_hidden_states, self.dtype)
+            inputs["reference_ids"] = as_float(reference_ids, jnp.float32)
         return self.forward(**inputs)
 
 

@@ -46,7 +46,7 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models import partitioning
 from jaxdit.models.layers import Linear, layer_norm, param, rms_norm, rope_angles
 from jaxdit.models.qwen_image_blocks import EPS, DualStreamBlock, TimestepEmbedder, modulation
-from jaxdit.models.qwen_image_config import IMAGE, TEXT, QwenImageConfig
+from jaxdit.models.qwen_image_config import IMAGE, REFERENCE, TEXT, QwenImageConfig
 from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
 from jaxdit.models.staged import staged_forward
 from jaxdit.parallel.context import ShardContext
@@ -71,6 +71,8 @@ class QwenImageCond(NamedTuple):
 
     temb: jax.Array  # [B, E] fp32 timestep embedding
     angles: tuple[jax.Array, jax.Array]  # (text [1, T, D/2], image [1, N, D/2]) fp32, this shard's
+    #: Edit-2511 (``zero_cond_t``) with reference tokens: the [B, E] embedding of timestep 0 they take.
+    reference_temb: jax.Array | None = None
 
 
 def time_features(sigma: jax.Array) -> jax.Array:
@@ -139,15 +141,35 @@ class QwenImageTransformer(nnx.Module):
     def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, QwenImageCond]:
         """diffusers-named inputs (:data:`FORWARD_INPUTS`, the text mask already in ``ctx``) -> the fp32
         (text, image) streams and the conditioning every block reads."""
-        streams = self.embed_tokens(inputs["encoder_hidden_states"], inputs["hidden_states"])
-        angles = tuple(self.rope(inputs[name])[None] for name in ("txt_ids", "img_ids"))
-        return streams, QwenImageCond(self.time_embedding(inputs["timestep"]), angles)
+        img, ref = inputs["hidden_states"], inputs.get("reference_hidden_states")
+        img_ids = inputs["img_ids"]
+        if ref is not None:  # the edit pipelines' input pictures: this shard's [image_r; reference_r]
+            img = jnp.concatenate([img, ref.astype(img.dtype)], axis=1)
+            img_ids = jnp.concatenate([img_ids, inputs["reference_ids"].astype(img_ids.dtype)], axis=0)
+        streams = self.embed_tokens(inputs["encoder_hidden_states"], img)
+        angles = (self.rope(inputs["txt_ids"])[None], self.rope(img_ids)[None])
+        sigma = inputs["timestep"]
+        clean = (
+            self.time_embedding(jnp.zeros_like(sigma))
+            if ref is not None and self.config.zero_cond_t
+            else None
+        )
+        return streams, QwenImageCond(self.time_embedding(sigma), angles, clean)
+
+    def image_tokens(self, stream: jax.Array, ctx: ShardContext) -> jax.Array:
+        """This shard's image stream without its reference tokens (none without references)."""
+        if len(ctx.layout.lengths) <= REFERENCE:
+            return stream
+        return stream[:, : ctx.layout.local_lengths[IMAGE]]
 
     def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
         return streams
 
     def run_block(self, stack: str, block: nnx.Module, streams: Any, cond: QwenImageCond, ctx: ShardContext):
-        return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx)
+        if cond.reference_temb is None:
+            return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx)
+        image = ctx.layout.local_lengths[IMAGE]
+        return block(streams[TEXT], streams[IMAGE], cond.temb, cond.angles, ctx, cond.reference_temb, image)
 
     # ------------------------------------------------------------------ feature-cache hooks (jaxdit.cache)
     #: TeaCache's input is computed in the step from the latents (jaxdit.cache.hooks.TeaCacheHooks).
@@ -184,7 +206,7 @@ class QwenImageTransformer(nnx.Module):
     def output(self, streams: Any, cond: QwenImageCond, ctx: ShardContext) -> jax.Array:
         """The image tokens -> the velocity prediction [B, N, patch_size**2 * out_channels]."""
         scale, shift = jnp.split(modulation(self.norm_out, cond.temb), 2, axis=-1)
-        x = layer_norm(streams[IMAGE], EPS) * (1.0 + scale[:, None]) + shift[:, None]
+        x = layer_norm(self.image_tokens(streams[IMAGE], ctx), EPS) * (1.0 + scale[:, None]) + shift[:, None]
         return self.proj_out(x.astype(self.dtype))
 
     def __call__(
@@ -245,6 +267,10 @@ FORWARD_INPUTS: dict[str, Arg] = {
     "img_ids": Arg(("seq", None), IMAGE),
     "txt_ids": Arg(("seq", None), TEXT),
     "encoder_hidden_states_mask": Arg(("batch", "seq"), TEXT, key_mask=True),
+    # The edit pipelines' input pictures: clean packed latents and their ids, never denoised (absent for
+    # text-to-image); token group 2, so shard r holds [text_r; image_r; reference_r].
+    "reference_hidden_states": Arg(("batch", "seq", None), REFERENCE, model_dtype=True),
+    "reference_ids": Arg(("seq", None), REFERENCE),
 }
 FORWARD_OUTPUT = Arg(("batch", "seq", None), IMAGE)
 

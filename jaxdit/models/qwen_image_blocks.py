@@ -36,8 +36,15 @@ def modulation(layer: Linear, temb: jax.Array) -> jax.Array:
 
 
 def _modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
-    """LN(x) * (1 + scale) + shift in fp32; shift/scale [B, E] broadcast over tokens."""
-    return layer_norm(x, EPS) * (1.0 + scale[:, None]) + shift[:, None]
+    """LN(x) * (1 + scale) + shift in fp32; shift/scale [B, E] broadcast over tokens, or per token
+    [B, N, E]."""
+    if shift.ndim == 2:
+        shift, scale = shift[:, None], scale[:, None]
+    return layer_norm(x, EPS) * (1.0 + scale) + shift
+
+
+def _per_token(mods: list[jax.Array]) -> list[jax.Array]:
+    return [m[:, None] if m.ndim == 2 else m for m in mods]
 
 
 def _heads(x: jax.Array, head_dim: int) -> jax.Array:
@@ -109,11 +116,19 @@ class DualStreamBlock(nnx.Module):
         temb: jax.Array,
         angles: tuple[jax.Array, jax.Array],
         ctx: ShardContext,
+        reference_temb: jax.Array | None = None,
+        image_tokens: int = 0,
     ) -> tuple[jax.Array, jax.Array]:
         """txt [B, T, E], img [B, N, E] fp32 streams; temb [B, E]; angles (text, image) [1, *, D/2]. The
-        prompts' key mask is ``ctx``'s (``ctx.attention`` masks it)."""
+        prompts' key mask is ``ctx``'s (``ctx.attention`` masks it). ``reference_temb`` [B, E]
+        (Edit-2511's ``zero_cond_t``): the image stream's tokens from ``image_tokens`` on (this shard's
+        reference tokens) take their modulation from it (timestep 0) instead of ``temb``."""
         dtype = self.to_q.dtype
-        img_mods = jnp.split(modulation(self.img_mod, temb), 6, axis=-1)
+        img_mods = _per_token(jnp.split(modulation(self.img_mod, temb), 6, axis=-1))
+        if reference_temb is not None:
+            clean = _per_token(jnp.split(modulation(self.img_mod, reference_temb), 6, axis=-1))
+            is_ref = (jnp.arange(img.shape[1]) >= image_tokens)[None, :, None]
+            img_mods = [jnp.where(is_ref, c, m) for m, c in zip(img_mods, clean, strict=True)]
         txt_mods = jnp.split(modulation(self.txt_mod, temb), 6, axis=-1)
         img_in = _modulate(img, img_mods[0], img_mods[1]).astype(dtype)
         txt_in = _modulate(txt, txt_mods[0], txt_mods[1]).astype(dtype)
@@ -134,8 +149,8 @@ class DualStreamBlock(nnx.Module):
         out = ctx.attention(q, k, v)
         attn_txt, attn_img = ctx.layout.split_after(out.reshape(*out.shape[:2], -1), TEXT)
 
-        img = img + img_mods[2][:, None] * self.to_out(attn_img, ctx).astype(jnp.float32)
-        img = img + img_mods[5][:, None] * self.img_mlp(
+        img = img + img_mods[2] * self.to_out(attn_img, ctx).astype(jnp.float32)
+        img = img + img_mods[5] * self.img_mlp(
             _modulate(img, img_mods[3], img_mods[4]).astype(dtype), ctx
         ).astype(jnp.float32)
         txt = txt + txt_mods[2][:, None] * self.to_add_out(attn_txt, ctx).astype(jnp.float32)

@@ -11,16 +11,16 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-__all__ = ["IMAGE", "TEXT", "QwenImageConfig", "rope_positions"]
+__all__ = ["IMAGE", "REFERENCE", "TEXT", "QwenImageConfig", "edit_rope_positions", "rope_positions"]
 
 #: Token groups of the joint sequence, in the order every shard holds them ([text; image], as diffusers
 #: concatenates them).
-TEXT, IMAGE = 0, 1
+TEXT, IMAGE, REFERENCE = 0, 1, 2  # REFERENCE: the edit pipelines' clean input-image tokens
 #: Blocks a config may ask for (Qwen-Image: 60); more is a typo that would cost minutes of building.
 MAX_BLOCKS = 1000
-#: diffusers' switches of the later Qwen-Image variants (Edit-2511's zero-timestep reference tokens,
-#: Layered's extra condition and 3-D layer RoPE), not implemented here.
-_VARIANT_SWITCHES = ("zero_cond_t", "use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
+#: diffusers' switches of the later Qwen-Image variants (Layered's extra condition and 3-D layer RoPE),
+#: not implemented here (Edit-2511's ``zero_cond_t`` is).
+_VARIANT_SWITCHES = ("use_additional_t_cond", "use_layer3d_rope", "guidance_embeds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +36,8 @@ class QwenImageConfig:
     joint_attention_dim: int = 3584  # Qwen2.5-VL-7B's hidden size
     axes_dims_rope: tuple[int, int, int] = (16, 56, 56)  # (frame, row, column) RoPE dims; sum = head_dim
     theta: float = 10000.0
+    #: Edit-2511: the reference tokens' image-stream modulation is the embedding of timestep 0.
+    zero_cond_t: bool = False
     mlp_ratio: int = 4  # diffusers' FeedForward default
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {"qwen-image": {}}
@@ -110,6 +112,7 @@ class QwenImageConfig:
             num_attention_heads=int(c.get("num_attention_heads", 24)),
             joint_attention_dim=int(c.get("joint_attention_dim", 3584)),
             axes_dims_rope=tuple(c.get("axes_dims_rope", (16, 56, 56))),
+            zero_cond_t=bool(c.get("zero_cond_t", False)),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -136,3 +139,22 @@ def rope_positions(text_tokens: int, rows: int, cols: int, frames: int = 1) -> t
     start = max(rows // 2, cols // 2)
     text = np.repeat((start + np.arange(text_tokens, dtype=np.int32))[:, None], 3, axis=1)
     return text, image
+
+
+def edit_rope_positions(
+    text_tokens: int, grids: list[tuple[int, int]]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(text ids [T, 3], image ids, reference ids) for an edit call (diffusers' ``QwenEmbedRope`` with
+    ``img_shapes`` = the denoised image then each reference): ``grids`` [(rows, cols)] in packed tokens,
+    the denoised image first. Frame k is the k-th grid (0: the denoised image), each centred on its own
+    rows and columns; the text starts past the largest half side of them all."""
+    if not grids:
+        raise ValueError("an edit call needs the denoised image's grid")
+    ids = []
+    for k, (rows, cols) in enumerate(grids):
+        _, frame = rope_positions(0, rows, cols)
+        frame[:, 0] = k
+        ids.append(frame)
+    start = max(max(r // 2, c // 2) for r, c in grids)
+    text = np.repeat((start + np.arange(text_tokens, dtype=np.int32))[:, None], 3, axis=1)
+    return text, ids[0], np.concatenate(ids[1:], axis=0) if len(ids) > 1 else np.zeros((0, 3), np.int32)

@@ -87,9 +87,15 @@ class DecoderLM(nnx.Module):
         *,
         layers: Layers = None,
         constrain: Constrain = no_constraint,
+        inputs_embeds: jax.Array | None = None,
+        position_ids: jax.Array | None = None,
     ) -> jax.Array:
         """input_ids [B, L] int; attention_mask [B, L] (1 = token, 0 = padding) or None -> hidden states in
-        fp32: [B, L, E] for one index (default: the final normed output), [B, n, L, E] for a tuple."""
+        fp32: [B, L, E] for one index (default: the final normed output), [B, n, L, E] for a tuple.
+
+        ``inputs_embeds`` [B, L, E] replaces the token lookup (image tokens spliced in by a vision tower);
+        ``position_ids`` [3, B, L] gives Qwen2.5-VL's (time, row, column) positions, combined by the
+        config's ``mrope_section`` (transformers' multimodal RoPE); without it positions are 0..L-1."""
         cfg = self.config
         indices = self.layer_indices(layers)
         length = input_ids.shape[1]
@@ -98,13 +104,18 @@ class DecoderLM(nnx.Module):
                 f"{length} tokens exceed the checkpoint's sliding window of {cfg.sliding_window}; the "
                 "encoder runs full causal attention, so it encodes at most that many tokens"
             )
-        angles = np.arange(length, dtype=np.float32)[:, None] * rope_inverse_frequencies(cfg)[None]
-        cos, sin = jnp.cos(jnp.asarray(angles)), jnp.sin(jnp.asarray(angles))
+        inv = rope_inverse_frequencies(cfg)
+        if position_ids is None:
+            angles = jnp.asarray(np.arange(length, dtype=np.float32)[:, None] * inv[None])
+        else:
+            angles = _mrope_angles(cfg, position_ids, inv)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
         causal = jnp.tril(jnp.ones((length, length), bool))
         keys = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask > 0
         mask = (causal[None] & keys[:, None, :])[:, None, None]  # [B, 1, 1, L, M]
 
-        x = constrain(self.embed_tokens[...][input_ids].astype(jnp.float32), ("batch", "seq", None))
+        embeds = self.embed_tokens[...][input_ids] if inputs_embeds is None else inputs_embeds
+        x = constrain(embeds.astype(jnp.float32), ("batch", "seq", None))
         graphdef, state = nnx.split(self.layers)
 
         def body(h, layer_state):
@@ -123,6 +134,18 @@ class DecoderLM(nnx.Module):
         outs = [captured[i] for i in indices]
         single = layers is None or isinstance(layers, int | np.integer)
         return outs[0] if single else jnp.stack(outs, axis=1)
+
+
+def _mrope_angles(cfg: DecoderLMConfig, position_ids: jax.Array, inv: np.ndarray) -> jax.Array:
+    """[B, L, D/2] rotation angles from [3, B, L] positions: frequency j turns with the position on axis
+    (section of j) mod 3, the sections taken in order from ``mrope_section``."""
+    if cfg.mrope_section is None:
+        raise ValueError("3-axis position ids need the config's mrope_section (a Qwen2.5-VL checkpoint)")
+    if position_ids.ndim != 3 or position_ids.shape[0] != 3:
+        raise ValueError(f"position_ids must be [3, batch, tokens], got shape {position_ids.shape}")
+    axis = np.repeat(np.arange(len(cfg.mrope_section)) % 3, cfg.mrope_section)
+    per_axis = position_ids.astype(jnp.float32)[..., None] * jnp.asarray(inv)  # [3, B, L, D/2]
+    return jnp.take_along_axis(per_axis, jnp.asarray(axis)[None, None, None, :], axis=0)[0]
 
 
 def abstract_model(config: DecoderLMConfig, dtype: Any = jnp.float32) -> DecoderLM:

@@ -71,10 +71,13 @@ class DecoderLMConfig:
     #: Encoding runs full causal attention, so longer inputs are refused rather than computed differently.
     sliding_window: int | None = None
     model_type: str = "qwen2_5_vl"
+    #: Qwen2.5-VL's multimodal RoPE: how many of the head_dim / 2 frequencies follow each position axis
+    #: (time, row, column, then repeating). Only read when 3-axis position ids are given (image tokens).
+    mrope_section: tuple[int, ...] | None = None
 
     PRESETS: ClassVar[dict[str, dict[str, Any]]] = {
         # Qwen/Qwen2.5-VL-7B-Instruct's text model: Qwen-Image's (and HunyuanVideo 1.5's) text encoder.
-        "qwen2.5-vl-7b": {},
+        "qwen2.5-vl-7b": {"mrope_section": (16, 24, 24)},
         # Qwen/Qwen3-4B: Z-Image's text encoder.
         "qwen3-4b": {
             "vocab_size": 151936,
@@ -124,6 +127,10 @@ class DecoderLMConfig:
         if self.rope_type not in _ROPE_TYPES:
             raise ValueError(
                 f"rope_type {self.rope_type!r} is not supported; known: {', '.join(_ROPE_TYPES)}"
+            )
+        if self.mrope_section is not None and sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must add up to head_dim / 2 = {self.head_dim // 2}"
             )
         if self.rope_factor <= 0:
             raise ValueError(f"rope_factor must be > 0, got {self.rope_factor}")
@@ -206,6 +213,8 @@ def _rope_fields(c: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     if float(params.get("partial_rotary_factor", c.get("partial_rotary_factor") or 1.0)) != 1.0:
         raise ValueError("partial_rotary_factor != 1 is not supported by the decoder-LM encoder")
     out: dict[str, Any] = {"rope_theta": float(theta), "rope_type": rope_type}
+    if params.get("mrope_section"):
+        out["mrope_section"] = tuple(int(v) for v in params["mrope_section"])
     if rope_type in ("linear", "llama3"):
         out["rope_factor"] = float(params["factor"])
     if rope_type == "llama3":

@@ -38,11 +38,13 @@ def no_constraint(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 def apply_rope_halves(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate dimension j with j + D/2 by the angle of frequency j; x [B, L, N, D], cos/sin [L, D/2]; fp32."""
+    """Rotate dimension j with j + D/2 by the angle of frequency j; x [B, L, N, D], cos/sin [L, D/2] (the
+    same positions for every row) or [B, L, D/2] (per-row positions); fp32."""
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos[None], sin[None]) if cos.ndim == 2 else (cos, sin)
+    c, s = c[:, :, None, :], s[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 

@@ -1,0 +1,336 @@
+"""Qwen-Image-Edit-2509 (diffusers' ``QwenImageEditPlusPipeline``) end to end: a tiny random folder saved
+by diffusers, an instruction and two pictures of different aspect ratios, true CFG 4.0, through
+``jaxdit generate --image A --image B`` on ulysses2 x ring2 (4 emulated devices), against diffusers
+running the reloaded folder with the same initial noise; and the prompt embeddings (Qwen2.5-VL with its
+vision tower and the edit template) against diffusers' ``encode_prompt``.
+
+Two things the tiny setup changes, on both sides alike:
+
+- ``Qwen2VLProcessor`` needs torchvision (for its video half), which this venv lacks: diffusers gets a
+  stand-in that does what the processor does (the folder's ``Qwen2VLImageProcessorPil`` and tokenizer,
+  each image-pad marker repeated once per merged patch) and returns ``mm_token_type_ids``;
+- diffusers 0.42 drops ``mm_token_type_ids`` before calling the text encoder, so on transformers 5 its
+  Qwen2.5-VL silently falls back to 1-D positions (huggingface/diffusers issue 14194, PR 14189): the
+  reference's text encoder is given them again (the 3-axis positions the model was trained with and
+  transformers 4 computed from the ids). ``test_qwen_vl_encoder.py`` shows the fallback is far off.
+- the VAE pictures' area (``VAE_IMAGE_SIZE``, 1024^2) is set to 64^2 in both pipelines: the tiny VAE's
+  factor 2 would make 1024^2 pictures 65536 tokens each.
+
+Bounds: the project's (latents 1e-4 relative, PNG 1.5/255; prompt embeddings 1e-5), errors printed
+(``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+pytest.importorskip("torch")
+pytest.importorskip("diffusers")
+
+import decoder_lm_tiny as tiny  # noqa: E402
+import qwen_image_folder  # noqa: E402
+import qwen_image_tiny  # noqa: E402
+import torch  # noqa: E402
+
+from jaxdit import cli, generate  # noqa: E402
+from jaxdit.pipelines import latents as latent_ops  # noqa: E402
+from jaxdit.pipelines import qwen_image_edit  # noqa: E402
+
+PROMPT, NEGATIVE = "a red car at sunset", "a big dog"
+H, W, STEPS, SEED, CFG = 32, 40, 2, 5, 4.0
+VAE_AREA = 64 * 64
+LATENT_REL, PNG_STEPS, EMBED_REL = 1e-4, 1.5, 1e-5
+MARKERS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+VISION = dict(
+    depth=2,
+    hidden_size=16,
+    intermediate_size=24,
+    num_heads=2,
+    out_hidden_size=32,
+    patch_size=2,
+    window_size=8,
+    fullatt_block_indexes=[1],
+)
+PROCESSOR = dict(patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=16, max_pixels=20 * 28)
+
+
+class StandInProcessor:
+    """``Qwen2VLProcessor(text=, images=, padding=True, return_tensors="pt")`` without its video half."""
+
+    def __init__(self, tokenizer, image_processor, image_token_id):
+        self.tokenizer, self.image_processor, self.image_token_id = tokenizer, image_processor, image_token_id
+
+    def __call__(self, text, images=None, padding=True, return_tensors="pt"):
+        from transformers import BatchFeature
+
+        pixels = dict(self.image_processor(images=images, return_tensors="pt"))
+        counts = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
+        pad = "<|image_pad|>"
+        expanded = []
+        for t in text:
+            parts = t.split(pad)
+            expanded.append(
+                "".join(p + (pad * next(counts) if k < len(parts) - 1 else "") for k, p in enumerate(parts))
+            )
+        tokens = dict(self.tokenizer(expanded, padding=padding, return_tensors="pt"))
+        tokens["mm_token_type_ids"] = (tokens["input_ids"] == self.image_token_id).int()
+        return BatchFeature({**tokens, **pixels})
+
+
+def _with_token_types(text_encoder, image_token_id):
+    """The text encoder given the multimodal token types diffusers drops (its PR 14189)."""
+    forward = text_encoder.forward
+
+    def patched(*args, input_ids=None, **kwargs):
+        kwargs.setdefault("mm_token_type_ids", (input_ids == image_token_id).int())
+        return forward(*args, input_ids=input_ids, **kwargs)
+
+    text_encoder.forward = patched
+    return text_encoder
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as upstream
+    from tokenizers import AddedToken
+    from transformers import (
+        AutoTokenizer,
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLImageProcessorPil,
+    )
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(upstream, "VAE_IMAGE_SIZE", VAE_AREA)
+    patch.setattr(qwen_image_edit, "VAE_AREA", VAE_AREA)
+    root = tmp_path_factory.mktemp("qwen_image_edit")
+    tok = AutoTokenizer.from_pretrained(tiny.save_qwen_tokenizer(root / "parts" / "tokenizer"))
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in MARKERS]}
+    )
+    ids = {t: tok.convert_tokens_to_ids(t) for t in MARKERS}
+    text = dict(
+        tiny.TEXT,
+        num_hidden_layers=2,
+        num_key_value_heads=2,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e6},
+    )
+    config = Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=VISION,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    encoder = tiny._perturb(Qwen2_5_VLForConditionalGeneration(config), 5)
+    pipe = diffusers.QwenImageEditPlusPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**qwen_image_folder.SCHEDULER),
+        vae=qwen_image_folder.vae(),
+        text_encoder=encoder,
+        tokenizer=tok,
+        processor=None,
+        transformer=qwen_image_tiny.transformer(joint_attention_dim=tiny.TEXT["hidden_size"]),
+    )
+    folder = root / "Qwen-Image-Edit-2509-tiny"
+    pipe.save_pretrained(folder)
+    images = Qwen2VLImageProcessorPil(**PROCESSOR)
+    images.save_pretrained(folder / "processor")
+    tok.save_pretrained(folder / "processor")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    rng = np.random.default_rng(1)
+    paths = []
+    for k, shape in enumerate([(24, 24, 3), (20, 36, 3)]):
+        paths.append(root / f"picture{k}.png")
+        Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(paths[-1])
+
+    ref = diffusers.QwenImageEditPlusPipeline.from_pretrained(folder, processor=None)
+    object.__setattr__(ref, "processor", StandInProcessor(tok, images, config.image_token_id))
+    _with_token_types(ref.text_encoder, config.image_token_id)
+    pictures = [Image.open(p).convert("RGB") for p in paths]
+    noise = latent_ops.initial_noise(SEED, (1, 4, H // 2, W // 2))
+    call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG, height=H, width=W)
+    final = []
+
+    def keep(pipe, step, t, tensors):  # the latents after each step; the last one is decoded
+        final.append(tensors["latents"].clone())
+        return tensors
+
+    with torch.no_grad():
+        out = ref(
+            pictures,
+            **call,
+            num_inference_steps=STEPS,
+            latents=torch.from_numpy(latent_ops.pack(noise)),
+            output_type="np",
+            callback_on_step_end=keep,
+        )
+    want_latents = latent_ops.unpack(final[-1].numpy(), H // 2, W // 2)
+    want_pixels = np.asarray(out.images[0], np.float32)
+    yield dict(folder=folder, paths=paths, ref=ref, latents=want_latents, png=want_pixels)
+    patch.undo()
+
+
+def test_prompt_embeddings_match_diffusers(case):
+    """Two pictures through the vision tower into the Plus template, 64 tokens dropped, as diffusers."""
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+        CONDITION_IMAGE_SIZE,
+        calculate_dimensions,
+    )
+
+    ref = case["ref"]
+    pictures = [Image.open(p).convert("RGB") for p in case["paths"]]
+    condition = []
+    for p in pictures:
+        w, h = calculate_dimensions(CONDITION_IMAGE_SIZE, p.width / p.height)
+        condition.append(ref.image_processor.resize(p, h, w))
+    with torch.no_grad():
+        want, want_mask = ref.encode_prompt(PROMPT, image=condition)
+    encoder = qwen_image_edit.load_edit_prompt_encoder(case["folder"], plus=True)
+    pipe_like = qwen_image_edit.QwenImageEditPipeline.__new__(qwen_image_edit.QwenImageEditPipeline)
+    pipe_like.plus = True
+    mine = pipe_like.condition_pictures(pictures)
+    assert [m.size for m in mine] == [c.size for c in condition]
+    got, mask = encoder([PROMPT], images=mine)
+    want = want.numpy()
+    assert want_mask is None and mask.all() and got.shape == want.shape, (got.shape, want.shape)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"edit prompt embeddings (two pictures): {err:.2e} relative")
+    assert err < EMBED_REL
+
+
+def test_cli_ulysses2_ring2_two_pictures_match_diffusers(case, tmp_path, monkeypatch):
+    results = []
+
+    def write(r, result):
+        results.append(np.asarray(result.latents))
+        return written(r, result)
+
+    written = generate.write
+    monkeypatch.setattr(generate, "write", write)
+    argv = ["generate", "--weights", str(case["folder"]), "--prompt", PROMPT, "--negative_prompt", NEGATIVE]
+    argv += ["--image", str(case["paths"][0]), "--image", str(case["paths"][1])]
+    argv += ["--true_cfg_scale", str(CFG), "--height", str(H), "--width", str(W), "--steps", str(STEPS)]
+    argv += ["--seed", str(SEED), "--ulysses_degree", "2", "--ring_degree", "2"]
+    assert cli.main([*argv, "--output", str(tmp_path / "edited.png")]) == 0
+    (latents,) = results
+    png = np.asarray(Image.open(tmp_path / "edited.png"), np.float32)
+    want = case["latents"]
+    rel = np.linalg.norm(latents - want) / np.linalg.norm(want)
+    worst = np.abs(png - case["png"] * 255).max()
+    print(f"ulysses2 x ring2, two pictures: latents {rel:.2e} relative, PNG {worst:.2f}/255")
+    assert latents.shape == want.shape and rel < LATENT_REL, rel
+    assert png.shape == (H, W, 3) and worst <= PNG_STEPS, worst
+
+
+def _diffusers_forward(model, x, refs, grids):
+    with torch.no_grad():
+        out = model(
+            hidden_states=torch.from_numpy(np.concatenate([x["hidden_states"], refs], axis=1)),
+            encoder_hidden_states=torch.from_numpy(x["encoder_hidden_states"]),
+            encoder_hidden_states_mask=torch.from_numpy(x["encoder_hidden_states_mask"]),
+            timestep=torch.from_numpy(x["timestep"]),
+            img_shapes=[[(1, r, c) for r, c in grids]] * 2,
+            return_dict=False,
+        )[0]
+    return out[:, : x["hidden_states"].shape[1]].numpy()
+
+
+def test_edit_2511_transformer_with_references_matches_diffusers(tmp_path):
+    """Edit-2511's transformer (``zero_cond_t``: the reference tokens' modulation from timestep 0) with
+    two reference pictures joined to the noise (RoPE frames 1 and 2, each grid centred on its own, the
+    text past the largest), on ulysses2 x ring2 (three token groups padded), against diffusers' forward
+    on ``img_shapes``; the same weights without ``zero_cond_t`` predict far from it (the 2509 path is the
+    CLI test's)."""
+    from jaxdit import ParallelConfig, families
+    from jaxdit.models.qwen_image_config import edit_rope_positions
+
+    model = qwen_image_tiny.transformer(zero_cond_t=True)
+    model.save_pretrained(tmp_path / "transformer")
+    grids = [(3, 5), (4, 4), (2, 3)]  # the denoised image, then two pictures (packed tokens)
+    x = qwen_image_tiny.inputs(2, 7, 3, 5, [7, 4])
+    refs = np.random.default_rng(3).standard_normal((2, 16 + 6, 16)).astype(np.float32)
+    want = _diffusers_forward(model, x, refs, grids)
+    plain = _diffusers_forward(qwen_image_tiny.transformer(), x, refs, grids)
+    txt_ids, img_ids, ref_ids = edit_rope_positions(7, grids)
+    forward = families.load_transformer(tmp_path / "transformer", ParallelConfig(ulysses=2, ring=2))
+    got = np.asarray(
+        forward(**x, txt_ids=txt_ids, img_ids=img_ids, reference_hidden_states=refs, reference_ids=ref_ids)
+    )
+    err = np.abs(got - want).max() / np.abs(want).max()
+    off = np.abs(plain - want).max() / np.abs(want).max()
+    print(f"Edit-2511 transformer with references: {err:.2e} relative (without zero_cond_t: {off:.2e})")
+    assert err < EMBED_REL and off > 1e3 * EMBED_REL
+
+
+def test_edit_prompt_with_one_picture_matches_diffusers(case):
+    """Qwen-Image-Edit's own template (one slot before the instruction; the picture at the VAE size) as
+    diffusers' ``QwenImageEditPipeline.encode_prompt``, the same folder's components."""
+    import diffusers
+
+    ref = case["ref"]
+    edit = diffusers.QwenImageEditPipeline(
+        scheduler=ref.scheduler,
+        vae=ref.vae,
+        text_encoder=ref.text_encoder,
+        tokenizer=ref.tokenizer,
+        processor=None,
+        transformer=ref.transformer,
+    )
+    object.__setattr__(edit, "processor", ref.processor)
+    picture = Image.open(case["paths"][1]).convert("RGB")
+    pipe_like = qwen_image_edit.QwenImageEditPipeline.__new__(qwen_image_edit.QwenImageEditPipeline)
+    pipe_like.plus = False
+    (condition,) = pipe_like.condition_pictures([picture])
+    with torch.no_grad():
+        want, _ = edit.encode_prompt(PROMPT, image=condition)
+    got, mask = qwen_image_edit.load_edit_prompt_encoder(case["folder"], plus=False)(
+        [PROMPT], images=[condition]
+    )
+    want = want.numpy()
+    assert mask.all() and got.shape == want.shape, (got.shape, want.shape)
+    err = np.abs(got - want).max() / np.abs(want).max()
+    print(f"Qwen-Image-Edit prompt embeddings (one picture): {err:.2e} relative")
+    assert err < EMBED_REL
+
+
+# ------------------------------------------------------------------ refused, before any weight loads
+
+
+def _refused(argv, tmp_path, capsys, message):
+    out = tmp_path / "never.png"
+    assert cli.main([*argv, "--output", str(out)]) != 0
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()
+
+
+def test_unsupported_runs_are_refused(case, tmp_path, capsys):
+    import shutil
+
+    base = ["generate", "--weights", str(case["folder"]), "--prompt", PROMPT, "--steps", "2"]
+    base += ["--height", str(H), "--width", str(W)]
+    picture = ["--image", str(case["paths"][0])]
+    _refused(base, tmp_path, capsys, "Qwen-Image-Edit edits a picture: pass --image IN.png")
+    _refused(
+        [*base, *picture, "--pipefusion_parallel_degree", "2"],
+        tmp_path,
+        capsys,
+        "Qwen-Image-Edit has no PipeFusion stage layout",
+    )
+    _refused([*base, *picture, "--cache", "fbcache"], tmp_path, capsys, "not available for Qwen-Image-Edit")
+    layered = shutil.copytree(case["folder"], tmp_path / "layered")
+    config = layered / "transformer" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_layer3d_rope": True}))
+    _refused(
+        ["generate", "--weights", str(layered), *base[3:], *picture], tmp_path, capsys, "use_layer3d_rope"
+    )
