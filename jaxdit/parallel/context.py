@@ -62,6 +62,20 @@ class ShardContext:
             q, k, v, self.layout, self.config, all_keys=self.key_mask, **dict(self.kernel)
         )
 
+    def group_attention(self, group: int):
+        """Self-attention over one token group only (a refiner's): ``fn(q, k, v)`` on that group's local
+        tokens [B, local_lengths[group], H_local, D], with the group's own layout on the same shards (no
+        data moved), its part of the gathered key mask and the same kernel options."""
+        layout = self.layout
+        sub = SequenceLayout((layout.lengths[group],), layout.shards)
+        keys = self.key_mask
+        if keys is not None:
+            start = sum(layout.local_lengths[:group])
+            per_shard = keys.reshape(keys.shape[0], layout.shards, layout.local_length)
+            keys = per_shard[:, :, start : start + layout.local_lengths[group]].reshape(keys.shape[0], -1)
+        kernel = dict(self.kernel)
+        return lambda q, k, v: attention_in_shard(q, k, v, sub, self.config, all_keys=keys, **kernel)
+
     def sum_tensor_parallel(self, x: jax.Array) -> jax.Array:
         """All-reduce over the tensor axis: completes a row-parallel projection's partial sums."""
         return lax.psum(x, "tensor") if self.config.tensor > 1 else x
