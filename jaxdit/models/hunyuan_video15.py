@@ -71,6 +71,7 @@ __all__ = [
     "FORWARD_INPUTS",
     "HunyuanVideo15Transformer",
     "abstract_model",
+    "condition_inputs",
     "forward_inputs",
     "parameter_shapes",
     "patchify",
@@ -237,13 +238,13 @@ def latent_grid(shape: Sequence[int], config: HunyuanVideo15Config) -> tuple[int
     return f // pt, h // ph, w // pw
 
 
-def patchify(latents: Any, config: HunyuanVideo15Config) -> Any:
+def patchify(latents: Any, config: HunyuanVideo15Config, channels: int | None = None) -> Any:
     """[B, C, F, H, W] -> [B, F'*H'*W', C*pt*ph*pw] tokens in (frame, row, column) order, each a patch in
-    the Conv3d weight's (c, t, h, w) order (the patch embedding is a Conv3d with kernel = stride)."""
-    if latents.ndim != 5 or latents.shape[1] != config.in_channels:
-        raise ValueError(
-            f"hidden_states has shape {tuple(latents.shape)}; expected [B, {config.in_channels}, F, H, W]"
-        )
+    the Conv3d weight's (c, t, h, w) order (the patch embedding is a Conv3d with kernel = stride).
+    ``channels``: C (default the model's ``in_channels``; the sampler's latents have ``out_channels``)."""
+    channels = config.in_channels if channels is None else channels
+    if latents.ndim != 5 or latents.shape[1] != channels:
+        raise ValueError(f"latents have shape {tuple(latents.shape)}; expected [B, {channels}, F, H, W]")
     latent_grid(latents.shape, config)
     pt, ph, pw = config.patch
     return rearrange(latents, "b c (f pt) (h ph) (w pw) -> b (f h w) (c pt ph pw)", pt=pt, ph=ph, pw=pw)
@@ -271,8 +272,7 @@ def pooled_prompt(features: Any, mask: Any) -> np.ndarray:
     return (x * m).sum(axis=1) / m.sum(axis=1)
 
 
-def forward_inputs(
-    hidden_states: Any,
+def condition_inputs(
     encoder_hidden_states: Any,
     encoder_attention_mask: Any,
     encoder_hidden_states_2: Any,
@@ -280,8 +280,8 @@ def forward_inputs(
     image_embeds: Any,
     config: HunyuanVideo15Config,
 ) -> dict[str, np.ndarray]:
-    """diffusers' forward arguments (a [B, C, F, H, W] latent, the prompt / glyph features and masks, the
-    image encoder's tokens) -> the arrays of :data:`FORWARD_INPUTS` but the timesteps (numpy).
+    """The condition tokens of diffusers' forward arguments (prompt / glyph features and masks, the image
+    encoder's tokens) -> those arrays of :data:`FORWARD_INPUTS` (numpy; masks bool, the pooled prompt).
 
     As diffusers, the image tokens are real when any image embedding of the call is non-zero, and all
     masked otherwise (text-to-video); then one masked token stands in for them (the prediction does not
@@ -301,7 +301,6 @@ def forward_inputs(
                 raise ValueError(f"{name} has shape {x.shape}; its {want} is {sizes[want]} elsewhere")
         return x
 
-    latents = check("hidden_states", hidden_states, ("B", c.in_channels, "F", "H", "W"))
     text = check("encoder_hidden_states", encoder_hidden_states, ("B", "T", c.text_embed_dim))
     mask = check("encoder_attention_mask", encoder_attention_mask, ("B", "T")).astype(bool)
     glyph = check("encoder_hidden_states_2", encoder_hidden_states_2, ("B", "G", c.text_embed_2_dim))
@@ -315,10 +314,7 @@ def forward_inputs(
         image_mask = np.ones(image.shape[:2], bool)
     if not mask.any(axis=1).all():
         raise ValueError("encoder_attention_mask: every prompt needs at least one real token")
-    grid = latent_grid(latents.shape, c)
     return dict(
-        hidden_states=np.asarray(patchify(latents, c)),
-        video_ids=token_positions(grid),
         encoder_hidden_states=text,
         encoder_attention_mask=mask,
         pooled_projections=pooled_prompt(text, mask),
@@ -327,6 +323,34 @@ def forward_inputs(
         image_embeds=image,
         image_embeds_mask=image_mask,
     )
+
+
+def forward_inputs(
+    hidden_states: Any,
+    encoder_hidden_states: Any,
+    encoder_attention_mask: Any,
+    encoder_hidden_states_2: Any,
+    encoder_attention_mask_2: Any,
+    image_embeds: Any,
+    config: HunyuanVideo15Config,
+) -> dict[str, np.ndarray]:
+    """diffusers' forward arguments (a [B, in_channels, F, H, W] latent and :func:`condition_inputs`') ->
+    the arrays of :data:`FORWARD_INPUTS` but the timesteps (numpy)."""
+    latents = np.asarray(hidden_states)
+    inputs = condition_inputs(
+        encoder_hidden_states,
+        encoder_attention_mask,
+        encoder_hidden_states_2,
+        encoder_attention_mask_2,
+        image_embeds,
+        config,
+    )
+    if latents.shape[:1] != inputs["encoder_hidden_states"].shape[:1]:
+        raise ValueError(
+            f"hidden_states has batch {latents.shape[0]}; the prompts {inputs['encoder_hidden_states'].shape[0]}"
+        )
+    tokens = np.asarray(patchify(latents, config))
+    return dict(inputs, hidden_states=tokens, video_ids=token_positions(latent_grid(latents.shape, config)))
 
 
 # --------------------------------------------------------------------------------------------------------
