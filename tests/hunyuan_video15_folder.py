@@ -15,7 +15,8 @@ TRANSFORMER = dict(in_channels=9, out_channels=4, patch_size=1, target_size=64)
 SHIFT, GUIDANCE = 5.0, 6.0
 
 
-def pipeline():
+def pipeline(encoders: dict | None = None):
+    """The tiny pipeline; ``encoders``: its four text components (:func:`text_encoders`), else None."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         ClassifierFreeGuidance,
@@ -30,20 +31,19 @@ def pipeline():
     with torch.no_grad():
         for p in vae.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    text = encoders or dict(text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None)
     return HunyuanVideo15Pipeline(
-        text_encoder=None,
-        tokenizer=None,
         transformer=transformer,
         vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
-        text_encoder_2=None,
-        tokenizer_2=None,
         guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE),
+        **text,
     )
 
 
-def save(folder: Path):
-    pipe = pipeline()
+def save(folder: Path, with_text: bool = False):
+    """The tiny pipeline saved in ``folder`` (with its text encoders when ``with_text``); returns it."""
+    pipe = pipeline(text_encoders(folder.parent) if with_text else None)
     pipe.save_pretrained(folder)
     return pipe
 
@@ -61,3 +61,145 @@ def embeddings(lengths, glyph_lengths, text=6, glyph=4, seed=0, prefix=""):
         mask_name = name.replace("prompt_embeds", "prompt_embeds_mask")
         out[prefix + name], out[prefix + mask_name] = x, mask
     return out
+
+
+#: A chat template in Qwen2's format (no tool or vision branches). Ten filler tokens after the system
+#: message make its prefix the 108 tokens diffusers drops (Qwen's own tokenizer gives that count).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if m['role'] == 'system' %} . . . . . . . . . .{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = [
+    "system",
+    "user",
+    "assistant",
+    "You",
+    "are",
+    "a",
+    "helpful",
+    ".",
+    "Describe",
+    "the",
+    "video",
+    "by",
+    "detailing",
+    "following",
+    "aspects",
+    ":",
+    "1",
+    "2",
+    "3",
+    "4",
+    "5",
+    "main",
+    "content",
+    "and",
+    "theme",
+    "of",
+    ",",
+    "color",
+    "shape",
+    "size",
+    "texture",
+    "quantity",
+    "text",
+    "spatial",
+    "relationships",
+    "objects",
+    "Actions",
+    "events",
+    "behaviors",
+    "temporal",
+    "physical",
+    "movement",
+    "changes",
+    "background",
+    "environment",
+    "light",
+    "style",
+    "atmosphere",
+    "camera",
+    "angles",
+    "movements",
+    "transitions",
+    "used",
+    "in",
+    "cat",
+    "walks",
+    "on",
+    "grass",
+    "sign",
+    "reading",
+]
+
+
+def qwen_tokenizer(folder: Path):
+    """A word-level tokenizer with Qwen2's chat markers and template, saved where ``AutoTokenizer`` reads it."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(["<unk>", *dict.fromkeys(WORDS)])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(
+        [
+            AddedToken(s, special=True, normalized=False)
+            for s in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "\n")
+        ]
+    )
+    hf = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", pad_token="<|endoftext|>", padding_side="right"
+    )
+    hf.chat_template = CHAT_TEMPLATE
+    hf.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def text_encoders(root: Path) -> dict:
+    """The tiny Qwen2.5-VL text decoder (width 24) and ByT5 encoder (width 20) with their tokenizers."""
+    from transformers import (
+        ByT5Tokenizer,
+        Qwen2_5_VLTextConfig,
+        Qwen2_5_VLTextModel,
+        T5Config,
+        T5EncoderModel,
+    )
+
+    def perturbed(model, seed):
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        return model.eval()
+
+    torch.manual_seed(2)
+    lm_config = Qwen2_5_VLTextConfig(
+        vocab_size=128,
+        hidden_size=tiny.CONFIG["text_embed_dim"],
+        intermediate_size=40,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 1], "rope_theta": 1e6},
+    )
+    lm_config._attn_implementation = "eager"
+    torch.manual_seed(3)
+    t5_config = T5Config(
+        vocab_size=384,
+        d_model=tiny.CONFIG["text_embed_2_dim"],
+        d_kv=8,
+        d_ff=32,
+        num_layers=2,
+        num_heads=2,
+        feed_forward_proj="gated-gelu",
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+    )
+    return dict(
+        text_encoder=perturbed(Qwen2_5_VLTextModel(lm_config), 2),
+        tokenizer=qwen_tokenizer(root / "parts" / "tokenizer"),
+        text_encoder_2=perturbed(T5EncoderModel(t5_config), 3),
+        tokenizer_2=ByT5Tokenizer(),
+    )

@@ -59,9 +59,43 @@ def test_defaults_and_refusals(case, tmp_path):
         assert default_size(target) == tuple(want)
     assert read_guider(folder) == hf.GUIDANCE
     pipe = HunyuanVideo15Pipeline.from_pretrained(folder)
-    with pytest.raises(ValueError, match="no text encoders yet"):
+    with pytest.raises(ValueError, match="this pipeline has no text encoders"):
         pipe(prompt="a cat", **CALL)
-    with pytest.raises(ValueError, match="pass negative_prompt_embeds"):
+    with pytest.raises(ValueError, match="pass negative_prompt_embeds, negative_prompt_embeds_mask"):
         pipe(**{k: v for k, v in emb.items() if not k.startswith("negative_")}, **CALL)
     with pytest.raises(ValueError, match="1 \\+ k \\* 4 frames"):
         pipe(**emb, **{**CALL, "num_frames": 6})
+
+
+PROMPT = 'a cat walks on grass, sign reading "hello"'
+
+
+@pytest.fixture(scope="module")
+def text_case(tmp_path_factory):
+    """A folder with the text encoders (word-level Qwen tokenizer whose template prefix is 108 tokens,
+    ByT5's byte tokenizer) and diffusers' run from the prompt (the empty negative prompt by default)."""
+    import diffusers
+
+    folder = tmp_path_factory.mktemp("hunyuan_video15_text") / "folder"
+    hf.save(folder, with_text=True)
+    pipe = diffusers.HunyuanVideo15Pipeline.from_pretrained(folder)
+    noise = np.random.default_rng(0).standard_normal((1, 4, 2, 2, 3), dtype=np.float32)
+    with torch.no_grad():
+        embeds = [x.numpy() for x in pipe.encode_prompt(PROMPT, device="cpu", dtype=torch.float32)]
+        latents = pipe(PROMPT, latents=torch.from_numpy(noise), output_type="latent", **CALL).frames.numpy()
+    return folder, noise, embeds, latents
+
+
+def test_prompt_to_latents_matches_diffusers(text_case):
+    """Both encoders (Qwen2.5-VL's hidden_states[-3] after the 108-token prefix, ByT5 of the quoted
+    text), then CFG against the empty prompt's encoding, on cfg2 x ulysses2."""
+    folder, noise, want_embeds, want_latents = text_case
+    pipe = HunyuanVideo15Pipeline.from_pretrained(folder, ParallelConfig(cfg=2, ulysses=2))
+    embeds, mask, glyph, glyph_mask = pipe.encode([PROMPT])
+    np.testing.assert_array_equal(mask, want_embeds[1])
+    np.testing.assert_array_equal(glyph_mask, want_embeds[3])
+    assert 0 < mask.sum() < mask.size and 0 < glyph_mask.sum() < glyph_mask.size
+    tol.check(embeds, want_embeds[0], tol.TORCH_FORWARD, "Qwen2.5-VL prompt features vs diffusers")
+    tol.check(glyph, want_embeds[2], tol.TORCH_FORWARD, "ByT5 glyph features vs diffusers")
+    out = pipe(PROMPT, latents=noise, output_type="latent", progress=False, **CALL)
+    tol.check(out.latents, want_latents, tol.TORCH_LOOP, "prompt -> latents on cfg2 x ulysses2 vs diffusers")

@@ -19,8 +19,8 @@ What is HunyuanVideo 1.5's own (the loop, decoding and output types are
 The initial noise comes from the seed alone (host, fp32 ``default_rng(seed).standard_normal`` of
 [B, 32, (F - 1) / 4 + 1, H / 16, W / 16]), so the same seed gives the same video on every mesh.
 
-Not here yet: the text encoders in JAX (Qwen2.5-VL with the 108-token template, ByT5), so calls take
-embeddings; image-to-video; PipeFusion and feature caches.
+The text encoders (``text_encoders/hunyuan_video15_prompt``) run when the folder has them; otherwise
+calls take embeddings. Not here yet: image-to-video, PipeFusion, feature caches.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters.hunyuan_video15 import CHECKPOINTS
-from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_vae
+from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_prompt_encoder, load_hunyuan_video15_vae
 from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models import hunyuan_video15 as hv
 from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
@@ -49,7 +49,7 @@ from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs, TokenHooks
-from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
+from jaxdit.pipelines.model_folder import FolderClass, is_listed, open_diffusers_folder
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
@@ -131,6 +131,8 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
       mesh: from ``ParallelConfig.make_mesh`` (no pipefusion yet).
       scheduler: flow-matching Euler settings (the folder's ``scheduler_config.json``).
       guidance_scale: the folder guider's CFG scale (a call may override it).
+      encode: prompts -> (prompt embeds [B, T, C], mask [B, T], glyph embeds [B, G, C2], glyph mask [B, G])
+        (``text_encoders/hunyuan_video15_prompt``).
       decode: latents [B, 32, F', h, w] (already divided by the VAE's scaling factor) -> frames
         [B, F, H, W, 3] in [-1, 1].
       kernel: attention kernel options; compiler_options: XLA options for the compiled step.
@@ -147,6 +149,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         *,
         scheduler: euler.FlowMatchEulerConfig | None = None,
         guidance_scale: float = 6.0,
+        encode: Callable[..., tuple[np.ndarray, ...]] | None = None,
         decode: Callable[[np.ndarray], np.ndarray] | None = None,
         scaling_factor: float = 1.03682,
         spatial_factor: int = 16,
@@ -154,7 +157,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(mesh, decode=decode)
+        super().__init__(mesh, encode=encode, decode=decode)
         self.model = model
         self.config: HunyuanVideo15Config = model.config
         c = self.config
@@ -197,10 +200,12 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        encoder_device: jax.Device | None = None,
     ) -> HunyuanVideo15Pipeline:
         """A diffusers ``HunyuanVideo15Pipeline`` folder (``transformer/``, ``vae/``, ``scheduler/``,
-        ``guider/``) on the mesh of ``parallel``: the transformer sharded over the mesh, the VAE on one
-        device. Its heads, key table and guider are checked before any weight is read."""
+        ``guider/``, and the text encoders where the folder has them) on the mesh of ``parallel``: the
+        transformer sharded over the mesh, the VAE and the text encoders on one device (``encoder_device``,
+        default the first). Its heads, key table and guider are checked before any weight is read."""
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
@@ -220,11 +225,17 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             return video.transpose(0, 2, 3, 4, 1)  # [B, F, H, W, 3]
 
         model = load_model(folder["transformer"], where, dtype, CHECKPOINTS)
+        encode = None
+        if all(
+            is_listed(folder.index, c) for c in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+        ):
+            encode = load_hunyuan_video15_prompt_encoder(folder.root, device=encoder_device, dtype=dtype)
         return cls(
             model,
             where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
             guidance_scale=scale,
+            encode=encode,
             decode=decode,
             scaling_factor=vae.config.scaling_factor,
             spatial_factor=vae.config.spatial_compression_ratio,
@@ -260,8 +271,9 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
     ) -> GenerationOutput:
-        """Generate videos, as diffusers' ``HunyuanVideo15Pipeline`` with embeddings given: CFG runs when
-        the scale (the folder guider's unless ``guidance_scale``) is not 1, with the negative embeddings;
+        """Generate videos, as diffusers' ``HunyuanVideo15Pipeline``: from prompts (the empty one as the
+        negative by default) or embeddings; CFG runs when the scale (the folder guider's unless
+        ``guidance_scale``) is not 1;
         ``sigmas``: the unshifted schedule (default ``linspace(1, 0, N + 1)[:-1]``); ``latents``: initial
         noise [B, 32, F', H/16, W/16] instead of the seed's. ``output_type``: np (frames [B, F, H, W, 3] in
         [-1, 1]) or latent. The masks, glyph embeddings and ``sigmas`` are this family's own arguments."""
@@ -279,18 +291,16 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
 
     def prepare(self, r: GenerationRequest) -> Prepared:
         c, own = self.config, r.family_arguments
-        if r.prompt is not None or r.negative_prompt is not None:
-            raise ValueError(
-                "this pipeline has no text encoders yet: pass prompt_embeds / prompt_embeds_mask and "
-                "prompt_embeds_2 / prompt_embeds_mask_2 (and the negative ones for CFG)"
-            )
         scale = self.guidance_scale if r.guidance_scale is None else r.guidance_scale
         cfg = not math.isclose(scale, 1.0)
         self.check_cfg(cfg)
-        pos = self._conditioning(r, "")
+        pos = self._conditioning(r, r.prompt, "")
         batch = len(pos["encoder_hidden_states"])
         if cfg:
-            neg = self._conditioning(r, "negative_")
+            negative = r.negative_prompt
+            if negative is None and r.negative_prompt_embeds is None and r.prompt is not None:
+                negative = ""  # diffusers encodes the empty prompt
+            neg = self._conditioning(r, negative, "negative_", batch)
             if len(neg["encoder_hidden_states"]) != batch:
                 raise ValueError(f"{len(neg['encoder_hidden_states'])} negative prompts for {batch} prompts")
             for name in ("encoder_hidden_states", "encoder_hidden_states_2"):
@@ -348,10 +358,26 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         finally:
             self.decode = decode
 
-    def _conditioning(self, r: GenerationRequest, which: str) -> dict[str, np.ndarray]:
-        """One branch's embeddings and masks from the request (``which``: "" or "negative_")."""
+    def _conditioning(
+        self, r: GenerationRequest, prompt: Any, which: str, batch: int | None = None
+    ) -> dict[str, np.ndarray]:
+        """One branch's embeddings and masks from its prompt or the request's embeddings (``which``: ""
+        or "negative_")."""
         own, c = r.family_arguments, self.config
         embeds = r.prompt_embeds if which == "" else r.negative_prompt_embeds
+        if prompt is not None:
+            if embeds is not None:
+                raise ValueError(f"pass either a {which}prompt or {which}prompt_embeds, not both")
+            if self.encode is None:
+                raise ValueError(
+                    f"this pipeline has no text encoders: pass {which}prompt_embeds / {which}prompt_embeds_mask "
+                    f"and {which}prompt_embeds_2 / {which}prompt_embeds_mask_2"
+                )
+            encoded = self.encode_prompts(prompt, r, batch=batch, what=which + "prompt")
+            out = dict(zip(_NAMES, (np.asarray(x) for x in encoded), strict=True))
+            for k in ("encoder_attention_mask", "encoder_attention_mask_2"):
+                out[k] = out[k].astype(bool)
+            return out
         arrays = {
             "encoder_hidden_states": embeds,
             "encoder_attention_mask": own.get(f"{which}prompt_embeds_mask"),
@@ -360,7 +386,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         }
         missing = [k for k, v in zip(_ARGUMENTS, arrays.values(), strict=True) if v is None]
         if missing:
-            raise ValueError(f"pass {', '.join(which + m for m in missing)} (this pipeline takes embeddings)")
+            raise ValueError(f"pass {', '.join(which + m for m in missing)} (or a {which}prompt)")
         out = {k: self.repeat_per_prompt(np.asarray(v), r) for k, v in arrays.items()}
         out["encoder_hidden_states"] = out["encoder_hidden_states"].astype(np.float32)
         out["encoder_hidden_states_2"] = out["encoder_hidden_states_2"].astype(np.float32)
@@ -371,6 +397,12 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
 
 
 _ARGUMENTS = ("prompt_embeds", "prompt_embeds_mask", "prompt_embeds_2", "prompt_embeds_mask_2")
+_NAMES = (
+    "encoder_hidden_states",
+    "encoder_attention_mask",
+    "encoder_hidden_states_2",
+    "encoder_attention_mask_2",
+)
 
 
 def _pad(arrays: Mapping[str, np.ndarray], name: str, length: int) -> dict[str, np.ndarray]:
