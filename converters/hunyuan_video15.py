@@ -216,7 +216,7 @@ def diffusers_to_params(cfg: HunyuanVideo15Config, state_dict: Mapping[str, Any]
 
 #: HunyuanVideo 1.5 transformer checkpoints as ``jaxdit.loading.params.load_params`` reads them.
 CHECKPOINTS = CheckpointFormat(
-    name="hunyuanvideo1.5",
+    name="hunyuan-video15",
     detect=is_hunyuan_video15_checkpoint,
     open=detect,
     config_class=HunyuanVideo15Config,

@@ -23,6 +23,7 @@ from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
 from jaxdit.families.flux2 import FLUX2
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
+from jaxdit.families.hunyuan_video15 import HUNYUAN_VIDEO15
 from jaxdit.families.qwen_image import QWEN_IMAGE
 from jaxdit.families.tiny_digits import TINY_DIGITS
 from jaxdit.families.wan import WAN
@@ -75,6 +76,7 @@ register(
 register(TINY_DIGITS)
 register(Z_IMAGE)
 register(QWEN_IMAGE)
+register(HUNYUAN_VIDEO15)
 
 
 def get(name: str) -> ModelFamily:

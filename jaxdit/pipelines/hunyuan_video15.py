@@ -58,8 +58,8 @@ __all__ = ["FOLDER_CLASSES", "HunyuanVideo15Pipeline", "default_size", "read_gui
 
 FOLDER_CLASSES = {
     "HunyuanVideo15Pipeline": FolderClass(
-        "hunyuanvideo1.5",
-        "hunyuanvideo1.5-t2v",
+        "hunyuan-video15",
+        "hunyuan-video15-t2v",
         ("transformer", "vae", "scheduler", "guider"),
         optional=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
         classes={
