@@ -200,7 +200,7 @@ PIXELS = {
         "PIXELS[hunyuanvideo1.5]",
         1.5e-5,
         relative=False,
-        measured="text to video 6.1e-6 (prompt, jaxdit generate, cfg2 x ulysses2), 5.7e-6 (embeddings, ring2 x ulysses2)",
+        measured="text to video 6.1e-6 (prompt, jaxdit generate, cfg2 x ulysses2), 6.7e-6 (embeddings, ring2 x ulysses2)",
     ),
 }
 

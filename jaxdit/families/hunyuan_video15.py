@@ -168,8 +168,7 @@ class HunyuanVideo15Family(ModelFamily):
 
     # ------------------------------------------------------------------ jaxdit plan
     def workload_shape(self, config, height, width, frames, text_tokens):
-        """(video, prompt, glyph, image) tokens: the joint sequence's four groups (text-to-video: one
-        masked image token)."""
+        """(video, prompt, glyph) tokens: the text-to-video joint sequence's groups (no image tokens)."""
         if frames < 1 or (frames - 1) % TEMPORAL:
             raise ValueError(
                 f"HunyuanVideo 1.5 needs 4n + 1 frames (the VAE compresses time 4x), got {frames}"
@@ -180,7 +179,7 @@ class HunyuanVideo15Family(ModelFamily):
         latent = ((frames - 1) // TEMPORAL + 1, height // SPATIAL, width // SPATIAL)
         video = math.prod(latent) // math.prod(config.patch)
         text = PROMPT_TOKENS if text_tokens is None else text_tokens
-        return (video, text, GLYPH_TOKENS, 1), ()
+        return (video, text, GLYPH_TOKENS), ()
 
     def output_features(self, config: HunyuanVideo15Config) -> int:
         return config.output_features
@@ -192,7 +191,8 @@ class HunyuanVideo15Family(ModelFamily):
         the output layer are replicated. Parameter bytes are read off the abstract model's logical axes
         (a "heads" or "mlp" axis is split over tensor)."""
         m, e, b = w.model, w.hidden, sh.b
-        n_vid, n_txt, n_gly, n_img = sh.local
+        n_vid, n_txt, n_gly = sh.local[:3]
+        n_img = sh.local[3] if len(sh.local) > 3 else 0
         e_t, f_t, a = sh.e_t, sh.f_t, w.itemsize
         g = n_txt * parallel.ulysses
         refiner_attention = parallel.ring * attention_flops(b, sh.h_t // parallel.ulysses, g, g, w.head_dim)

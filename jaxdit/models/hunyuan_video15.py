@@ -23,7 +23,8 @@ sequence shard inside ``shard_map``), H heads, D head_dim, E hidden.
 
 Parallel plan (model code never names a mesh axis; it calls the :class:`ShardContext`):
 
-- Video, prompt, glyph and image tokens are token groups 0-3 of the :class:`SequenceLayout`, each
+- Video, prompt, glyph and image tokens are token groups 0-3 of the :class:`SequenceLayout` (no image
+  group in text-to-video: its image tokens are all masked in diffusers, so they are left out), each
   sequence-sharded over (ring, ulysses) and padded where the degrees do not divide it; shard r holds
   [video_r; prompt_r; glyph_r; image_r]. The three condition masks are key-mask inputs, gathered once per
   forward. The token refiner attends over the prompt group with its own sub-layout (same shards, no data
@@ -169,11 +170,12 @@ class HunyuanVideo15Transformer(nnx.Module):
         ce = self.context_embedder
         refiner_temb = self._time(ce.timestep_embedder, t) + ce.text_embedder(inputs["pooled_projections"])
         types = self.cond_type_embed[...].astype(jnp.float32)
+        image = inputs.get("image_embeds")  # None: text-to-video, no image tokens at all
         streams = (
             self.x_embedder(inputs["hidden_states"]).astype(jnp.float32),
             ce.proj_in(inputs["encoder_hidden_states"]).astype(jnp.float32),
             self.context_embedder_2(inputs["encoder_hidden_states_2"]) + types[GLYPH - TEXT],
-            self.image_embedder(inputs["image_embeds"]) + types[IMAGE - TEXT],
+            None if image is None else self.image_embedder(image) + types[IMAGE - TEXT],
         )
         angles = rope_angles(inputs["video_ids"], cfg.rope_axes_dim, cfg.rope_theta)[None]
         return streams, HunyuanVideo15Cond(temb, refiner_temb, angles)
@@ -183,7 +185,7 @@ class HunyuanVideo15Transformer(nnx.Module):
             return streams
         video, prompt, glyph, image = streams  # the refined prompt gets its type embedding now
         prompt = prompt + self.cond_type_embed[...].astype(jnp.float32)[0]
-        return video, ctx.layout.join_local([prompt, glyph, image])
+        return video, ctx.layout.join_local([prompt, glyph] + ([] if image is None else [image]))
 
     def run_block(self, stack: str, block: nnx.Module, streams: Any, cond: HunyuanVideo15Cond, ctx):
         if stack == "refiner_blocks":
@@ -202,8 +204,11 @@ class HunyuanVideo15Transformer(nnx.Module):
         """Local view on the inputs of :data:`FORWARD_INPUTS`; without ``ctx`` the whole, unsharded
         model (the three masks become its key masks)."""
         masks = [inputs.pop(name, None) for name in _MASKS]
+        if inputs.get("image_embeds") is None:
+            inputs.pop("image_embeds", None)
+            masks = masks[:2]
         if ctx is None:
-            lengths = tuple(inputs[name].shape[1] for name in _TOKENS)
+            lengths = tuple(inputs[name].shape[1] for name in _TOKENS if name in inputs)
             ctx = ShardContext(ParallelConfig(), SequenceLayout(lengths, 1))
         masks = [None] + [None if m is None else jnp.asarray(m, bool) for m in masks]
         ctx = ctx.with_key_mask(masks)
@@ -284,9 +289,9 @@ def condition_inputs(
     encoder's tokens) -> those arrays of :data:`FORWARD_INPUTS` (numpy; masks bool, the pooled prompt).
 
     As diffusers, the image tokens are real when any image embedding of the call is non-zero, and all
-    masked otherwise (text-to-video); then one masked token stands in for them (the prediction does not
-    depend on masked tokens, so the zeros' 729 tokens need not be computed). ``image_embeds`` None: the
-    same as zeros.
+    masked otherwise (text-to-video). Masked tokens change no prediction, so text-to-video has no image
+    tokens at all here (``image_embeds`` and its mask None: the forward then has three token groups).
+    ``image_embeds`` None: the same as zeros.
     """
     c, sizes = config, {}
 
@@ -305,10 +310,8 @@ def condition_inputs(
     mask = check("encoder_attention_mask", encoder_attention_mask, ("B", "T")).astype(bool)
     glyph = check("encoder_hidden_states_2", encoder_hidden_states_2, ("B", "G", c.text_embed_2_dim))
     glyph_mask = check("encoder_attention_mask_2", encoder_attention_mask_2, ("B", "G")).astype(bool)
-    batch = sizes["B"]
     if image_embeds is None or not np.any(np.asarray(image_embeds)):
-        image = np.zeros((batch, 1, c.image_embed_dim), np.float32)
-        image_mask = np.zeros((batch, 1), bool)
+        image = image_mask = None
     else:
         image = check("image_embeds", image_embeds, ("B", "I", c.image_embed_dim))
         image_mask = np.ones(image.shape[:2], bool)

@@ -6,8 +6,9 @@ What is HunyuanVideo 1.5's own (the loop, decoding and output types are
 
 - conditioning: the Qwen2.5-VL prompt features with their mask (``prompt_embeds`` / ``prompt_embeds_mask``)
   and the ByT5 glyph features with theirs (``prompt_embeds_2`` / ``prompt_embeds_mask_2``; zero features
-  under a zero mask for a prompt without quoted text); text-to-video gives the image encoder's tokens as
-  zeros, which the transformer masks (``models/hunyuan_video15.condition_inputs``);
+  under a zero mask for a prompt without quoted text); text-to-video gives diffusers' transformer the
+  image encoder's tokens as zeros, which it masks: here they are left out
+  (``models/hunyuan_video15.condition_inputs``);
 - classifier-free guidance ``uncond + g (cond - uncond)`` whose scale lives in the folder's
   ``guider/guider_config.json`` (diffusers' ``ClassifierFreeGuidance``), not in the call;
 - the transformer's input per latent voxel: the noisy latents, then zero condition latents and a zero mask
@@ -329,6 +330,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             None,  # text-to-video: no image tokens
             c,
         )
+        context = {k: v for k, v in context.items() if v is not None}  # text-to-video: no image group
         context["video_ids"] = hv.token_positions(grid)
         sigmas = own.get("sigmas")
         if sigmas is not None and len(sigmas) != r.num_inference_steps:
