@@ -1,4 +1,4 @@
-"""HunyuanVideo 1.5's video DiT (Tencent Hunyuan, arXiv 2511.18870) in Flax NNX, the local view of one
+"""HunyuanVideo 1.5's video DiT (Tencent Hunyuan) in Flax NNX, the local view of one
 shard.
 
 Follows diffusers' ``HunyuanVideo15Transformer3DModel`` (``models/transformers/
