@@ -119,3 +119,23 @@ def test_jaxdit_convert_to_orbax_loads_the_same_model(case, tmp_path):
     got = run(tmp_path / "orbax")
     assert got.shape == (2, 2, FRAMES, HEIGHT, WIDTH)
     np.testing.assert_array_equal(got, run(folder))
+
+
+def test_meanflow_second_timestep_matches_diffusers(tmp_path):
+    """``use_meanflow`` (the step-distilled / super-resolution variants): a second timestep embedder
+    added to the AdaLN vector; on ring2, image-to-video inputs."""
+    model = tiny.transformer(use_meanflow=True)
+    model.save_pretrained(tmp_path / "transformer")
+    x = tiny.inputs(FRAMES, HEIGHT, WIDTH, LENGTHS, GLYPH_LENGTHS, image=3)
+    x["timestep_r"] = np.array([300.0, 20.0], np.float32)
+    want = tiny.reference(model, x)
+    pc = ParallelConfig(ring=2)
+    mesh = pc.make_mesh(jax.devices()[:2])
+    params = load_params(tmp_path / "transformer", mesh, checkpoints=CHECKPOINTS)
+    cfg = params.config
+    args = {k: v for k, v in x.items() if k not in ("timestep", "timestep_r")}
+    out = hv.sharded(params, mesh)(
+        **hv.forward_inputs(**args, config=cfg), timestep=x["timestep"], timestep_r=x["timestep_r"]
+    )
+    got = hv.unpatchify(np.asarray(out, np.float32), hv.latent_grid(x["hidden_states"].shape, cfg), cfg)
+    tol.check(got, want, tol.TORCH_FORWARD, "HunyuanVideo 1.5 MeanFlow (ring2) vs diffusers")
