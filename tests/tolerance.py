@@ -196,6 +196,12 @@ PIXELS = {
         relative=False,
         measured="TI2V-5B text to video 3.5e-6 (original layout), image to video 1.3e-6 (cfg2 x ring2 x ulysses2)",
     ),
+    "hunyuanvideo1.5": Bound(
+        "PIXELS[hunyuanvideo1.5]",
+        1.5e-5,
+        relative=False,
+        measured="text to video 6.1e-6 (prompt, jaxdit generate, cfg2 x ulysses2), 6.7e-6 (embeddings, ring2 x ulysses2)",
+    ),
 }
 
 #: A whole generation (every denoising step) on another mesh vs on one device, fp32, the same seed:

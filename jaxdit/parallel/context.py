@@ -63,9 +63,10 @@ class ShardContext:
         )
 
     def group_attention(self, group: int):
-        """Self-attention over one token group of the layout alone (Z-Image's refiners: the image, or
-        the caption): ``fn(q, k, v)`` on that group's local tokens [B, local_lengths[group], H, D]. It
-        uses the group's own layout on the same shards (no data moved) and its slice of :attr:`key_mask`."""
+        """Self-attention over one token group of the layout alone (a refiner's: Z-Image's image or
+        caption, HunyuanVideo 1.5's prompt): ``fn(q, k, v)`` on that group's local tokens
+        [B, local_lengths[group], H_local, D]. It uses the group's own layout on the same shards (no data
+        moved), its slice of :attr:`key_mask` and the same kernel options."""
         layout = self.layout
         sub = SequenceLayout((layout.lengths[group],), layout.shards)
         keys = self.key_mask
