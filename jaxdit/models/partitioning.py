@@ -8,18 +8,9 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxdit.parallel.fsdp import shard_rest, shard_stacks
 from sharding_rules import logical_to_spec
-
-
-def logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
-    """A parameter's logical names; stacked (scanned) blocks gain a leading "layers" axis."""
-    axes = tuple(variable.get_metadata().get("logical_axes", ()))
-    ndim = len(variable.shape) if hasattr(variable, "shape") else variable[...].ndim
-    if ndim == len(axes) + 1:
-        axes = ("layers",) + axes
-    if ndim != len(axes):
-        raise ValueError(f"parameter of shape {variable.shape} declares logical axes {axes}")
-    return axes
+from sharding_rules.parameter_axes import logical_axes
 
 
 def _is_var(x) -> bool:
@@ -41,8 +32,6 @@ def named_shardings(state: nnx.State, rules: Mapping[str, object], mesh: Mesh, p
     the other weights stored split too, gathered whole once per step (``jaxdit.parallel.fsdp``)."""
     specs = partition_specs(state, rules)
     if parallel is not None and parallel.fsdp:
-        from jaxdit.parallel.fsdp import shard_rest, shard_stacks  # parallel.fsdp imports this module
-
         specs, _ = shard_stacks(state, specs, parallel)
         specs = shard_rest(state, specs, parallel)
     return jax.tree.map(

@@ -74,7 +74,7 @@ def scan_blocks(
     (``jaxdit.parallel.fsdp``): each layer is then all-gathered one iteration ahead of its step."""
     graphdef, state = nnx.split(blocks)
     if gathers:
-        from jaxdit.parallel.fsdp import gathered_scan  # models -> parallel.fsdp -> models.partitioning
+        from jaxdit.parallel.fsdp import gathered_scan
 
         return gathered_scan(graphdef, state, carry, step, gathers)
 

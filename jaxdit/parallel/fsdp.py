@@ -38,7 +38,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from jaxdit.mesh import ParallelConfig
-from jaxdit.models.partitioning import logical_axes
+from sharding_rules.parameter_axes import logical_axes
 
 __all__ = ["DEFAULT_EXCLUDED", "Gathers", "fsdp_axes", "gathered_scan", "shard_rest", "shard_stacks"]
 

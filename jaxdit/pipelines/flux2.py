@@ -220,8 +220,8 @@ class Flux2KleinPipeline(DiffusionPipeline):
         ``guidance_scale`` > 1 runs CFG against the empty prompt on a base model and is ignored by a
         distilled one; ``latents``: initial noise [B, 128, H/16, W/16] instead of the seed's;
         ``prompt_embeds`` [B, L, joint_attention_dim]; height / width default to the first reference
-        picture's size, else 1024."""
-        return self.generate(GenerationRequest(**{k: v for k, v in locals().items() if k != "self"}))
+        picture's size, else 1024. ``sigmas`` is this family's own argument (``family_arguments``)."""
+        return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     def generate(self, request: GenerationRequest) -> GenerationOutput:
         if request.image is not None and (request.height is None or request.width is None):
@@ -290,9 +290,10 @@ class Flux2KleinPipeline(DiffusionPipeline):
         if r.image is not None:
             context.update(self._references(r.image, len(txt)))
         steps = r.num_inference_steps
-        if r.sigmas is not None and len(r.sigmas) != steps:
-            raise ValueError(f"{len(r.sigmas)} sigmas for {steps} steps: give one per step")
-        sigmas = euler.linear_sigmas(steps) if r.sigmas is None else np.asarray(r.sigmas, np.float64)
+        given = r.family_arguments.get("sigmas")
+        if given is not None and len(given) != steps:
+            raise ValueError(f"{len(given)} sigmas for {steps} steps: give one per step")
+        sigmas = euler.linear_sigmas(steps) if given is None else np.asarray(given, np.float64)
         mu = empirical_mu(rows * cols, steps) if self.scheduler.use_dynamic_shifting else None
         inputs = DenoiseInputs(
             tokens=tokens,
