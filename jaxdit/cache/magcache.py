@@ -3,7 +3,7 @@ the authors' code: github.com/Zehong-Ma/MagCache ``MagCache4FLUX``, ``MagCache4W
 
 The residual ``r_t`` of all the blocks (their output minus their input) changes in magnitude by a ratio
 ``gamma_t = mean over tokens of ||r_t|| / ||r_{t-1}||`` that is nearly the same for any prompt and seed
-of a model, so it is measured once (:func:`jaxdit.cache.calibrate`, ``jaxdit calibrate-cache``) and
+of a model, so it is measured once (:func:`jaxdit.cache.calibrate`, ``jaxdit generate --calibrate_magcache FILE``) and
 stored. At generation, after the first ``retention`` fraction of the steps (always computed), each step
 multiplies the ratios since the last full step and accumulates the error of reusing that step's
 residual::
@@ -37,7 +37,6 @@ from jaxdit.cache.policies import _check_threshold
 from jaxdit.cache.taylor import check_order
 
 __all__ = [
-    "RATIOS_FILE",
     "MagCache",
     "MagCacheCalibration",
     "load_ratios",
@@ -47,8 +46,6 @@ __all__ = [
     "shipped",
 ]
 
-#: The file ``jaxdit calibrate-cache`` writes beside a model (in its folder, or next to a checkpoint).
-RATIOS_FILE = "magcache.json"
 _HERE = os.path.join(os.path.dirname(__file__), "ratios")
 
 

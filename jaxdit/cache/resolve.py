@@ -99,8 +99,9 @@ def _magcache(config: MagCache, hooks: Any, model: Any, grid: Sequence[int]) -> 
     entry = resolve_ratios(config.ratios) if config.ratios else hooks.magcache_defaults(tuple(grid))
     if entry is None:
         raise ValueError(
-            f"MagCache has no magnitude ratios for this {type(model).__name__}: run `jaxdit calibrate-cache` "
-            "once for the model (it writes magcache.json beside it) or pass MagCache(ratios=FILE)"
+            f"MagCache has no magnitude ratios for this {type(model).__name__}: record them once with "
+            "`jaxdit generate ... --calibrate_magcache FILE`, then pass --magcache_ratios FILE "
+            "(MagCache(ratios=FILE) in Python)"
         )
     pick = lambda field, default: default if field is None else field  # noqa: E731
     return Policy(
