@@ -1,8 +1,10 @@
-"""Qwen-Image-Edit-2509 (diffusers' ``QwenImageEditPlusPipeline``) end to end: a tiny random folder saved
-by diffusers, an instruction and two pictures of different aspect ratios, true CFG 4.0, through
-``jaxdit generate --image A --image B`` on ulysses2 x ring2 (4 emulated devices), against diffusers
-running the reloaded folder with the same initial noise; and the prompt embeddings (Qwen2.5-VL with its
-vision tower and the edit template) against diffusers' ``encode_prompt``.
+"""Qwen-Image-Edit-2509 (diffusers' ``QwenImageEditPlusPipeline``) and the original Qwen-Image-Edit
+(``QwenImageEditPipeline``) end to end: tiny random folders saved by diffusers (the same components), an
+instruction and two pictures of different aspect ratios (Edit-2509) or one (Edit), true CFG 4.0, through
+``jaxdit generate --image A [--image B]`` on cfg2 x ulysses2 and on ulysses2 x ring2 (4 emulated devices),
+against diffusers running the reloaded folder with the same initial noise (computed once per folder);
+and the prompt embeddings (Qwen2.5-VL with its vision tower and the edit templates) against diffusers'
+``encode_prompt``.
 
 Two things the tiny setup changes, on both sides alike:
 
@@ -13,8 +15,8 @@ Two things the tiny setup changes, on both sides alike:
   Qwen2.5-VL silently falls back to 1-D positions (huggingface/diffusers issue 14194, PR 14189): the
   reference's text encoder is given them again (the 3-axis positions the model was trained with and
   transformers 4 computed from the ids). ``test_qwen_vl_encoder.py`` shows the fallback is far off.
-- the VAE pictures' area (``VAE_IMAGE_SIZE``, 1024^2) is set to 64^2 in both pipelines: the tiny VAE's
-  factor 2 would make 1024^2 pictures 65536 tokens each.
+- the VAE pictures' area (``VAE_IMAGE_SIZE`` in the Plus pipeline, a literal 1024^2 in the Edit one) is
+  set to 64^2 in both sides' pipelines: the tiny VAE's factor 2 would make 1024^2 pictures 65536 tokens.
 
 Bounds: the project's (latents 1e-4 relative, PNG 1.5/255; prompt embeddings 1e-5), errors printed
 (``pytest -s``).
@@ -44,6 +46,7 @@ PROMPT, NEGATIVE = "a red car at sunset", "a big dog"
 H, W, STEPS, SEED, CFG = 32, 40, 2, 5, 4.0
 VAE_AREA = 64 * 64
 LATENT_REL, PNG_STEPS, EMBED_REL = 1e-4, 1.5, 1e-5
+FAST = {"xla_backend_optimization_level": 0}
 MARKERS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 VISION = dict(
     depth=2,
@@ -96,6 +99,7 @@ def _with_token_types(text_encoder, image_token_id):
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     import diffusers
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_upstream
     from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as upstream
     from tokenizers import AddedToken
     from transformers import (
@@ -153,31 +157,73 @@ def case(tmp_path_factory):
         paths.append(root / f"picture{k}.png")
         Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(paths[-1])
 
-    ref = diffusers.QwenImageEditPlusPipeline.from_pretrained(folder, processor=None)
-    object.__setattr__(ref, "processor", StandInProcessor(tok, images, config.image_token_id))
-    _with_token_types(ref.text_encoder, config.image_token_id)
-    pictures = [Image.open(p).convert("RGB") for p in paths]
-    noise = latent_ops.initial_noise(SEED, (1, 4, H // 2, W // 2))
-    call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG, height=H, width=W)
-    final = []
+    edit_folder = root / "Qwen-Image-Edit-tiny"  # the original Edit: the same components, one picture
+    diffusers.QwenImageEditPipeline(**pipe.components).save_pretrained(edit_folder)
+    images.save_pretrained(edit_folder / "processor")
+    tok.save_pretrained(edit_folder / "processor")
+    edit_index = json.loads((edit_folder / "model_index.json").read_text())
+    edit_index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    (edit_folder / "model_index.json").write_text(json.dumps(edit_index))
+    edit_dimensions = edit_upstream.calculate_dimensions  # its 1024^2 is literal there: the same 64^2
+    patch.setattr(edit_upstream, "calculate_dimensions", lambda area, ratio: edit_dimensions(VAE_AREA, ratio))
 
-    def keep(pipe, step, t, tensors):  # the latents after each step; the last one is decoded
-        final.append(tensors["latents"].clone())
-        return tensors
+    def reloaded(cls, where):
+        ref = cls.from_pretrained(where, processor=None)
+        object.__setattr__(ref, "processor", StandInProcessor(tok, images, config.image_token_id))
+        _with_token_types(ref.text_encoder, config.image_token_id)
+        return ref
 
-    with torch.no_grad():
-        out = ref(
-            pictures,
-            **call,
-            num_inference_steps=STEPS,
-            latents=torch.from_numpy(latent_ops.pack(noise)),
-            output_type="np",
-            callback_on_step_end=keep,
-        )
-    want_latents = latent_ops.unpack(final[-1].numpy(), H // 2, W // 2)
-    want_pixels = np.asarray(out.images[0], np.float32)
-    yield dict(folder=folder, paths=paths, ref=ref, latents=want_latents, png=want_pixels)
+    ref = reloaded(diffusers.QwenImageEditPlusPipeline, folder)
+    yield dict(
+        folder=folder,
+        folders={"plus": folder, "edit": edit_folder},
+        paths=paths,
+        ref=ref,
+        reloaded={
+            "plus": lambda: ref,
+            "edit": lambda: reloaded(diffusers.QwenImageEditPipeline, edit_folder),
+        },
+    )
     patch.undo()
+
+
+# the pictures each pipeline is given: Edit-2509 two of different aspect ratios, the original Edit one
+PICTURES = {"plus": [0, 1], "edit": [1]}
+
+
+@pytest.fixture(scope="module")
+def references(case):
+    """Diffusers' final latents and picture from each reloaded folder, computed once for both meshes."""
+    done = {}
+
+    def of(kind):
+        if kind not in done:
+            ref = case["reloaded"][kind]()
+            pictures = [Image.open(case["paths"][k]).convert("RGB") for k in PICTURES[kind]]
+            noise = latent_ops.initial_noise(SEED, (1, 4, H // 2, W // 2))
+            call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG, height=H, width=W)
+            final = []
+
+            def keep(pipe, step, t, tensors):  # the latents after each step; the last one is decoded
+                final.append(tensors["latents"].clone())
+                return tensors
+
+            with torch.no_grad():
+                out = ref(
+                    pictures if kind == "plus" else pictures[0],
+                    **call,
+                    num_inference_steps=STEPS,
+                    latents=torch.from_numpy(latent_ops.pack(noise)),
+                    output_type="np",
+                    callback_on_step_end=keep,
+                )
+            done[kind] = (
+                latent_ops.unpack(final[-1].numpy(), H // 2, W // 2),
+                np.asarray(out.images[0], np.float32),
+            )
+        return done[kind]
+
+    return of
 
 
 def test_prompt_embeddings_match_diffusers(case):
@@ -208,7 +254,17 @@ def test_prompt_embeddings_match_diffusers(case):
     assert err < EMBED_REL
 
 
-def test_cli_ulysses2_ring2_two_pictures_match_diffusers(case, tmp_path, monkeypatch):
+MESHES = {
+    "cfg2 x ulysses2": ["--use_cfg_parallel", "--ulysses_degree", "2"],
+    "ulysses2 x ring2": ["--ulysses_degree", "2", "--ring_degree", "2"],
+}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("kind", ["plus", "edit"])
+def test_cli_matches_diffusers(case, references, kind, mesh, tmp_path, monkeypatch):
+    """``jaxdit generate`` on 4 devices from the Edit-2509 folder (two pictures) and the original Edit's
+    (one picture), against diffusers from the same reloaded folder."""
     results = []
 
     def write(r, result):
@@ -217,17 +273,26 @@ def test_cli_ulysses2_ring2_two_pictures_match_diffusers(case, tmp_path, monkeyp
 
     written = generate.write
     monkeypatch.setattr(generate, "write", write)
-    argv = ["generate", "--weights", str(case["folder"]), "--prompt", PROMPT, "--negative_prompt", NEGATIVE]
-    argv += ["--image", str(case["paths"][0]), "--image", str(case["paths"][1])]
+    loads = qwen_image_edit.QwenImageEditPipeline.from_pretrained.__func__
+
+    def quick(cls, *args, **kwargs):  # XLA's backend optimisations off: compiles in a fraction of the time
+        return loads(cls, *args, **{**kwargs, "compiler_options": FAST})
+
+    monkeypatch.setattr(qwen_image_edit.QwenImageEditPipeline, "from_pretrained", classmethod(quick))
+    argv = ["generate", "--weights", str(case["folders"][kind]), "--prompt", PROMPT]
+    argv += ["--negative_prompt", NEGATIVE]
+    for k in PICTURES[kind]:
+        argv += ["--image", str(case["paths"][k])]
     argv += ["--true_cfg_scale", str(CFG), "--height", str(H), "--width", str(W), "--steps", str(STEPS)]
-    argv += ["--seed", str(SEED), "--ulysses_degree", "2", "--ring_degree", "2"]
+    argv += ["--seed", str(SEED), *MESHES[mesh]]
     assert cli.main([*argv, "--output", str(tmp_path / "edited.png")]) == 0
     (latents,) = results
     png = np.asarray(Image.open(tmp_path / "edited.png"), np.float32)
-    want = case["latents"]
+    want, want_png = references(kind)
     rel = np.linalg.norm(latents - want) / np.linalg.norm(want)
-    worst = np.abs(png - case["png"] * 255).max()
-    print(f"ulysses2 x ring2, two pictures: latents {rel:.2e} relative, PNG {worst:.2f}/255")
+    worst = np.abs(png - want_png * 255).max()
+    label = {"plus": "Edit-2509, two pictures", "edit": "Edit, one picture"}[kind]
+    print(f"{label}, {mesh}: latents {rel:.2e} relative, PNG {worst:.2f}/255")
     assert latents.shape == want.shape and rel < LATENT_REL, rel
     assert png.shape == (H, W, 3) and worst <= PNG_STEPS, worst
 
