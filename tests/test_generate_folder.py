@@ -38,7 +38,8 @@ def wan_folder():
         (dict(prompt="a", model="wan2.1-t2v-14b"), "does not match"),
         (dict(prompt="a", height=18, width=32), "multiples of 4"),
         (dict(prompt="a", output="x.mp4"), r"must end in \.png"),
-        (dict(prompt="a", num_frames=9), "apply to Wan models"),
+        # The owners come from the registry (every video family that takes the flags).
+        (dict(prompt="a", num_frames=9), r"--num_frames and --flow_shift apply to Wan\b.* models"),
         (dict(prompt="a", use_cfg_parallel=True), "needs classifier-free guidance"),
         (dict(prompt="a", image="x.png"), "for models that take a picture"),
         (dict(prompt="a", max_sequence_length=0), r"must be in 1\.\.512"),
