@@ -3,7 +3,9 @@
 two reference pictures, to a PNG on 4 emulated devices, against diffusers running the reloaded folder
 with the project's noise (numpy ``default_rng(seed).standard_normal`` in the packed latent grid [B, 16,
 H/4, W/4], diffusers' ``latents``): the distilled model on ulysses2 x ring2, the base model's CFG on
-cfg2 x ulysses2; PipeFusion and a distilled model's ``--use_cfg_parallel`` refused in one line.
+cfg2 x ulysses2, the distilled model with and without the pictures on pipefusion2 x ulysses2; a distilled
+model's ``--use_cfg_parallel`` and a patch count that does not divide the latent rows refused in one line.
+diffusers' run of each (folder, guidance, pictures) is computed once and shared by the meshes.
 
 The run's latents (diffusers' ``output_type="latent"``: de-normalised, un-patchified) are read from the
 CLI's own generation, so one run gives both the latents and the PNG it wrote.
@@ -42,7 +44,16 @@ def folders(tmp_path_factory):
     return distilled, base, pictures
 
 
-def _reference(folder, guidance: float, images=None):
+@pytest.fixture(scope="module")
+def diffusers_runs():
+    """diffusers' (latents, pixels) per (folder, guidance, pictures), computed once for every mesh."""
+    return {}
+
+
+def _reference(runs, folder, guidance: float, images=()):
+    key = (str(folder), guidance, tuple(map(str, images)))
+    if key in runs:
+        return runs[key]
     pipe = diffusers.Flux2KleinPipeline.from_pretrained(folder)
     noise = torch.from_numpy(latent_ops.initial_noise(SEED, (1, 16, H // 4, W // 4)))
     call = dict(
@@ -54,7 +65,8 @@ def _reference(folder, guidance: float, images=None):
     with torch.no_grad():
         latents = pipe(output_type="latent", **call).images.numpy()
         pixels = pipe(output_type="np", **call).images[0]
-    return latents, pixels
+    runs[key] = latents, pixels
+    return runs[key]
 
 
 def _argv(folder, guidance: float, *extra: str) -> list[str]:
@@ -63,14 +75,14 @@ def _argv(folder, guidance: float, *extra: str) -> list[str]:
     return argv + ["--max_sequence_length", str(TEXT), *extra]
 
 
-def _check(monkeypatch, folder, tmp_path, guidance: float, mesh: list[str], images=()):
+def _check(monkeypatch, runs, folder, tmp_path, guidance: float, mesh: list[str], images=()):
     results = []
     real = generate_module.generate
     monkeypatch.setattr(generate_module, "generate", lambda p, r: results.append(real(p, r)) or results[-1])
     extra = [a for p in images for a in ("--image", str(p))]
     assert cli.main([*_argv(folder, guidance, *mesh, *extra), "--output", str(tmp_path / "x.png")]) == 0
     latents, png = results[0].latents, np.asarray(Image.open(tmp_path / "x.png"), np.float32)
-    want_latents, want_pixels = _reference(folder, guidance, images)
+    want_latents, want_pixels = _reference(runs, folder, guidance, images)
     assert latents.shape == want_latents.shape == (1, 4, H // 2, W // 2)
     rel = np.linalg.norm(latents - want_latents) / np.linalg.norm(want_latents)
     worst = np.abs(png - want_pixels * 255).max()
@@ -80,26 +92,45 @@ def _check(monkeypatch, folder, tmp_path, guidance: float, mesh: list[str], imag
     return latents
 
 
-def test_cli_klein_ulysses2_ring2_matches_diffusers(folders, tmp_path, monkeypatch):
-    _check(monkeypatch, folders[0], tmp_path, 4.0, ["--ulysses_degree", "2", "--ring_degree", "2"])
+ULYSSES2_RING2 = ["--ulysses_degree", "2", "--ring_degree", "2"]
+#: Every step a warm-up step: PipeFusion's synchronous steps are the serial forward (its stale-K/V phase
+#: is tested against a serial reference in tests/test_flux2_pipefusion.py); the default 4 patches of 2
+#: latent rows, each carrying a chunk of the text and of the reference tokens.
+PIPEFUSION2_ULYSSES2 = ["--pipefusion_parallel_degree", "2", "--ulysses_degree", "2"]
+PIPEFUSION2_ULYSSES2 += ["--warmup_steps", str(STEPS)]
 
 
-def test_cli_klein_two_references_ulysses2_ring2_matches_diffusers(folders, tmp_path, monkeypatch):
-    mesh = ["--ulysses_degree", "2", "--ring_degree", "2"]
-    _check(monkeypatch, folders[0], tmp_path, 1.0, mesh, images=folders[2])
-
-
-def test_cli_klein_base_cfg2_ulysses2_matches_diffusers(folders, tmp_path, monkeypatch):
-    _check(monkeypatch, folders[1], tmp_path, 3.0, ["--use_cfg_parallel", "--ulysses_degree", "2"])
+@pytest.mark.parametrize(
+    "which, guidance, mesh, references",
+    [
+        (0, 4.0, ULYSSES2_RING2, False),
+        (0, 1.0, ULYSSES2_RING2, True),
+        (0, 4.0, PIPEFUSION2_ULYSSES2, False),
+        (0, 1.0, PIPEFUSION2_ULYSSES2, True),
+        (1, 3.0, ["--use_cfg_parallel", "--ulysses_degree", "2"], False),
+    ],
+    ids=[
+        "distilled-ulysses2-ring2",
+        "distilled-two-references-ulysses2-ring2",
+        "distilled-pipefusion2-ulysses2",
+        "distilled-two-references-pipefusion2-ulysses2",
+        "base-cfg2-ulysses2",
+    ],
+)
+def test_cli_klein_matches_diffusers(
+    folders, diffusers_runs, tmp_path, monkeypatch, which, guidance, mesh, references
+):
+    images = folders[2] if references else ()
+    _check(monkeypatch, diffusers_runs, folders[which], tmp_path, guidance, mesh, images=images)
 
 
 @pytest.mark.parametrize(
     "which, flags, message",
     [
         (0, ["--use_cfg_parallel"], "distilled FLUX.2 klein, which runs without it"),
-        (1, ["--pipefusion_parallel_degree", "2"], "FLUX.2 has no PipeFusion stage layout"),
+        (0, [*PIPEFUSION2_ULYSSES2[:4], "--num_pipeline_patch", "3"], "does not divide the 8 rows"),
     ],
-    ids=["distilled-cfg-parallel", "pipefusion"],
+    ids=["distilled-cfg-parallel", "pipefusion-patches"],
 )
 def test_cli_refuses_in_one_line(folders, tmp_path, capsys, which, flags, message):
     out = tmp_path / "never.png"

@@ -17,8 +17,11 @@ from converters import flux2 as flux2_converters
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.models import flux2
 from jaxdit.models.flux2_config import Flux2Config
+from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.flux2 import FOLDER_CLASSES, Flux2KleinPipeline
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
+from jaxdit.pipelines.pipefusion.flux import default_num_patches, validate_patches
+from jaxdit.pipelines.pipefusion.flux2 import PipeFusionFlux2
 from jaxdit.pipelines.request import GenerationRequest
 
 __all__ = ["FLUX2", "Flux2Family"]
@@ -42,7 +45,7 @@ class Flux2Family(ModelFamily):
     }
     folder_classes = FOLDER_CLASSES
     pipeline_class = Flux2KleinPipeline
-    staged_model = None  # no PipeFusion stage layout yet
+    staged_model = PipeFusionFlux2
     cfg_note = "FLUX.2-dev's guidance is an embedded input and distilled klein runs without CFG"
     cfg_scale_argument = "guidance_scale"
     cfg_needs = "a klein base model (not distilled) with --guidance_scale > 1"
@@ -85,10 +88,15 @@ class Flux2Family(ModelFamily):
             )
 
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
-        raise ValueError("FLUX.2 has no PipeFusion stage layout yet")
-
-    def pipefusion_unsupported(self, workload: Any) -> str | None:
-        return "no FLUX.2 PipeFusion runner yet"
+        """M >= P patches of whole rows of packed tokens that ring x ulysses splits, 1 <= warm-up <=
+        steps (FLUX.1's rules); reference tokens are chunked over the patches like the text."""
+        rows, cols = request.height // multiple, request.width // multiple
+        patches = request.num_pipeline_patch
+        if patches is None:
+            patches = default_num_patches(parallel.pipefusion, rows)
+        warmup = 1 if request.warmup_steps is None else request.warmup_steps
+        validate_pipefusion(parallel.pipefusion, patches, warmup, request.num_inference_steps)
+        validate_patches(rows, cols, patches, parallel.sequence_degree)
 
     def size_multiple(self, folder: ModelFolder | None) -> int:
         """The VAE's factor (2 per level after the first: 8 for FLUX.2's) x the 2x2 patches."""

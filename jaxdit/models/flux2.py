@@ -54,6 +54,15 @@ class Flux2Cond(NamedTuple):
     angles: jax.Array  # [1, T+N(+R), D/2]: this shard's [text; image; reference] positions
 
 
+class StepCond(NamedTuple):
+    """:class:`Flux2Cond` without the positions: what depends on the step alone."""
+
+    temb: jax.Array
+    mod_img: jax.Array
+    mod_txt: jax.Array
+    mod_single: jax.Array
+
+
 class Embedder(nnx.Module):
     """Bias-free Linear -> SiLU -> Linear on a sinusoidal embedding (diffusers ``TimestepEmbedding``)."""
 
@@ -123,33 +132,41 @@ class Flux2Transformer(nnx.Module):
             raise ValueError("this FLUX.2 model has no guidance embedding (klein); pass guidance=None")
         return temb
 
-    # ------------------------------------------------------------------ staged forward
-    def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, Flux2Cond]:
-        """diffusers-named inputs (:data:`FORWARD_INPUTS`) -> the fp32 (text, image) streams and the
-        conditioning every block reads."""
-        cfg = self.config
-        temb = self.time_embedding(inputs["timestep"], inputs.get("guidance"))
+    def step_conditioning(self, timestep: jax.Array, guidance: jax.Array | None) -> StepCond:
+        """The step's embedding and the three shared modulations (replicated: once per step)."""
+        temb = self.time_embedding(timestep, guidance)
         act = jax.nn.silu(temb)
-        ids = [inputs.get(name) for name in ("txt_ids", "img_ids", "reference_ids")]
-        angles = rope_angles(
-            ctx.layout.join_local([i for i in ids if i is not None], axis=0),
-            cfg.axes_dims_rope,
-            cfg.rope_theta,
-        )
-        img, ref = inputs["hidden_states"], inputs.get("reference_hidden_states")
-        img = img if ref is None else jnp.concatenate([img, ref.astype(img.dtype)], axis=1)
-        streams = (
-            self.txt_in(inputs["encoder_hidden_states"]).astype(jnp.float32),
-            self.img_in(img).astype(jnp.float32),
-        )
-        cond = Flux2Cond(
+        return StepCond(
             temb,
             _fp32_out(self.double_mod_img, act),
             _fp32_out(self.double_mod_txt, act),
             _fp32_out(self.single_mod, act),
-            angles[None],
         )
-        return streams, cond
+
+    def embed_tokens(
+        self, img: jax.Array, txt: jax.Array, ref: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """Packed latents [B, N, C], text features [B, T, C'] and packed reference latents [B, R, C] (or
+        None) -> the fp32 (text, image) residual streams; the image stream is this shard's [image;
+        reference]."""
+        img = img if ref is None else jnp.concatenate([img, ref.astype(img.dtype)], axis=1)
+        return self.txt_in(txt).astype(jnp.float32), self.img_in(img).astype(jnp.float32)
+
+    def angles(self, ids: jax.Array) -> jax.Array:
+        """RoPE angles [..., D/2] of 4-axis position ids [..., 4]."""
+        return rope_angles(ids, self.config.axes_dims_rope, self.config.rope_theta)
+
+    # ------------------------------------------------------------------ staged forward
+    def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, Flux2Cond]:
+        """diffusers-named inputs (:data:`FORWARD_INPUTS`) -> the fp32 (text, image) streams and the
+        conditioning every block reads."""
+        step = self.step_conditioning(inputs["timestep"], inputs.get("guidance"))
+        ids = [inputs.get(name) for name in ("txt_ids", "img_ids", "reference_ids")]
+        angles = self.angles(ctx.layout.join_local([i for i in ids if i is not None], axis=0))
+        streams = self.embed_tokens(
+            inputs["hidden_states"], inputs["encoder_hidden_states"], inputs.get("reference_hidden_states")
+        )
+        return streams, Flux2Cond(*step, angles[None])
 
     def enter(self, stack: str, streams: Any, ctx: ShardContext) -> Any:
         """The single blocks carry the joined per-shard [text; image] stream."""

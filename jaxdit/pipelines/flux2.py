@@ -46,6 +46,7 @@ from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs
 from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
+from jaxdit.pipelines.pipefusion.flux2 import Flux2Patches, PipeFusionFlux2
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
@@ -99,7 +100,7 @@ class Flux2KleinPipeline(DiffusionPipeline):
     cfg_hint = "use a klein base model (not distilled) with guidance_scale > 1"
     default_size = (1024, 1024)  # diffusers: default_sample_size 128 x the VAE's 8
     checkpoints = CHECKPOINTS
-    staged_model = None
+    staged_model = PipeFusionFlux2
 
     def __init__(
         self,
@@ -131,8 +132,9 @@ class Flux2KleinPipeline(DiffusionPipeline):
         self.to_vae_latents = to_vae_latents
         self.vae_scale_factor = vae_scale_factor
         self.forward = self.plain_forward(flux2.sharded, model, kernel)
+        # Under PipeFusion ``model`` is the stage layout (PipeFusionFlux2) and there is no plain forward.
         self.denoiser = self.denoiser_for(
-            model, self.sampler, patches=None, kernel=kernel, compiler_options=compiler_options
+            model, self.sampler, patches=Flux2Patches, kernel=kernel, compiler_options=compiler_options
         )
 
     @classmethod
@@ -163,7 +165,7 @@ class Flux2KleinPipeline(DiffusionPipeline):
             tokenizer, DecoderLMRunner(load_decoder_lm(folder["text_encoder"], dtype=dtype))
         )
         vae = load_flux2_vae(folder["vae"], dtype=dtype)
-        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=None)
+        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionFlux2)
         mean, std = vae.mean[None, :, None, None], vae.std[None, :, None, None]
 
         def to_vae_latents(grid: np.ndarray) -> np.ndarray:
@@ -215,12 +217,15 @@ class Flux2KleinPipeline(DiffusionPipeline):
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
         cache: Any = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
     ) -> GenerationOutput:
         """Generate (or, with ``image``: one picture or a list, edit) as diffusers' ``Flux2KleinPipeline``.
         ``guidance_scale`` > 1 runs CFG against the empty prompt on a base model and is ignored by a
         distilled one; ``latents``: initial noise [B, 128, H/16, W/16] instead of the seed's;
         ``prompt_embeds`` [B, L, joint_attention_dim]; height / width default to the first reference
-        picture's size, else 1024. ``sigmas`` is this family's own argument (``family_arguments``)."""
+        picture's size, else 1024. ``sigmas`` is this family's own argument (``family_arguments``). PipeFusion
+        (a mesh with pipefusion > 1): ``num_pipeline_patch``, ``warmup_steps``."""
         return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     def generate(self, request: GenerationRequest) -> GenerationOutput:
