@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from converters import flux2 as flux2_converters
+from jaxdit.cache.hooks import ALL_CACHES
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.models import flux2
 from jaxdit.models.flux2_config import Flux2Config
@@ -36,6 +37,9 @@ PIXELS_PER_TOKEN = 16
 class Flux2Family(ModelFamily):
     name = "flux2"
     display = "FLUX.2"
+    # Its transformer has every hook of jaxdit.cache.hooks.CacheHooks (models/flux2_cache_hooks.py); TeaCache
+    # and MagCache take their numbers from the caller (none are published for FLUX.2).
+    caches = ALL_CACHES
     checkpoints = flux2_converters.CHECKPOINTS
     presets = {
         # The published defaults: 50 steps for dev (embedded guidance, no CFG), 4 for the distilled klein.
@@ -97,6 +101,13 @@ class Flux2Family(ModelFamily):
         warmup = 1 if request.warmup_steps is None else request.warmup_steps
         validate_pipefusion(parallel.pipefusion, patches, warmup, request.num_inference_steps)
         validate_patches(rows, cols, patches, parallel.sequence_degree)
+
+    def pipefusion_unsupported(self, workload: Any) -> str | None:
+        # The runner and its adapter take dev's guidance input (pipefusion/flux2.py), but the programs
+        # are lowered through the family's pipeline, and the klein pipeline prepares no guidance.
+        if workload.model.guidance_embeds:
+            return "FLUX.2 [dev] has no jaxdit pipeline yet to prepare its PipeFusion programs"
+        return None
 
     def size_multiple(self, folder: ModelFolder | None) -> int:
         """The VAE's factor (2 per level after the first: 8 for FLUX.2's) x the 2x2 patches."""

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import partitioning
 from jaxdit.models.flux2_blocks import DoubleStreamBlock, SingleStreamBlock
+from jaxdit.models.flux2_cache_hooks import Flux2CacheHooks
 from jaxdit.models.flux2_config import IMAGE, REFERENCE, TEXT, Flux2Config
 from jaxdit.models.flux_blocks import _fp32_out, _stack
 from jaxdit.models.layers import Linear, layer_norm, rope_angles, timestep_embedding
@@ -78,12 +79,12 @@ def _modulation(e: int, sets: int, *, dtype: Any, rngs: nnx.Rngs) -> Linear:
     return Linear(e, 3 * sets * e, ("embed", "modulation"), rngs=rngs, dtype=dtype, bias=False)
 
 
-class Flux2Transformer(nnx.Module):
+class Flux2Transformer(Flux2CacheHooks, nnx.Module):
     """FLUX.2 transformer, a staged forward (``jaxdit.models.staged``): embed -> double blocks on the
     (text, image) streams -> single blocks on the joined stream -> final layer on the image tokens.
 
     Everything is the local view of one shard; ``__call__`` is the whole forward and :func:`sharded`
-    wraps it in ``shard_map``.
+    wraps it in ``shard_map``. The feature caches' hooks are ``flux2_cache_hooks``'.
     """
 
     STACKS = ("double_blocks", "single_blocks")
