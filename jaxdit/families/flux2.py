@@ -14,6 +14,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from converters import flux2 as flux2_converters
+from converters.lora import flux2 as flux2_lora
 from jaxdit.cache.hooks import ALL_CACHES
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.models import flux2
@@ -41,6 +42,7 @@ class Flux2Family(ModelFamily):
     # and MagCache take their numbers from the caller (none are published for FLUX.2).
     caches = ALL_CACHES
     checkpoints = flux2_converters.CHECKPOINTS
+    lora = flux2_lora.LORA
     presets = {
         # The published defaults: 50 steps for dev (embedded guidance, no CFG), 4 for the distilled klein.
         "flux2-dev": Preset(steps=50, height=1024, width=1024),
