@@ -174,12 +174,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             raise ValueError(
                 f"in_channels {c.in_channels} < out_channels {c.out_channels}: not a T2V/I2V model"
             )
-        self.hooks = TokenHooks(
-            model_input=lambda x, extras: jnp.concatenate(
-                [x, jnp.zeros((*x.shape[:-1], extra), x.dtype)], -1
-            ),
-            extra_features=extra,
-        )
+        self.hooks = self.token_hooks(extra)
         self.forward = self.plain_forward(hv.sharded, model, kernel)
         self.denoiser = self.denoiser_for(
             model,
@@ -190,7 +185,24 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             token_hooks=self.hooks,
         )
 
+    def token_hooks(self, extra: int) -> TokenHooks:
+        """Text-to-video: zero condition latents and a zero mask (``extra`` features) beside each token."""
+        return TokenHooks(
+            model_input=lambda x, extras: jnp.concatenate(
+                [x, jnp.zeros((*x.shape[:-1], extra), x.dtype)], -1
+            ),
+            extra_features=extra,
+        )
+
     # ------------------------------------------------------------------ builders
+    #: The diffusers pipeline classes ``from_pretrained`` reads.
+    folder_classes: Mapping[str, FolderClass] = FOLDER_CLASSES
+
+    @classmethod
+    def folder_extras(cls, folder: Any, vae: Any, device: Any, dtype: Any) -> dict[str, Any]:
+        """Builder arguments a subclass reads from the folder beside the shared ones (none here)."""
+        return {}
+
     @classmethod
     def from_pretrained(
         cls,
@@ -209,7 +221,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         default the first). Its heads, key table and guider are checked before any weight is read."""
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
-        folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
+        folder = open_diffusers_folder(Path(path), cls.folder_classes)
         where = DeviceMesh.of(parallel)
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         scale = read_guider(folder.root)
@@ -243,6 +255,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             temporal_factor=vae.config.temporal_compression_ratio,
             kernel=kernel,
             compiler_options=compiler_options,
+            **cls.folder_extras(folder, vae, encoder_device, dtype),
         )
 
     # ------------------------------------------------------------------ call
