@@ -21,7 +21,8 @@ The initial noise comes from the seed alone (host, fp32 ``default_rng(seed).stan
 [B, 32, (F - 1) / 4 + 1, H / 16, W / 16]), so the same seed gives the same video on every mesh.
 
 The text encoders (``text_encoders/hunyuan_video15_prompt``) run when the folder has them; otherwise
-calls take embeddings. Not here yet: image-to-video, PipeFusion, feature caches.
+calls take embeddings. Image to video: ``pipelines/hunyuan_video15_i2v.py``. Not here yet: PipeFusion,
+the feature caches but First-Block-Cache.
 """
 
 from __future__ import annotations
@@ -284,13 +285,14 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         output_type: str = "np",
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
+        cache: Any = None,
     ) -> GenerationOutput:
         """Generate videos, as diffusers' ``HunyuanVideo15Pipeline``: from prompts (the empty one as the
         negative by default) or embeddings; CFG runs when the scale (the folder guider's unless
         ``guidance_scale``) is not 1;
         ``sigmas``: the unshifted schedule (default ``linspace(1, 0, N + 1)[:-1]``); ``latents``: initial
         noise [B, 32, F', H/16, W/16] instead of the seed's. ``output_type``: np (frames [B, F, H, W, 3] in
-        [-1, 1]) or latent. The masks, glyph embeddings and ``sigmas`` are this family's own arguments."""
+        [-1, 1]) or latent. ``cache``: a feature cache (``jaxdit.cache.FirstBlockCache``). The masks, glyph embeddings and ``sigmas`` are this family's own arguments."""
         return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     # ------------------------------------------------------------------ family hook
