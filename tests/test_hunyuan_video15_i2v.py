@@ -130,3 +130,12 @@ def test_cli_refuses_another_size(i2v, tmp_path, capsys):
     assert cli.main([*argv, "--height", "32", "--width", "32", "--output", str(tmp_path / "x.mp4")]) == 2
     assert "size bucket 48x64" in capsys.readouterr().err
     assert not (tmp_path / "x.mp4").exists()
+
+
+def test_plan_prices_the_image_tokens():
+    from jaxdit.plan.workload import Workload
+
+    t2v, i2v = Workload.create("hunyuanvideo1.5-480p"), Workload.create("hunyuanvideo1.5-480p-i2v")
+    assert t2v.tokens == (31 * 30 * 53, 1000, 256)  # 121 frames of 480 x 848: (video, prompt, glyph)
+    assert i2v.tokens == (*t2v.tokens, 729)  # + the first frame's SigLIP tokens
+    assert i2v.family.name == "hunyuan-video15-i2v"

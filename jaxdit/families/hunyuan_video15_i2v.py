@@ -5,7 +5,9 @@ latents beside the noise, its SigLIP tokens as the image group) and folder class
 The I2V transformer has the T2V one's shapes, so a checkpoint alone cannot say which it is: a diffusers
 folder says so in ``model_index.json``. The video's size is the picture's size bucket (diffusers' call
 takes none), so ``jaxdit generate`` reads the picture's size before anything loads and refuses a
-``--height`` / ``--width`` that differs. Not here yet: presets for ``jaxdit plan``.
+``--height`` / ``--width`` that differs. ``jaxdit plan`` prices the presets (the released 480p / 720p
+I2V configs, a 16:9 picture's bucket, 121 frames) with the 729 SigLIP tokens; ``--verify`` is not here
+yet (the example request has no first frame).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from jaxdit.families.base import Preset
 from jaxdit.families.hunyuan_video15 import HunyuanVideo15Family
 from jaxdit.pipelines import hunyuan_video15_i2v as i2v
 
@@ -27,9 +30,19 @@ class HunyuanVideo15I2VFamily(HunyuanVideo15Family):
     name = "hunyuan-video15-i2v"
     display = "HunyuanVideo 1.5 I2V"
     variant_of = "hunyuan-video15"  # the T2V transformer's shapes: found by its folder, never by shape
-    presets = {}
+    presets = {
+        "hunyuanvideo1.5-480p-i2v": Preset(
+            steps=50, height=480, width=848, frames=121, branches=2, kind="hunyuan-video15-i2v"
+        ),
+        "hunyuanvideo1.5-720p-i2v": Preset(
+            steps=50, height=720, width=1280, frames=121, branches=2, kind="hunyuan-video15-i2v"
+        ),
+    }
     folder_classes = i2v.FOLDER_CLASSES
     pipeline_class = i2v.HunyuanVideo15ImageToVideoPipeline
+
+    def bare_pipeline(self, model: Any, mesh: Any, **options: Any) -> Any:
+        return i2v.HunyuanVideo15ImageToVideoPipeline(model, mesh, **options)
 
     def generate_defaults(self, request: Any) -> dict[str, Any]:
         """The guider's CFG scale, and the picture's size bucket as the height and width."""
@@ -50,7 +63,9 @@ class HunyuanVideo15I2VFamily(HunyuanVideo15Family):
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         super().check_generate(request, config, parallel)
-        r = request.request
+        r = getattr(request, "request", None)  # jaxdit generate's request behind the call's view
+        if r is None:
+            return
         if r.image is None:
             raise ValueError(f"{r.weights} is an image-to-video model: give --image (the first frame)")
         bucket = self.generate_defaults(r)
