@@ -22,7 +22,7 @@ from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_image_encoder
 from jaxdit.pipelines import hunyuan_video15_i2v as i2v_pipeline
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.hunyuan_video15_i2v import picture_size
-from jaxdit.pipelines.hunyuan_video15_image import SiglipProcessor, crop_to
+from jaxdit.pipelines.hunyuan_video15_image import SiglipProcessor, crop_to, rgb_pictures
 
 PROMPT = 'a cat walks on grass, sign reading "hello"'
 FRAMES, STEPS, SEED = 5, 3, 5
@@ -58,6 +58,7 @@ def test_picture_arithmetic_matches_diffusers(shape):
     assert size == tuple(processor.calculate_default_height_width(*shape, hf.TRANSFORMER["target_size"]))
     want_crop = np.asarray(processor.resize(Image.fromarray(picture), *size, resize_mode="crop"))
     got_crop = crop_to(picture, *size)
+    assert np.array_equal(rgb_pictures(Image.fromarray(picture).convert("RGBA")), picture[None])
     assert np.array_equal(got_crop, want_crop)
     want = parts["feature_extractor"].preprocess(images=Image.fromarray(got_crop), return_tensors="np")
     got = SiglipProcessor(parts["feature_extractor"].to_dict())(got_crop[None])

@@ -27,10 +27,9 @@ from jaxdit.models import hunyuan_video15 as hv
 from jaxdit.pipelines.base import GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import TokenHooks
 from jaxdit.pipelines.hunyuan_video15 import HunyuanVideo15Pipeline, default_size
-from jaxdit.pipelines.hunyuan_video15_image import FirstFrame, SiglipProcessor
+from jaxdit.pipelines.hunyuan_video15_image import FirstFrame, SiglipProcessor, rgb_pictures
 from jaxdit.pipelines.model_folder import FolderClass
 from jaxdit.pipelines.request import GenerationRequest
-from jaxdit.pipelines.wan_image import as_uint8_pictures
 
 __all__ = ["FOLDER_CLASSES", "HunyuanVideo15ImageToVideoPipeline", "picture_size"]
 
@@ -135,7 +134,7 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
         """The picture's size bucket as the height and width (a call giving others is refused)."""
         if request.image is None:
             raise ValueError("HunyuanVideo 1.5 image-to-video needs the first frame: pass image=")
-        pictures = as_uint8_pictures(request.image)
+        pictures = rgb_pictures(request.image)
         size = picture_size(pictures.shape[1:3], self.config.target_size, self.spatial_factor)
         given = (request.height, request.width)
         if given != (None, None) and given != size:
@@ -154,7 +153,7 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
         prepared = super().prepare(r)
         inputs = prepared.inputs
         batch = inputs.tokens.shape[0]
-        pictures = as_uint8_pictures(r.image)
+        pictures = rgb_pictures(r.image)
         if len(pictures) not in (1, batch):
             raise ValueError(f"{len(pictures)} first frames for {batch} videos: give one, or one per video")
         embeds, condition = self.first_frame(pictures, r.num_frames, r.height, r.width)

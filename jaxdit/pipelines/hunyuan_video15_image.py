@@ -28,7 +28,16 @@ import numpy as np
 
 from jaxdit.pipelines.wan_image import as_uint8_pictures
 
-__all__ = ["FirstFrame", "SiglipProcessor", "crop_to", "first_frame_condition"]
+__all__ = ["FirstFrame", "SiglipProcessor", "crop_to", "first_frame_condition", "rgb_pictures"]
+
+
+def rgb_pictures(image: Any) -> np.ndarray:
+    """A PIL image (any mode: converted to RGB, as diffusers' ``do_convert_rgb``), a list of them, or RGB
+    arrays [H, W, 3] / [B, H, W, 3] (uint8, or floats in [0, 1]) -> uint8 [B, H, W, 3]."""
+    items = image if isinstance(image, list | tuple) else [image]
+    if all(hasattr(p, "convert") for p in items):
+        image = np.stack([np.asarray(p.convert("RGB")) for p in items])
+    return as_uint8_pictures(image)
 
 
 def crop_to(picture: np.ndarray, height: int, width: int) -> np.ndarray:
@@ -118,7 +127,7 @@ class FirstFrame:
     def __call__(
         self, pictures: Any, num_frames: int, height: int, width: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        cropped = np.stack([crop_to(p, height, width) for p in as_uint8_pictures(pictures)])
+        cropped = np.stack([crop_to(p, height, width) for p in rgb_pictures(pictures)])
         embeds = np.asarray(self.image_encoder(self.processor(cropped)), np.float32)
         pixels = (cropped.astype(np.float32) / 255.0 * 2.0 - 1.0).transpose(0, 3, 1, 2)[:, :, None]
         latent = np.asarray(self.encode_pixels(pixels), np.float32) * self.scaling_factor
