@@ -41,6 +41,42 @@ def pipeline(encoders: dict | None = None):
     )
 
 
+#: The tiny SigLIP image encoder (width = the transformer's image_embed_dim) and its processor: 12 x 12
+#: pixels in 4 x 4 patches, 9 image tokens (padded on a 4-way sequence split).
+SIGLIP = dict(
+    hidden_size=12,
+    intermediate_size=20,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    image_size=12,
+    patch_size=4,
+)
+
+
+def image_components() -> dict:
+    """``image_encoder`` (a perturbed random ``SiglipVisionModel``) and ``feature_extractor``."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    torch.manual_seed(4)
+    encoder = SiglipVisionModel(SiglipVisionConfig(**SIGLIP)).eval()
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for p in encoder.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    size = {"height": SIGLIP["image_size"], "width": SIGLIP["image_size"]}
+    return dict(image_encoder=encoder, feature_extractor=SiglipImageProcessor(size=size))
+
+
+def save_i2v(folder: Path):
+    """The tiny ``HunyuanVideo15ImageToVideoPipeline`` (text encoders included) saved in ``folder``."""
+    from diffusers import HunyuanVideo15ImageToVideoPipeline
+
+    t2v = pipeline(text_encoders(folder.parent))
+    pipe = HunyuanVideo15ImageToVideoPipeline(**t2v.components, **image_components())
+    pipe.save_pretrained(folder)
+    return pipe
+
+
 def save(folder: Path, with_text: bool = False):
     """The tiny pipeline saved in ``folder`` (with its text encoders when ``with_text``); returns it."""
     pipe = pipeline(text_encoders(folder.parent) if with_text else None)

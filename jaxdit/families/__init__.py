@@ -24,6 +24,7 @@ from jaxdit.families.flux import FLUX
 from jaxdit.families.flux2 import FLUX2
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.hunyuan_video15 import HUNYUAN_VIDEO15
+from jaxdit.families.hunyuan_video15_i2v import HUNYUAN_VIDEO15_I2V
 from jaxdit.families.qwen_image import QWEN_IMAGE
 from jaxdit.families.qwen_image_edit import QWEN_IMAGE_EDIT
 from jaxdit.families.tiny_digits import TINY_DIGITS
@@ -79,6 +80,7 @@ register(Z_IMAGE)
 register(QWEN_IMAGE)
 register(QWEN_IMAGE_EDIT)  # a variant of Qwen-Image: found by its folder's pipeline class
 register(HUNYUAN_VIDEO15)
+register(HUNYUAN_VIDEO15_I2V)  # a variant of HunyuanVideo 1.5: found by its folder's pipeline class
 
 
 def get(name: str) -> ModelFamily:

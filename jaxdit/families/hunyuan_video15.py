@@ -4,7 +4,9 @@ Ties ``models/hunyuan_video15.py`` (the transformer), ``converters/hunyuan_video
 checkpoints) and ``pipelines/hunyuan_video15.py`` (text-to-video with the Qwen2.5-VL and ByT5 encoders and
 the causal VAE) together, and adds the diffusers call surface of the forward
 (:class:`HunyuanVideo15Forward`), the presets (480p and 720p at 121 frames, the model card's) and the cost
-terms ``jaxdit plan`` prices. Not yet: image-to-video, PipeFusion, feature caches, LoRA.
+terms ``jaxdit plan`` prices. Image to video is the variant family ``families/hunyuan_video15_i2v.py``;
+First-Block-Cache starts at the first dual-stream block. Not yet: PipeFusion, the other feature caches,
+LoRA.
 """
 
 from __future__ import annotations
@@ -95,6 +97,7 @@ class HunyuanVideo15Family(ModelFamily):
     folder_classes = FOLDER_CLASSES
     pipeline_class = HunyuanVideo15Pipeline
     staged_model = None  # no PipeFusion stage layout yet
+    caches = frozenset({"fbcache"})  # the transformer's cache_metric_stream; TeaCache/MagCache not yet
     makes_video = True
     fps = 24
     cfg_scale_argument = "guidance_scale"

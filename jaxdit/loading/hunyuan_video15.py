@@ -1,5 +1,6 @@
 """HunyuanVideo 1.5's VAE from a checkpoint (``converters/vae_hunyuan_video15.py``, filled through
-:func:`jaxdit.loading.vae.filled`) and its two text encoders from a pipeline folder."""
+:func:`jaxdit.loading.vae.filled`), its two text encoders and (image-to-video) its SigLIP image encoder
+from a pipeline folder."""
 
 from __future__ import annotations
 
@@ -10,14 +11,21 @@ from typing import Any
 import jax.numpy as jnp
 
 from converters import vae_hunyuan_video15
+from converters.siglip import open_siglip_vision
 from jaxdit.loading.decoder_lm import load_decoder_lm
-from jaxdit.loading.encoders import load_t5, load_tokenizer
+from jaxdit.loading.encoders import load_module, load_t5, load_tokenizer
 from jaxdit.loading.vae import filled
+from jaxdit.text_encoders import siglip
+from jaxdit.text_encoders.common import default_dtype, parameter_shapes, resolve_device
 from jaxdit.text_encoders.decoder_lm import DecoderLMRunner
 from jaxdit.text_encoders.hunyuan_video15_prompt import HunyuanVideo15PromptEncoder
 from jaxdit.vae.hunyuan_video15_vae import HunyuanVideo15VAE, abstract_vae
 
-__all__ = ["load_hunyuan_video15_prompt_encoder", "load_hunyuan_video15_vae"]
+__all__ = [
+    "load_hunyuan_video15_image_encoder",
+    "load_hunyuan_video15_prompt_encoder",
+    "load_hunyuan_video15_vae",
+]
 
 
 def load_hunyuan_video15_vae(path: str | os.PathLike[str], dtype: Any = jnp.float32) -> HunyuanVideo15VAE:
@@ -41,3 +49,13 @@ def load_hunyuan_video15_prompt_encoder(
         load_tokenizer(folder / "tokenizer_2"),
         byt5,
     )
+
+
+def load_hunyuan_video15_image_encoder(
+    path: str | os.PathLike[str], *, device: Any = None, dtype: Any = None
+) -> siglip.SiglipVisionModel:
+    """A transformers ``SiglipVisionModel`` folder (an I2V folder's ``image_encoder/``) on ``device``."""
+    opened = open_siglip_vision(path)
+    dtype = dtype if dtype is not None else default_dtype(opened.dtype)
+    model = siglip.abstract_vision_model(opened.config, dtype)
+    return load_module(model, opened.resolve(parameter_shapes(model)), resolve_device(device), dtype)

@@ -124,6 +124,9 @@ class HunyuanVideo15Transformer(nnx.Module):
     blocks (prompt tokens) -> dual-stream blocks (video, condition tokens) -> output layer on the video."""
 
     STACKS = ("refiner_blocks", "transformer_blocks")
+    #: Feature caches start at the first dual-stream block: the token refiner touches the prompt tokens
+    #: only, so the video stream's residual across it is zero (the refiner blocks run on every step).
+    CACHE_FROM = "transformer_blocks"
 
     def __init__(
         self, config: HunyuanVideo15Config, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None
@@ -193,6 +196,11 @@ class HunyuanVideo15Transformer(nnx.Module):
             prompt = block(prompt, cond.refiner_temb, ctx.group_attention(TEXT), ctx)
             return video, prompt, glyph, image
         return block(streams[0], streams[1], cond.temb, cond.angles, ctx)
+
+    def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """First-Block-Cache compares the video stream after the first dual-stream block (what
+        diffusers' block hook would read: the block's ``hidden_states``), and its real tokens."""
+        return streams[0], ctx.layout.split_after(ctx.token_valid(), VIDEO, axis=0)[0]
 
     def output(self, streams: Any, cond: HunyuanVideo15Cond, ctx: ShardContext) -> jax.Array:
         """The video tokens -> the prediction [B, N, out_channels * pt * ph * pw] (features (c, t, h, w))."""

@@ -21,7 +21,8 @@ The initial noise comes from the seed alone (host, fp32 ``default_rng(seed).stan
 [B, 32, (F - 1) / 4 + 1, H / 16, W / 16]), so the same seed gives the same video on every mesh.
 
 The text encoders (``text_encoders/hunyuan_video15_prompt``) run when the folder has them; otherwise
-calls take embeddings. Not here yet: image-to-video, PipeFusion, feature caches.
+calls take embeddings. Image to video: ``pipelines/hunyuan_video15_i2v.py``. Not here yet: PipeFusion,
+the feature caches but First-Block-Cache.
 """
 
 from __future__ import annotations
@@ -174,12 +175,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             raise ValueError(
                 f"in_channels {c.in_channels} < out_channels {c.out_channels}: not a T2V/I2V model"
             )
-        self.hooks = TokenHooks(
-            model_input=lambda x, extras: jnp.concatenate(
-                [x, jnp.zeros((*x.shape[:-1], extra), x.dtype)], -1
-            ),
-            extra_features=extra,
-        )
+        self.hooks = self.token_hooks(extra)
         self.forward = self.plain_forward(hv.sharded, model, kernel)
         self.denoiser = self.denoiser_for(
             model,
@@ -190,7 +186,24 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             token_hooks=self.hooks,
         )
 
+    def token_hooks(self, extra: int) -> TokenHooks:
+        """Text-to-video: zero condition latents and a zero mask (``extra`` features) beside each token."""
+        return TokenHooks(
+            model_input=lambda x, extras: jnp.concatenate(
+                [x, jnp.zeros((*x.shape[:-1], extra), x.dtype)], -1
+            ),
+            extra_features=extra,
+        )
+
     # ------------------------------------------------------------------ builders
+    #: The diffusers pipeline classes ``from_pretrained`` reads.
+    folder_classes: Mapping[str, FolderClass] = FOLDER_CLASSES
+
+    @classmethod
+    def folder_extras(cls, folder: Any, vae: Any, device: Any, dtype: Any) -> dict[str, Any]:
+        """Builder arguments a subclass reads from the folder beside the shared ones (none here)."""
+        return {}
+
     @classmethod
     def from_pretrained(
         cls,
@@ -209,7 +222,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         default the first). Its heads, key table and guider are checked before any weight is read."""
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
-        folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
+        folder = open_diffusers_folder(Path(path), cls.folder_classes)
         where = DeviceMesh.of(parallel)
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         scale = read_guider(folder.root)
@@ -243,6 +256,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             temporal_factor=vae.config.temporal_compression_ratio,
             kernel=kernel,
             compiler_options=compiler_options,
+            **cls.folder_extras(folder, vae, encoder_device, dtype),
         )
 
     # ------------------------------------------------------------------ call
@@ -271,13 +285,14 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         output_type: str = "np",
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
+        cache: Any = None,
     ) -> GenerationOutput:
         """Generate videos, as diffusers' ``HunyuanVideo15Pipeline``: from prompts (the empty one as the
         negative by default) or embeddings; CFG runs when the scale (the folder guider's unless
         ``guidance_scale``) is not 1;
         ``sigmas``: the unshifted schedule (default ``linspace(1, 0, N + 1)[:-1]``); ``latents``: initial
         noise [B, 32, F', H/16, W/16] instead of the seed's. ``output_type``: np (frames [B, F, H, W, 3] in
-        [-1, 1]) or latent. The masks, glyph embeddings and ``sigmas`` are this family's own arguments."""
+        [-1, 1]) or latent. ``cache``: a feature cache (``jaxdit.cache.FirstBlockCache``). The masks, glyph embeddings and ``sigmas`` are this family's own arguments."""
         return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     # ------------------------------------------------------------------ family hook

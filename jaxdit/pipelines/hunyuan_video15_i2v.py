@@ -1,0 +1,173 @@
+"""Image-to-video sampling with a HunyuanVideo 1.5 transformer on a mesh (diffusers'
+``HunyuanVideo15ImageToVideoPipeline`` call, ``pipelines/hunyuan_video1_5/
+pipeline_hunyuan_video1_5_image2video.py``).
+
+The text-to-video pipeline's loop, prompts, guidance and decoding (``pipelines/hunyuan_video15.py``),
+with the first frame as conditioning (``pipelines/hunyuan_video15_image.py``): its latents and mask as
+the transformer's condition channels beside every noisy token (per-token extras of the loop, so they are
+sharded with the tokens), its SigLIP tokens as the image token group (the same for both CFG branches).
+As diffusers, the video's size is the picture's size bucket, not a call argument: a call that gives
+another height or width is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_image_encoder
+from jaxdit.models import hunyuan_video15 as hv
+from jaxdit.pipelines.base import GenerationOutput, Prepared
+from jaxdit.pipelines.denoiser import TokenHooks
+from jaxdit.pipelines.hunyuan_video15 import HunyuanVideo15Pipeline, default_size
+from jaxdit.pipelines.hunyuan_video15_image import FirstFrame, SiglipProcessor, rgb_pictures
+from jaxdit.pipelines.model_folder import FolderClass
+from jaxdit.pipelines.request import GenerationRequest
+
+__all__ = ["FOLDER_CLASSES", "HunyuanVideo15ImageToVideoPipeline", "picture_size"]
+
+FOLDER_CLASSES = {
+    "HunyuanVideo15ImageToVideoPipeline": FolderClass(
+        "hunyuan-video15-i2v",
+        "hunyuan-video15-i2v",
+        ("transformer", "vae", "scheduler", "guider", "image_encoder", "feature_extractor"),
+        optional=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"),
+        takes_image=True,
+        classes={
+            "transformer": ("HunyuanVideo15Transformer3DModel",),
+            "vae": ("AutoencoderKLHunyuanVideo15",),
+            "image_encoder": ("SiglipVisionModel",),
+        },
+    )
+}
+
+
+def picture_size(picture_hw: tuple[int, int], target_size: int, spatial: int = 16) -> tuple[int, int]:
+    """(height, width) diffusers draws a picture of (height, width) ``picture_hw`` at: its size bucket."""
+    h, w = picture_hw
+    return default_size(target_size, spatial, aspect=(w, h))
+
+
+class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
+    """:class:`HunyuanVideo15Pipeline` with a first frame.
+
+    Args (beyond the text-to-video pipeline's):
+      first_frame: ``(pictures, num_frames, height, width) -> (image_embeds, condition)``
+        (:class:`~jaxdit.pipelines.hunyuan_video15_image.FirstFrame`).
+    """
+
+    folder_classes = FOLDER_CLASSES
+
+    def __init__(self, model: Any, mesh: Any, *, first_frame: Any = None, **options: Any) -> None:
+        super().__init__(model, mesh, **options)
+        self.first_frame = first_frame
+        self.default_size = None  # the picture's size bucket, per call
+
+    def token_hooks(self, extra: int) -> TokenHooks:
+        """The first frame's latents and mask (the per-token extras ``condition``) beside each token."""
+        return TokenHooks(
+            model_input=lambda x, extras: jnp.concatenate([x, extras["condition"].astype(x.dtype)], -1),
+            extra_features=extra,
+        )
+
+    @classmethod
+    def folder_extras(cls, folder: Any, vae: Any, device: Any, dtype: Any) -> dict[str, Any]:
+        """The VAE's encoder and the SigLIP encoder with its processor settings, on the encoders' device."""
+        graphdef, state = nnx.split(vae)
+        encode_fn = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x))
+        vae_dtype = jax.tree.leaves(state)[0].dtype
+        siglip = load_hunyuan_video15_image_encoder(folder["image_encoder"], device=device, dtype=dtype)
+        sg, ss = nnx.split(siglip)
+        siglip_fn = jax.jit(lambda s, px: nnx.merge(sg, s)(px))
+        (where,) = {d for leaf in jax.tree.leaves(ss) for d in leaf.devices()}
+        first_frame = FirstFrame(
+            encode_pixels=lambda px: np.asarray(encode_fn(state, jnp.asarray(px, vae_dtype)), np.float32),
+            image_encoder=lambda px: np.asarray(siglip_fn(ss, jax.device_put(px, where)), np.float32),
+            processor=SiglipProcessor.from_folder(Path(folder["feature_extractor"])),
+            scaling_factor=vae.config.scaling_factor,
+            temporal=vae.config.temporal_compression_ratio,
+        )
+        return {"first_frame": first_frame}
+
+    # ------------------------------------------------------------------ call
+    def __call__(
+        self,
+        image: Any = None,
+        prompt: str | Sequence[str] | None = None,
+        *,
+        negative_prompt: str | Sequence[str] | None = None,
+        height: int | None = None,
+        width: int | None = None,
+        num_frames: int = 121,
+        num_inference_steps: int = 50,
+        sigmas: Sequence[float] | None = None,
+        guidance_scale: float | None = None,
+        num_images_per_prompt: int = 1,
+        seed: int = 0,
+        latents: np.ndarray | None = None,
+        prompt_embeds: np.ndarray | None = None,
+        prompt_embeds_mask: np.ndarray | None = None,
+        prompt_embeds_2: np.ndarray | None = None,
+        prompt_embeds_mask_2: np.ndarray | None = None,
+        negative_prompt_embeds: np.ndarray | None = None,
+        negative_prompt_embeds_mask: np.ndarray | None = None,
+        negative_prompt_embeds_2: np.ndarray | None = None,
+        negative_prompt_embeds_mask_2: np.ndarray | None = None,
+        output_type: str = "np",
+        progress: bool = True,
+        callback: Callable[[int, int], bool | None] | None = None,
+        cache: Any = None,
+    ) -> GenerationOutput:
+        """As :meth:`HunyuanVideo15Pipeline.__call__` with the first frame ``image`` (a PIL image or an RGB
+        array [H, W, 3], uint8 or floats in [0, 1]; one for every video, or one per video). The size is
+        the picture's bucket (diffusers' call takes none): ``height`` / ``width``, if given, must be it."""
+        return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
+
+    def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
+        """The picture's size bucket as the height and width (a call giving others is refused)."""
+        if request.image is None:
+            raise ValueError("HunyuanVideo 1.5 image-to-video needs the first frame: pass image=")
+        pictures = rgb_pictures(request.image)
+        size = picture_size(pictures.shape[1:3], self.config.target_size, self.spatial_factor)
+        given = (request.height, request.width)
+        if given != (None, None) and given != size:
+            raise ValueError(
+                f"HunyuanVideo 1.5 image-to-video draws at the picture's size bucket {size[0]}x{size[1]} "
+                f"(a {pictures.shape[1]}x{pictures.shape[2]} picture, target size {self.config.target_size}); "
+                f"height x width {given[0]}x{given[1]} cannot be asked for"
+            )
+        return super().with_defaults(request.replace(height=size[0], width=size[1]))
+
+    def prepare(self, r: GenerationRequest) -> Prepared:
+        if self.first_frame is None:
+            raise ValueError(
+                "this pipeline has no VAE encoder and image encoder (from_pretrained builds them)"
+            )
+        prepared = super().prepare(r)
+        inputs = prepared.inputs
+        batch = inputs.tokens.shape[0]
+        pictures = rgb_pictures(r.image)
+        if len(pictures) not in (1, batch):
+            raise ValueError(f"{len(pictures)} first frames for {batch} videos: give one, or one per video")
+        embeds, condition = self.first_frame(pictures, r.num_frames, r.height, r.width)
+        if len(pictures) == 1 and batch > 1:
+            embeds, condition = np.repeat(embeds, batch, 0), np.repeat(condition, batch, 0)
+        c = self.config
+        if embeds.shape[-1] != c.image_embed_dim:
+            raise ValueError(
+                f"the image encoder gives {embeds.shape[-1]}-wide tokens; the transformer takes {c.image_embed_dim}"
+            )
+        mask = np.ones(embeds.shape[:2], bool)
+        context = dict(inputs.context)
+        context["image_embeds"] = self.branches(embeds, embeds) if inputs.cfg else embeds
+        context["image_embeds_mask"] = self.branches(mask, mask) if inputs.cfg else mask
+        tokens = np.asarray(hv.patchify(condition, c, c.in_channels - c.out_channels), np.float32)
+        inputs = dataclasses.replace(inputs, context=context, extras={"condition": tokens})
+        return Prepared(inputs, prepared.to_latents)

@@ -1,0 +1,142 @@
+"""HunyuanVideo 1.5 image-to-video: the SigLIP image encoder against transformers' ``SiglipVisionModel``,
+the picture arithmetic (size bucket, crop, SigLIP processor) against diffusers' and transformers', and the
+tiny ``HunyuanVideo15ImageToVideoPipeline`` folder saved by diffusers (``hunyuan_video15_folder.py``) from
+a prompt and a first frame to an MP4 through ``jaxdit generate`` on ulysses2 x ring2 and cfg2 x ulysses2
+(4 emulated devices), against diffusers running the reloaded folder with the project's noise (numpy
+``default_rng(seed).standard_normal`` of [1, 4, F', H/16, W/16]); diffusers' reference is computed once."""
+
+from __future__ import annotations
+
+import av
+import hunyuan_video15_folder as hf
+import jax
+import numpy as np
+import pytest
+import tolerance as tol
+import torch
+from PIL import Image
+
+from jaxdit import cli
+from jaxdit import generate as generate_module
+from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_image_encoder
+from jaxdit.pipelines import hunyuan_video15_i2v as i2v_pipeline
+from jaxdit.pipelines import latents as latent_ops
+from jaxdit.pipelines.hunyuan_video15_i2v import picture_size
+from jaxdit.pipelines.hunyuan_video15_image import SiglipProcessor, crop_to, rgb_pictures
+
+PROMPT = 'a cat walks on grass, sign reading "hello"'
+FRAMES, STEPS, SEED = 5, 3, 5
+PICTURE = (40, 56)  # height, width: bucketed to 48 x 64 at the tiny transformer's target size 64
+FAST = {"xla_backend_optimization_level": 0}
+
+
+def _picture(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (*PICTURE, 3), dtype=np.uint8)
+
+
+def test_siglip_matches_transformers(tmp_path):
+    parts = hf.image_components()
+    parts["image_encoder"].save_pretrained(tmp_path / "image_encoder")
+    model = load_hunyuan_video15_image_encoder(tmp_path / "image_encoder")
+    s = hf.SIGLIP["image_size"]
+    pixels = np.random.default_rng(1).uniform(-1, 1, (2, 3, s, s)).astype(np.float32)
+    with torch.no_grad():
+        want = parts["image_encoder"](pixel_values=torch.from_numpy(pixels)).last_hidden_state.numpy()
+    got = np.asarray(jax.jit(lambda x: model(x))(pixels))
+    assert got.shape == want.shape == (2, (s // hf.SIGLIP["patch_size"]) ** 2, hf.SIGLIP["hidden_size"])
+    tol.check(got, want, tol.TORCH_FORWARD, "SigLIP vision last_hidden_state vs transformers")
+
+
+@pytest.mark.parametrize("shape", [PICTURE, (64, 30), (50, 50)])
+def test_picture_arithmetic_matches_diffusers(shape):
+    from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+    parts = hf.image_components()
+    processor = HunyuanVideo15ImageProcessor(vae_scale_factor=16, do_resize=False, do_convert_rgb=True)
+    picture = np.random.default_rng(2).integers(0, 256, (*shape, 3), dtype=np.uint8)
+    size = picture_size(shape, hf.TRANSFORMER["target_size"])
+    assert size == tuple(processor.calculate_default_height_width(*shape, hf.TRANSFORMER["target_size"]))
+    want_crop = np.asarray(processor.resize(Image.fromarray(picture), *size, resize_mode="crop"))
+    got_crop = crop_to(picture, *size)
+    assert np.array_equal(rgb_pictures(Image.fromarray(picture).convert("RGBA")), picture[None])
+    assert np.array_equal(got_crop, want_crop)
+    want = parts["feature_extractor"].preprocess(images=Image.fromarray(got_crop), return_tensors="np")
+    got = SiglipProcessor(parts["feature_extractor"].to_dict())(got_crop[None])
+    tol.check(got, want["pixel_values"], tol.ROUNDING, "SigLIP processor pixel values vs transformers")
+
+
+@pytest.fixture(scope="module")
+def i2v(tmp_path_factory):
+    """The folder, the first frame's file, and diffusers' final latents and frames."""
+    import diffusers
+
+    root = tmp_path_factory.mktemp("hy-i2v")
+    folder = root / "HunyuanVideo-1.5-i2v-tiny"
+    hf.save_i2v(folder)
+    picture = root / "first.png"
+    Image.fromarray(_picture()).save(picture)
+    pipe = diffusers.HunyuanVideo15ImageToVideoPipeline.from_pretrained(folder)
+    h, w = picture_size(PICTURE, hf.TRANSFORMER["target_size"])
+    noise = latent_ops.initial_noise(SEED, (1, 4, (FRAMES - 1) // 4 + 1, h // 16, w // 16))
+    with torch.no_grad():
+        latents = pipe(
+            image=Image.open(picture),
+            prompt=PROMPT,
+            num_frames=FRAMES,
+            num_inference_steps=STEPS,
+            latents=torch.from_numpy(noise),
+            output_type="latent",
+        ).frames
+        video = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        frames = pipe.video_processor.postprocess_video(video, output_type="np")
+    return folder, picture, latents.numpy(), frames, (h, w)
+
+
+@pytest.mark.parametrize(
+    "mesh", [("--ulysses_degree", "2", "--ring_degree", "2"), ("--use_cfg_parallel", "--ulysses_degree", "2")]
+)
+def test_cli_image_to_mp4_matches_diffusers(i2v, mesh, monkeypatch, tmp_path):
+    folder, picture, want_latents, want_frames, (h, w) = i2v
+    seen, write = {}, generate_module.write
+
+    def capture(r, result):
+        seen["result"] = result
+        return write(r, result)
+
+    monkeypatch.setattr(generate_module, "write", capture)
+    pipeline = i2v_pipeline.HunyuanVideo15ImageToVideoPipeline
+    loads = pipeline.from_pretrained.__func__
+
+    def quick(cls, *args, **kwargs):  # XLA's backend optimisations off: compiles in a fraction of the time
+        return loads(cls, *args, **{**kwargs, "compiler_options": FAST})
+
+    monkeypatch.setattr(pipeline, "from_pretrained", classmethod(quick))
+    out = tmp_path / "hy.mp4"
+    argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--image", str(picture)]
+    argv += ["--num_frames", str(FRAMES), "--steps", str(STEPS), "--seed", str(SEED), *mesh]
+    assert cli.main([*argv, "--output", str(out)]) == 0
+    result, label = seen["result"], " ".join(mesh)
+    tol.check(result.latents, want_latents, tol.TORCH_LOOP, f"jaxdit generate i2v {label}: final latents")
+    frames = np.clip((np.asarray(result.images) + 1) / 2, 0, 1)
+    assert frames.shape == want_frames.shape == (1, FRAMES, h, w, 3)
+    tol.check(frames, want_frames, tol.PIXELS["hunyuanvideo1.5_i2v"], f"jaxdit generate i2v {label}: frames")
+    with av.open(str(out)) as container:
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert (len(decoded), *decoded[0].shape) == (FRAMES, h, w, 3)
+
+
+def test_cli_refuses_another_size(i2v, tmp_path, capsys):
+    folder, picture, *_ = i2v
+    argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--image", str(picture)]
+    assert cli.main([*argv, "--height", "32", "--width", "32", "--output", str(tmp_path / "x.mp4")]) == 2
+    assert "size bucket 48x64" in capsys.readouterr().err
+    assert not (tmp_path / "x.mp4").exists()
+
+
+def test_plan_prices_the_image_tokens():
+    from jaxdit.plan.workload import Workload
+
+    t2v, i2v = Workload.create("hunyuanvideo1.5-480p"), Workload.create("hunyuanvideo1.5-480p-i2v")
+    assert t2v.tokens == (31 * 30 * 53, 1000, 256)  # 121 frames of 480 x 848: (video, prompt, glyph)
+    assert i2v.tokens == (*t2v.tokens, 729)  # + the first frame's SigLIP tokens
+    assert i2v.family.name == "hunyuan-video15-i2v"
