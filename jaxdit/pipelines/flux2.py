@@ -100,6 +100,13 @@ class Flux2KleinPipeline(DiffusionPipeline):
     default_size = (1024, 1024)  # diffusers: default_sample_size 128 x the VAE's 8
     checkpoints = CHECKPOINTS
     staged_model = None
+    folder_classes = FOLDER_CLASSES
+    #: Whether the transformer embeds a guidance scale (dev) or not (klein), and what a wrong one is told.
+    embeds_guidance = False
+    wrong_transformer = (
+        "this FLUX.2 transformer embeds a guidance scale (FLUX.2 [dev]): run it with Flux2Pipeline; "
+        "Flux2KleinPipeline runs klein transformers (guidance_embeds=False)"
+    )
 
     def __init__(
         self,
@@ -119,11 +126,8 @@ class Flux2KleinPipeline(DiffusionPipeline):
         super().__init__(mesh, encode=encode, decode=decode)
         self.model = model
         self.config: Flux2Config = model.config
-        if self.config.guidance_embeds:
-            raise ValueError(
-                "this FLUX.2 transformer embeds a guidance scale (FLUX.2 [dev]); Flux2KleinPipeline runs "
-                "klein transformers (guidance_embeds=False)"
-            )
+        if bool(self.config.guidance_embeds) != self.embeds_guidance:
+            raise ValueError(self.wrong_transformer)
         self.scheduler = scheduler or DEFAULT_SCHEDULER
         self.sampler = EulerSampler(self.scheduler)
         self.is_distilled = bool(is_distilled)
@@ -149,19 +153,16 @@ class Flux2KleinPipeline(DiffusionPipeline):
         """A diffusers ``Flux2KleinPipeline`` folder (distilled or base) on the mesh of ``parallel``: the
         transformer sharded over it, the Qwen3 encoder on the first device, the VAE encoding and decoding
         row-parallel over the mesh. Heads and the key table are checked before anything is read."""
-        from transformers import AutoTokenizer
-
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
-        folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
+        folder = open_diffusers_folder(Path(path), cls.folder_classes)
         where = DeviceMesh.of(parallel)
         mesh = where.mesh
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         dtype = as_dtype(dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder["tokenizer"])
-        encoder = Flux2KleinPromptEncoder(
-            tokenizer, DecoderLMRunner(load_decoder_lm(folder["text_encoder"], dtype=dtype))
-        )
+        # The text encoder on the first device, as klein's is (its features are computed once per prompt).
+        runner = DecoderLMRunner(load_decoder_lm(folder["text_encoder"], dtype=dtype))
+        encoder = cls.prompt_encoder(Path(folder["tokenizer"]), runner)
         vae = load_flux2_vae(folder["vae"], dtype=dtype)
         model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=None)
         mean, std = vae.mean[None, :, None, None], vae.std[None, :, None, None]
@@ -185,7 +186,7 @@ class Flux2KleinPipeline(DiffusionPipeline):
             model,
             where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
-            is_distilled=bool(folder.index.get("is_distilled", False)),
+            is_distilled=cls.one_branch(folder.index),
             encode=encoder,
             encode_image=encode_image,
             decode=decode,
@@ -194,6 +195,18 @@ class Flux2KleinPipeline(DiffusionPipeline):
             kernel=kernel,
             compiler_options=compiler_options,
         )
+
+    @classmethod
+    def prompt_encoder(cls, tokenizer: Path, runner: DecoderLMRunner) -> Callable[..., np.ndarray]:
+        """The folder's prompt path: klein's Qwen3 chat turn (the tokenizer's own template)."""
+        from transformers import AutoTokenizer
+
+        return Flux2KleinPromptEncoder(AutoTokenizer.from_pretrained(tokenizer), runner)
+
+    @classmethod
+    def one_branch(cls, index: dict) -> bool:
+        """Whether the folder's model runs without CFG: a distilled klein (``is_distilled``)."""
+        return bool(index.get("is_distilled", False))
 
     def __call__(
         self,
