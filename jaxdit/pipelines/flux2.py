@@ -149,10 +149,20 @@ class Flux2KleinPipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        offload_encoders: bool = False,
+        encoder_on_mesh: bool = False,
     ) -> Flux2KleinPipeline:
-        """A diffusers ``Flux2KleinPipeline`` folder (distilled or base) on the mesh of ``parallel``: the
-        transformer sharded over it, the Qwen3 encoder on the first device, the VAE encoding and decoding
-        row-parallel over the mesh. Heads and the key table are checked before anything is read."""
+        """A diffusers ``Flux2KleinPipeline`` folder (distilled or base; dev's ``Flux2Pipeline`` for that
+        class) on the mesh of ``parallel``: the transformer sharded over it, the VAE encoding and decoding
+        row-parallel over the mesh. Heads and the key table are checked before anything is read.
+
+        The text encoder (Qwen3 for klein, Mistral3 for dev) runs once per prompt, before the loop: by
+        default on the first device; ``offload_encoders``: there too, its weights waiting in host memory
+        between prompts (the device holds none of it while the transformer runs); ``encoder_on_mesh``:
+        sharded over the mesh instead, heads and MLP split over ``tensor`` (the decoder-LM rule table) and
+        the prompt's tokens over the sequence axes."""
+        if offload_encoders and encoder_on_mesh:
+            raise ValueError("offload_encoders keeps the text encoder on one device; encoder_on_mesh shards it")
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), cls.folder_classes)
@@ -160,8 +170,12 @@ class Flux2KleinPipeline(DiffusionPipeline):
         mesh = where.mesh
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         dtype = as_dtype(dtype)
-        # The text encoder on the first device, as klein's is (its features are computed once per prompt).
-        runner = DecoderLMRunner(load_decoder_lm(folder["text_encoder"], dtype=dtype))
+        if encoder_on_mesh:
+            lm = load_decoder_lm(folder["text_encoder"], mesh=mesh, dtype=dtype)
+            runner = DecoderLMRunner(lm, mesh)
+        else:
+            lm = load_decoder_lm(folder["text_encoder"], dtype=dtype)
+            runner = DecoderLMRunner(lm, offload=offload_encoders)
         encoder = cls.prompt_encoder(Path(folder["tokenizer"]), runner)
         vae = load_flux2_vae(folder["vae"], dtype=dtype)
         model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=None)
