@@ -4,8 +4,8 @@ batch, every token kept (padding included, as the FLUX.2 pipelines keep it).
 - klein: Qwen3 layers 9, 18, 27 (the whole prompt path, tokenizer and chat template included, is the
   CLI test's, ``tests/test_flux2_cli.py``);
 - dev: Mistral Small 3.1's text decoder inside ``Mistral3ForConditionalGeneration``, layers 10, 20, 30,
-  from token ids (jaxdit has no FLUX.2 [dev] pipeline, so its Pixtral processor and system-prompt
-  template are not exercised here).
+  from token ids (the processor, system message and template are the dev CLI test's,
+  ``tests/test_flux2_dev_cli.py``).
 """
 
 from __future__ import annotations

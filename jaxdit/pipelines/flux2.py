@@ -162,7 +162,9 @@ class Flux2KleinPipeline(DiffusionPipeline):
         sharded over the mesh instead, heads and MLP split over ``tensor`` (the decoder-LM rule table) and
         the prompt's tokens over the sequence axes."""
         if offload_encoders and encoder_on_mesh:
-            raise ValueError("offload_encoders keeps the text encoder on one device; encoder_on_mesh shards it")
+            raise ValueError(
+                "offload_encoders keeps the text encoder on one device; encoder_on_mesh shards it"
+            )
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), cls.folder_classes)
