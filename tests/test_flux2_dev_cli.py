@@ -18,6 +18,8 @@ PNG it wrote.
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import flux2_dev_tiny as tiny
 import numpy as np
@@ -137,4 +139,16 @@ def test_cli_refuses_a_second_branch_in_one_line(folder, tmp_path, capsys, flags
     assert cli.main([*_argv(folder[0], *flags), "--output", str(out)]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "FLUX.2 [dev] is guidance-distilled" in err[-1] and flags[0] in err[-1], err
+    assert not out.exists()
+
+
+def test_cli_refuses_a_klein_transformer_in_a_dev_folder(folder, tmp_path, capsys):
+    """Told from the transformer's config.json, before any weight is read."""
+    wrong = shutil.copytree(folder[0], tmp_path / "wrong")
+    config = json.loads((wrong / "transformer" / "config.json").read_text())
+    (wrong / "transformer" / "config.json").write_text(json.dumps({**config, "guidance_embeds": False}))
+    out = tmp_path / "never.png"
+    assert cli.main([*_argv(wrong), "--output", str(out)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "this FLUX.2 transformer has no guidance embedding" in err[-1], err
     assert not out.exists()

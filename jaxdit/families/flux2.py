@@ -51,6 +51,13 @@ class Flux2Family(ModelFamily):
     def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
         return Flux2KleinPipeline(model, mesh, **options)
 
+    def check_folder(self, folder: ModelFolder) -> None:
+        """The folder's transformer against its pipeline class (dev's embeds a guidance scale, klein's
+        does not), from its config.json before any weight is read."""
+        config = read_json(folder["transformer"] / "config.json")
+        if bool(config.get("guidance_embeds", True)) != self.pipeline_class.embeds_guidance:
+            raise ValueError(f"{folder.root.name}: {self.pipeline_class.wrong_transformer}")
+
     def image_input(self, folder: ModelFolder) -> str:
         return "several"  # text-to-image, or editing with one or more reference pictures
 
