@@ -1,5 +1,5 @@
-"""FLUX.2's text features against transformers, per encoder: stacked hidden states of a right-padded
-batch, every token kept (padding included, as the FLUX.2 pipelines keep it).
+"""FLUX.2's text features against transformers, per encoder: stacked hidden states of a batch padded on
+the right and on the left, every token kept (padding included, as the FLUX.2 pipelines keep it).
 
 - klein: Qwen3 layers 9, 18, 27 (the whole prompt path, tokenizer and chat template included, is the
   CLI test's, ``tests/test_flux2_cli.py``);
@@ -36,9 +36,10 @@ def _mistral3(layers: int):
 
 def _ids_and_mask():
     rng = np.random.default_rng(0)
-    ids = rng.integers(1, decoder_lm_tiny.TEXT["vocab_size"], (2, 12))
+    ids = rng.integers(1, decoder_lm_tiny.TEXT["vocab_size"], (3, 12))
     mask = np.ones_like(ids)
-    mask[1, 7:] = 0  # the second prompt padded on the right, as padding="max_length" pads
+    mask[1, 7:] = 0  # padded on the right, as padding="max_length" pads with padding_side="right"
+    mask[2, :4] = 0  # and on the left (a tokenizer with padding_side="left": the padding's rows see no key)
     return ids, mask
 
 
@@ -65,5 +66,5 @@ def test_stacked_features_match_transformers(tmp_path, name, build, layers):
     want = torch.stack([out.hidden_states[k] for k in layers], dim=1)
     b, n, length, e = want.shape
     want = want.permute(0, 2, 1, 3).reshape(b, length, n * e).numpy()
-    assert got.shape == want.shape == (2, 12, 3 * decoder_lm_tiny.TEXT["hidden_size"])
+    assert got.shape == want.shape == (3, 12, 3 * decoder_lm_tiny.TEXT["hidden_size"])
     tol.check(got, want, tol.TORCH_FORWARD, f"FLUX.2 {name} stacked text features vs transformers")
