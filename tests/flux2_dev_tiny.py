@@ -1,8 +1,9 @@
 """A tiny ``Flux2Pipeline`` (FLUX.2 [dev]) folder saved by diffusers: random weights, an offline processor.
 
-- text encoder: ``Mistral3ForConditionalGeneration`` from a tiny transformers config (31 text layers of
-  width 32, so diffusers' layers 10, 20 and 30 are all intermediate outputs, as in the 40-layer Mistral
-  Small 3.1; a one-layer Pixtral vision tower the prompt path never runs);
+- text encoder: ``Mistral3ForConditionalGeneration`` from a tiny transformers config (33 text layers of
+  width 32, so diffusers' layers 10, 20 and 30 are all intermediate outputs and jaxdit skips the last two
+  on load, as it skips 9 of the 40-layer Mistral Small 3.1; a one-layer Pixtral vision tower the prompt
+  path never runs);
 - tokenizer: Mistral Small 3.1's processor folder written directly (transformers' ``PixtralProcessor``
   cannot be built without torchvision): a word-level tokenizer trained offline with the ``tokenizers``
   library, with Mistral's control tokens and a post-processor that adds BOS, :data:`CHAT_TEMPLATE` in
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-ENCODER_LAYERS, ENCODER_WIDTH = 31, 32
+ENCODER_LAYERS, ENCODER_WIDTH = 33, 32
 VOCAB = 128
 CONTROL = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"]
 IMAGE_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]

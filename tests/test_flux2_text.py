@@ -4,7 +4,7 @@ the right and on the left, every token kept (padding included, as the FLUX.2 pip
 - klein: Qwen3 layers 9, 18, 27 (the whole prompt path, tokenizer and chat template included, is the
   CLI test's, ``tests/test_flux2_cli.py``);
 - dev: Mistral Small 3.1's text decoder inside ``Mistral3ForConditionalGeneration``, layers 10, 20, 30,
-  from token ids (the processor, system message and template are the dev CLI test's,
+  from token ids, the encoder read without its last two (of 33) layers (the processor, system message and template are the dev CLI test's,
   ``tests/test_flux2_dev_cli.py``).
 """
 
@@ -47,7 +47,7 @@ def _ids_and_mask():
     "name, build, layers",
     [
         ("klein", lambda: decoder_lm_tiny.qwen3(num_hidden_layers=28), HIDDEN_STATES),
-        ("dev", lambda: _mistral3(31), DEV_HIDDEN_STATES),
+        ("dev", lambda: _mistral3(33), DEV_HIDDEN_STATES),
     ],
     ids=["klein-qwen3", "dev-mistral3"],
 )
@@ -55,7 +55,11 @@ def test_stacked_features_match_transformers(tmp_path, name, build, layers):
     model = build()
     model.save_pretrained(tmp_path / "text_encoder")
     ids, mask = _ids_and_mask()
-    got = stacked_features(DecoderLMRunner(load_decoder_lm(tmp_path / "text_encoder")), ids, mask, layers)
+    # Read as the pipelines read it: only the layers up to the deepest stacked one, plus one.
+    keep = max(layers) + 1
+    lm = load_decoder_lm(tmp_path / "text_encoder", layers=keep)
+    assert lm.config.num_hidden_layers == min(keep, model.config.get_text_config().num_hidden_layers)
+    got = stacked_features(DecoderLMRunner(lm), ids, mask, layers)
     with torch.no_grad():
         out = model(
             input_ids=torch.from_numpy(ids),

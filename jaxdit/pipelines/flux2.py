@@ -50,7 +50,7 @@ from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
 from jaxdit.text_encoders.decoder_lm import DecoderLMRunner
-from jaxdit.text_encoders.flux2_prompt import MAX_SEQUENCE_LENGTH, Flux2KleinPromptEncoder
+from jaxdit.text_encoders.flux2_prompt import HIDDEN_STATES, MAX_SEQUENCE_LENGTH, Flux2KleinPromptEncoder
 
 __all__ = ["DEFAULT_SCHEDULER", "FOLDER_CLASSES", "Flux2KleinPipeline", "empirical_mu"]
 
@@ -101,6 +101,8 @@ class Flux2KleinPipeline(DiffusionPipeline):
     checkpoints = CHECKPOINTS
     staged_model = None
     folder_classes = FOLDER_CLASSES
+    #: The text encoder's hidden states the prompt features stack.
+    hidden_states = HIDDEN_STATES
     #: Whether the transformer embeds a guidance scale (dev) or not (klein), and what a wrong one is told.
     embeds_guidance = False
     wrong_transformer = (
@@ -172,11 +174,14 @@ class Flux2KleinPipeline(DiffusionPipeline):
         mesh = where.mesh
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         dtype = as_dtype(dtype)
+        # Only the layers up to the deepest one stacked are read (the later ones never run); one more
+        # is kept so that one stays an intermediate output (a decoder's last is its normed output).
+        layers = max(cls.hidden_states) + 1
         if encoder_on_mesh:
-            lm = load_decoder_lm(folder["text_encoder"], mesh=mesh, dtype=dtype)
+            lm = load_decoder_lm(folder["text_encoder"], mesh=mesh, dtype=dtype, layers=layers)
             runner = DecoderLMRunner(lm, mesh)
         else:
-            lm = load_decoder_lm(folder["text_encoder"], dtype=dtype)
+            lm = load_decoder_lm(folder["text_encoder"], dtype=dtype, layers=layers)
             runner = DecoderLMRunner(lm, offload=offload_encoders)
         encoder = cls.prompt_encoder(Path(folder["tokenizer"]), runner)
         vae = load_flux2_vae(folder["vae"], dtype=dtype)
@@ -217,7 +222,7 @@ class Flux2KleinPipeline(DiffusionPipeline):
         """The folder's prompt path: klein's Qwen3 chat turn (the tokenizer's own template)."""
         from transformers import AutoTokenizer
 
-        return Flux2KleinPromptEncoder(AutoTokenizer.from_pretrained(tokenizer), runner)
+        return Flux2KleinPromptEncoder(AutoTokenizer.from_pretrained(tokenizer), runner, cls.hidden_states)
 
     @classmethod
     def one_branch(cls, index: dict) -> bool:

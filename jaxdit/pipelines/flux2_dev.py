@@ -32,7 +32,7 @@ from jaxdit.pipelines.model_folder import FolderClass
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.text_encoders.decoder_lm import DecoderLMRunner
 from jaxdit.text_encoders.flux2_dev_prompt import Flux2DevPromptEncoder, processor_chat_template
-from jaxdit.text_encoders.flux2_prompt import MAX_SEQUENCE_LENGTH
+from jaxdit.text_encoders.flux2_prompt import DEV_HIDDEN_STATES, MAX_SEQUENCE_LENGTH
 
 __all__ = ["DISTILLED", "FOLDER_CLASSES", "Flux2Pipeline"]
 
@@ -61,6 +61,7 @@ class Flux2Pipeline(Flux2KleinPipeline):
     cfg_hint = DISTILLED
     folder_classes = FOLDER_CLASSES
     embeds_guidance = True
+    hidden_states = DEV_HIDDEN_STATES
     wrong_transformer = (
         "this FLUX.2 transformer has no guidance embedding (FLUX.2 [klein]): run it with "
         "Flux2KleinPipeline; Flux2Pipeline runs FLUX.2 [dev] (guidance_embeds=True)"
@@ -76,7 +77,8 @@ class Flux2Pipeline(Flux2KleinPipeline):
         from transformers import AutoTokenizer
 
         loaded = AutoTokenizer.from_pretrained(tokenizer)
-        return Flux2DevPromptEncoder(loaded, runner, processor_chat_template(tokenizer, loaded))
+        template = processor_chat_template(tokenizer, loaded)
+        return Flux2DevPromptEncoder(loaded, runner, template, cls.hidden_states)
 
     @classmethod
     def one_branch(cls, index: dict) -> bool:
