@@ -141,11 +141,15 @@ def _sized(files: Any, base: DecoderLMConfig, head_dim: int) -> DecoderLMConfig:
 
 
 def open_decoder_lm(
-    path: str | os.PathLike[str], config: DecoderLMConfig | None = None
+    path: str | os.PathLike[str], config: DecoderLMConfig | None = None, *, layers: int | None = None
 ) -> DecoderLMCheckpoint:
     """Open a transformers text-encoder folder, or one ``.safetensors`` file when ``config`` is given
     (headers only). ``config`` overrides the folder's ``config.json`` (its shapes are still checked
-    against every tensor)."""
+    against every tensor). ``layers``: keep only the first ``layers`` decoder layers (an encoder whose
+    features are intermediate hidden states never runs the later ones); their tensors are recognised
+    and skipped, and the config says ``layers``."""
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
     folder = Path(path)
     if folder.is_file() and folder.suffix == ".safetensors":
         if config is None:
@@ -168,6 +172,10 @@ def open_decoder_lm(
     keys = list(files.keys())
     prefix = _text_prefix(files)
     skipped = _skipped(keys)
+    if layers is not None and layers < config.num_hidden_layers:
+        later = tuple(f"{prefix}layers.{i}." for i in range(layers, config.num_hidden_layers))
+        skipped[f"layers {layers}.."] = [k for k in keys if k.startswith(later)]
+        config = dataclasses.replace(config, num_hidden_layers=layers)
     dropped = {k for group in skipped.values() for k in group}
     return DecoderLMCheckpoint(
         Without(files, dropped), config, hf_table(config), prefix, {g: len(v) for g, v in skipped.items()}

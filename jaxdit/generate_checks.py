@@ -164,10 +164,26 @@ def _check_family_flags(r: GenerateRequest) -> None:
             raise ValueError(f"--{flag} applies to {owners} models; {r.family.display} does not take it")
 
 
+def _check_distilled(r: GenerateRequest, parallel: ParallelConfig) -> None:
+    """A second branch's flags given to a guidance-distilled model: one line, the family's."""
+    why = r.family.guidance_distilled
+    if why is None:
+        return
+    given = {
+        "--negative_prompt": r.negative_prompt is not None,
+        "--true_cfg_scale": r.true_cfg_scale is not None,
+        "--use_cfg_parallel": parallel.cfg == 2,
+    }
+    flags = [flag for flag, on in given.items() if on]
+    if flags:
+        raise ValueError(f"{' / '.join(flags)}: {why}")
+
+
 def _check_call(r: GenerateRequest, parallel: ParallelConfig, output: bool = True) -> None:
     """The call's arguments against the family: flags it takes, sizes, CFG, PipeFusion, the output."""
     family, call, pipeline = r.family, r.call(), r.family.pipeline_class
     _check_family_flags(r)
+    _check_distilled(r, parallel)
     for flags in (("num_frames", "flow_shift"), ("true_cfg_scale",), ("guidance_scale_2",)):
         if any(getattr(r, f) is not None for f in flags) and not takes(pipeline, flags[0]):
             owners = _owners(flags[0])

@@ -67,8 +67,8 @@ def test_plan_prices_the_presets(capsys):
 
 
 def test_generate_refuses_flux2_dev(tmp_path, capsys):
-    """FLUX.2 [dev] (guidance embedding, Mistral encoder) has no pipeline yet: refused by name before
-    any weight is read (klein runs: tests/test_flux2_cli.py)."""
+    """A FLUX.2 [dev] transformer alone (guidance embedding) is refused by name before any weight is
+    read: dev runs from its diffusers Flux2Pipeline folder (tests/test_flux2_dev_cli.py)."""
     (tmp_path / "w").mkdir()
     embeds = tmp_path / "e.npz"
     np.savez(embeds, prompt_embeds=np.zeros((1, TEXT, 15360), np.float32))
@@ -82,7 +82,7 @@ def test_generate_refuses_flux2_dev(tmp_path, capsys):
         str(embeds),
     ]
     assert main(argv) == 2
-    assert "FLUX.2 [dev] (a transformer with a guidance embedding) has no jaxdit pipeline yet" in (
+    assert "FLUX.2 [dev] (a transformer with a guidance embedding) runs from its diffusers" in (
         capsys.readouterr().err
     )
 

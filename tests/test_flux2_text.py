@@ -1,11 +1,11 @@
-"""FLUX.2's text features against transformers, per encoder: stacked hidden states of a right-padded
-batch, every token kept (padding included, as the FLUX.2 pipelines keep it).
+"""FLUX.2's text features against transformers, per encoder: stacked hidden states of a batch padded on
+the right and on the left, every token kept (padding included, as the FLUX.2 pipelines keep it).
 
 - klein: Qwen3 layers 9, 18, 27 (the whole prompt path, tokenizer and chat template included, is the
   CLI test's, ``tests/test_flux2_cli.py``);
 - dev: Mistral Small 3.1's text decoder inside ``Mistral3ForConditionalGeneration``, layers 10, 20, 30,
-  from token ids (jaxdit has no FLUX.2 [dev] pipeline, so its Pixtral processor and system-prompt
-  template are not exercised here).
+  from token ids, the encoder read without its last two (of 33) layers (the processor, system message and template are the dev CLI test's,
+  ``tests/test_flux2_dev_cli.py``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ def _mistral3(layers: int):
 
 def _ids_and_mask():
     rng = np.random.default_rng(0)
-    ids = rng.integers(1, decoder_lm_tiny.TEXT["vocab_size"], (2, 12))
+    ids = rng.integers(1, decoder_lm_tiny.TEXT["vocab_size"], (3, 12))
     mask = np.ones_like(ids)
-    mask[1, 7:] = 0  # the second prompt padded on the right, as padding="max_length" pads
+    mask[1, 7:] = 0  # padded on the right, as padding="max_length" pads with padding_side="right"
+    mask[2, :4] = 0  # and on the left (a tokenizer with padding_side="left": the padding's rows see no key)
     return ids, mask
 
 
@@ -46,7 +47,7 @@ def _ids_and_mask():
     "name, build, layers",
     [
         ("klein", lambda: decoder_lm_tiny.qwen3(num_hidden_layers=28), HIDDEN_STATES),
-        ("dev", lambda: _mistral3(31), DEV_HIDDEN_STATES),
+        ("dev", lambda: _mistral3(33), DEV_HIDDEN_STATES),
     ],
     ids=["klein-qwen3", "dev-mistral3"],
 )
@@ -54,7 +55,11 @@ def test_stacked_features_match_transformers(tmp_path, name, build, layers):
     model = build()
     model.save_pretrained(tmp_path / "text_encoder")
     ids, mask = _ids_and_mask()
-    got = stacked_features(DecoderLMRunner(load_decoder_lm(tmp_path / "text_encoder")), ids, mask, layers)
+    # Read as the pipelines read it: only the layers up to the deepest stacked one, plus one.
+    keep = max(layers) + 1
+    lm = load_decoder_lm(tmp_path / "text_encoder", layers=keep)
+    assert lm.config.num_hidden_layers == min(keep, model.config.get_text_config().num_hidden_layers)
+    got = stacked_features(DecoderLMRunner(lm), ids, mask, layers)
     with torch.no_grad():
         out = model(
             input_ids=torch.from_numpy(ids),
@@ -65,5 +70,5 @@ def test_stacked_features_match_transformers(tmp_path, name, build, layers):
     want = torch.stack([out.hidden_states[k] for k in layers], dim=1)
     b, n, length, e = want.shape
     want = want.permute(0, 2, 1, 3).reshape(b, length, n * e).numpy()
-    assert got.shape == want.shape == (2, 12, 3 * decoder_lm_tiny.TEXT["hidden_size"])
+    assert got.shape == want.shape == (3, 12, 3 * decoder_lm_tiny.TEXT["hidden_size"])
     tol.check(got, want, tol.TORCH_FORWARD, f"FLUX.2 {name} stacked text features vs transformers")

@@ -22,6 +22,7 @@ from jaxdit.cache import hooks as cache_hooks
 from jaxdit.families.base import ModelFamily, Preset
 from jaxdit.families.flux import FLUX
 from jaxdit.families.flux2 import FLUX2
+from jaxdit.families.flux2_dev import FLUX2_DEV
 from jaxdit.families.flux_kontext import FLUX_KONTEXT
 from jaxdit.families.hunyuan_video15 import HUNYUAN_VIDEO15
 from jaxdit.families.hunyuan_video15_i2v import HUNYUAN_VIDEO15_I2V
@@ -79,6 +80,7 @@ register(TINY_DIGITS)
 register(Z_IMAGE)
 register(QWEN_IMAGE)
 register(QWEN_IMAGE_EDIT)  # a variant of Qwen-Image: found by its folder's pipeline class
+register(FLUX2_DEV)  # a variant of FLUX.2: found by its folder's pipeline class (Flux2Pipeline)
 register(HUNYUAN_VIDEO15)
 register(HUNYUAN_VIDEO15_I2V)  # a variant of HunyuanVideo 1.5: found by its folder's pipeline class
 

@@ -166,6 +166,9 @@ class ModelFamily:
     default_branches: ClassVar[int] = 1
     #: Why CFG parallelism has nothing to split by default, if the family says so (for ``jaxdit plan``).
     cfg_note: ClassVar[str] = ""
+    #: For a guidance-distilled model (one branch, the scale an embedded input): the line that refuses
+    #: a second branch's flags (``--negative_prompt``, ``--true_cfg_scale``, ``--use_cfg_parallel``).
+    guidance_distilled: ClassVar[str | None] = None
     #: Arrays a ``--prompt_embeds`` file may hold (the pipeline's call arguments of those names).
     embedding_names: ClassVar[tuple[str, ...]]
     #: The most text tokens ``--max_sequence_length`` may ask for, and why, in words (None: the T5

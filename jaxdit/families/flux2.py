@@ -1,9 +1,9 @@
 """FLUX.2 [dev] / [klein] as a jaxdit model family (see ``jaxdit.families.base``): its transformer
 (``models/flux2.py``, ``converters/flux2.py``) with presets and the cost terms ``jaxdit plan`` prices, and
 the klein pipeline (``pipelines/flux2.py``: Qwen3 encoder, multi-reference editing; distilled without CFG,
-base with it). FLUX.2 [dev]'s pipeline (Mistral Small 3.1 encoder, embedded guidance) is not in jaxdit
-yet: a dev transformer runs from prompt embeddings only where a klein one would, and is refused by the
-klein pipeline.
+base with it). FLUX.2 [dev]'s pipeline (Mistral Small 3.1 encoder, embedded guidance) is the variant
+family of ``families/flux2_dev.py``, found by its folder; a dev transformer checkpoint alone is refused
+here (run its diffusers ``Flux2Pipeline`` folder).
 """
 
 from __future__ import annotations
@@ -60,6 +60,13 @@ class Flux2Family(ModelFamily):
     def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
         return Flux2KleinPipeline(model, mesh, **options)
 
+    def check_folder(self, folder: ModelFolder) -> None:
+        """The folder's transformer against its pipeline class (dev's embeds a guidance scale, klein's
+        does not), from its config.json before any weight is read."""
+        config = read_json(folder["transformer"] / "config.json")
+        if bool(config.get("guidance_embeds", True)) != self.pipeline_class.embeds_guidance:
+            raise ValueError(f"{folder.root.name}: {self.pipeline_class.wrong_transformer}")
+
     def image_input(self, folder: ModelFolder) -> str:
         return "several"  # text-to-image, or editing with one or more reference pictures
 
@@ -80,11 +87,11 @@ class Flux2Family(ModelFamily):
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         """A distilled klein folder runs one branch whatever --guidance_scale says, so --use_cfg_parallel
-        would have nothing to split; a dev transformer has no pipeline here."""
+        would have nothing to split; a dev transformer runs from its folder (``families/flux2_dev.py``)."""
         if config is not None and config.guidance_embeds:
             raise ValueError(
-                "FLUX.2 [dev] (a transformer with a guidance embedding) has no jaxdit pipeline yet; "
-                "jaxdit runs FLUX.2 [klein]"
+                "FLUX.2 [dev] (a transformer with a guidance embedding) runs from its diffusers Flux2Pipeline "
+                "folder (--weights FOLDER); a transformer checkpoint alone runs FLUX.2 [klein]"
             )
         folder = getattr(request, "folder", None)
         if folder is not None and folder.kind == "flux2-klein" and parallel.cfg == 2:

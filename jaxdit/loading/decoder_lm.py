@@ -34,14 +34,16 @@ def load_decoder_lm(
     device: jax.Device | None = None,
     dtype: Any = None,
     config: DecoderLMConfig | None = None,
+    layers: int | None = None,
 ) -> DecoderLM:
     """The encoder of the folder at ``path`` with its weights on ``mesh`` (sharded by the rule table) or,
     without a mesh, on ``device`` (default: the first local device). ``dtype`` defaults to the stored one
-    (float16 widened to float32)."""
+    (float16 widened to float32). ``layers``: only the first ``layers`` decoder layers are read (for
+    features taken from hidden states before the last layer)."""
     check_compute_dtype(dtype)
     if mesh is not None and device is not None:
         raise ValueError("give the encoder a mesh or a device, not both")
-    opened = open_decoder_lm(path, config)
+    opened = open_decoder_lm(path, config, layers=layers)
     cfg = opened.config
     if mesh is not None:
         check_tensor_degree(cfg, int(mesh.shape["tensor"]))

@@ -51,7 +51,7 @@ from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
 from jaxdit.text_encoders.decoder_lm import DecoderLMRunner
-from jaxdit.text_encoders.flux2_prompt import MAX_SEQUENCE_LENGTH, Flux2KleinPromptEncoder
+from jaxdit.text_encoders.flux2_prompt import HIDDEN_STATES, MAX_SEQUENCE_LENGTH, Flux2KleinPromptEncoder
 
 __all__ = ["DEFAULT_SCHEDULER", "FOLDER_CLASSES", "Flux2KleinPipeline", "empirical_mu"]
 
@@ -101,6 +101,15 @@ class Flux2KleinPipeline(DiffusionPipeline):
     default_size = (1024, 1024)  # diffusers: default_sample_size 128 x the VAE's 8
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionFlux2
+    folder_classes = FOLDER_CLASSES
+    #: The text encoder's hidden states the prompt features stack.
+    hidden_states = HIDDEN_STATES
+    #: Whether the transformer embeds a guidance scale (dev) or not (klein), and what a wrong one is told.
+    embeds_guidance = False
+    wrong_transformer = (
+        "this FLUX.2 transformer embeds a guidance scale (FLUX.2 [dev]): run it with Flux2Pipeline; "
+        "Flux2KleinPipeline runs klein transformers (guidance_embeds=False)"
+    )
 
     def __init__(
         self,
@@ -120,11 +129,8 @@ class Flux2KleinPipeline(DiffusionPipeline):
         super().__init__(mesh, encode=encode, decode=decode)
         self.model = model
         self.config: Flux2Config = model.config
-        if self.config.guidance_embeds:
-            raise ValueError(
-                "this FLUX.2 transformer embeds a guidance scale (FLUX.2 [dev]); Flux2KleinPipeline runs "
-                "klein transformers (guidance_embeds=False)"
-            )
+        if bool(self.config.guidance_embeds) != self.embeds_guidance:
+            raise ValueError(self.wrong_transformer)
         self.scheduler = scheduler or DEFAULT_SCHEDULER
         self.sampler = EulerSampler(self.scheduler)
         self.is_distilled = bool(is_distilled)
@@ -147,23 +153,39 @@ class Flux2KleinPipeline(DiffusionPipeline):
         kernel: dict[str, Any] | None = None,
         compiler_options: dict[str, Any] | None = None,
         attention_backend: str | None = None,
+        offload_encoders: bool = False,
+        encoder_on_mesh: bool = False,
     ) -> Flux2KleinPipeline:
-        """A diffusers ``Flux2KleinPipeline`` folder (distilled or base) on the mesh of ``parallel``: the
-        transformer sharded over it, the Qwen3 encoder on the first device, the VAE encoding and decoding
-        row-parallel over the mesh. Heads and the key table are checked before anything is read."""
-        from transformers import AutoTokenizer
+        """A diffusers ``Flux2KleinPipeline`` folder (distilled or base; dev's ``Flux2Pipeline`` for that
+        class) on the mesh of ``parallel``: the transformer sharded over it, the VAE encoding and decoding
+        row-parallel over the mesh. Heads and the key table are checked before anything is read.
 
+        The text encoder (Qwen3 for klein, Mistral3 for dev) runs once per prompt, before the loop: by
+        default on the first device; ``offload_encoders``: there too, its weights waiting in host memory
+        between prompts (the device holds none of it while the transformer runs); ``encoder_on_mesh``:
+        sharded over the mesh instead, heads and MLP split over ``tensor`` (the decoder-LM rule table) and
+        the prompt's tokens over the sequence axes."""
+        if offload_encoders and encoder_on_mesh:
+            raise ValueError(
+                "offload_encoders keeps the text encoder on one device; encoder_on_mesh shards it"
+            )
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
-        folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
+        folder = open_diffusers_folder(Path(path), cls.folder_classes)
         where = DeviceMesh.of(parallel)
         mesh = where.mesh
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         dtype = as_dtype(dtype)
-        tokenizer = AutoTokenizer.from_pretrained(folder["tokenizer"])
-        encoder = Flux2KleinPromptEncoder(
-            tokenizer, DecoderLMRunner(load_decoder_lm(folder["text_encoder"], dtype=dtype))
-        )
+        # Only the layers up to the deepest one stacked are read (the later ones never run); one more
+        # is kept so that one stays an intermediate output (a decoder's last is its normed output).
+        layers = max(cls.hidden_states) + 1
+        if encoder_on_mesh:
+            lm = load_decoder_lm(folder["text_encoder"], mesh=mesh, dtype=dtype, layers=layers)
+            runner = DecoderLMRunner(lm, mesh)
+        else:
+            lm = load_decoder_lm(folder["text_encoder"], dtype=dtype, layers=layers)
+            runner = DecoderLMRunner(lm, offload=offload_encoders)
+        encoder = cls.prompt_encoder(Path(folder["tokenizer"]), runner)
         vae = load_flux2_vae(folder["vae"], dtype=dtype)
         model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionFlux2)
         mean, std = vae.mean[None, :, None, None], vae.std[None, :, None, None]
@@ -187,7 +209,7 @@ class Flux2KleinPipeline(DiffusionPipeline):
             model,
             where,
             scheduler=euler.FlowMatchEulerConfig.from_diffusers(folder.scheduler_config),
-            is_distilled=bool(folder.index.get("is_distilled", False)),
+            is_distilled=cls.one_branch(folder.index),
             encode=encoder,
             encode_image=encode_image,
             decode=decode,
@@ -196,6 +218,18 @@ class Flux2KleinPipeline(DiffusionPipeline):
             kernel=kernel,
             compiler_options=compiler_options,
         )
+
+    @classmethod
+    def prompt_encoder(cls, tokenizer: Path, runner: DecoderLMRunner) -> Callable[..., np.ndarray]:
+        """The folder's prompt path: klein's Qwen3 chat turn (the tokenizer's own template)."""
+        from transformers import AutoTokenizer
+
+        return Flux2KleinPromptEncoder(AutoTokenizer.from_pretrained(tokenizer), runner, cls.hidden_states)
+
+    @classmethod
+    def one_branch(cls, index: dict) -> bool:
+        """Whether the folder's model runs without CFG: a distilled klein (``is_distilled``)."""
+        return bool(index.get("is_distilled", False))
 
     def __call__(
         self,
