@@ -33,7 +33,6 @@ RoPE, AdaLN modulation and softmax statistics in fp32.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar, NamedTuple
 
@@ -44,7 +43,7 @@ from jax.sharding import Mesh
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import partitioning
-from jaxdit.models.layers import Linear, layer_norm, param, rms_norm, rope_angles
+from jaxdit.models.layers import Linear, layer_norm, param, rms_norm, rope_angles, sinusoid_frequencies
 from jaxdit.models.qwen_image_blocks import EPS, DualStreamBlock, TimestepEmbedder, modulation
 from jaxdit.models.qwen_image_config import IMAGE, REFERENCE, TEXT, QwenImageConfig
 from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
@@ -80,7 +79,7 @@ def time_features(sigma: jax.Array) -> jax.Array:
     ``flip_sin_to_cos``, ``scale=1000``). The scale is applied after the frequencies, as there: the
     angles reach 1000, where the order of two fp32 products changes the sines by ~1e-4."""
     half = TIME_FREQ_DIM // 2
-    freqs = jnp.exp(-math.log(10000.0) * jnp.arange(half, dtype=jnp.float32) / half)
+    freqs = jnp.asarray(sinusoid_frequencies(half, 10000.0))
     args = (sigma.astype(jnp.float32)[:, None] * freqs[None]) * TIME_SCALE
     return jnp.concatenate([jnp.cos(args), jnp.sin(args)], axis=-1)
 
