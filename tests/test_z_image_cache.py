@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import z_image_tiny as tiny
 
-from jaxdit.cache import FirstBlockCache, TeaCache
+from jaxdit.cache import FirstBlockCache, MagCache
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.z_image import ZImagePipeline
@@ -120,6 +120,7 @@ def test_the_report_counts_the_refiners_as_always_run(pipes):
     assert out.cache.skipped_blocks == 3
 
 
-def test_teacache_names_what_it_lacks(pipes):
-    with pytest.raises(ValueError, match="TeaCache is not available for Z"):
-        pipes[0.0](PROMPT, guidance_scale=0.0, progress=False, cache=TeaCache(), **CALL)
+def test_magcache_without_ratios_names_the_calibration(pipes):
+    # No ratios are published for Z-Image (TeaCache likewise: tests/test_z_image_teacache.py).
+    with pytest.raises(ValueError, match="--calibrate_magcache FILE.*--magcache_ratios FILE"):
+        pipes[0.0](PROMPT, guidance_scale=0.0, progress=False, cache=MagCache(), **CALL)

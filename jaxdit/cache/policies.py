@@ -59,6 +59,7 @@ __all__ = [
     "SKIP",
     "FirstBlockCache",
     "TeaCache",
+    "TeaCacheCalibration",
     "first_block_decision",
     "host_plan",
     "parse_cache",
@@ -111,21 +112,39 @@ class TeaCache:
 
     ``threshold`` and ``coefficients`` default to the model's published ones (its transformer says which:
     FLUX.1 0.4, about 1.8x on FLUX.1-dev; Wan 2.1 per model, see ``jaxdit/models/wan.py``).
+    ``coefficients`` may also name a file a calibration wrote (``jaxdit generate --calibrate_teacache
+    FILE``, :func:`jaxdit.cache.calibrate.calibrate_teacache`): its polynomial, and its threshold where
+    ``threshold`` is None.
     """
 
     threshold: float | None = None
-    coefficients: tuple[float, ...] | None = None
+    coefficients: tuple[float, ...] | str | None = None
 
     name: ClassVar[str] = "teacache"
     title: ClassVar[str] = "TeaCache"
 
     def __post_init__(self) -> None:
         _check_threshold(self.title, self.threshold)
-        if self.coefficients is not None:
+        if isinstance(self.coefficients, str):
+            from jaxdit.cache.calibrate import load_teacache_file
+
+            load_teacache_file(self.coefficients)  # a missing or malformed file: one line, now
+        elif self.coefficients is not None:
             coefficients = tuple(float(c) for c in self.coefficients)
             if not coefficients or not all(math.isfinite(c) for c in coefficients):
                 raise ValueError(f"TeaCache coefficients must be finite numbers, got {self.coefficients}")
             object.__setattr__(self, "coefficients", coefficients)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeaCacheCalibration:
+    """TeaCache's calibration pass as a cache: every step computes every block and records the relative
+    L1 change of the model's TeaCache input and of its prediction since the previous step (what
+    :func:`jaxdit.cache.calibrate.fit_teacache` fits the polynomial to)."""
+
+    name: ClassVar[str] = "teacache-calibration"
+    title: ClassVar[str] = "TeaCache calibration"
+    threshold: ClassVar[float] = math.inf
 
 
 #: The caches by their names (``--cache NAME``): filled in by ``jaxdit.cache``, which knows every one.

@@ -373,14 +373,16 @@ def _collectives(
         )
         if passes % 2:
             # An odd number of passes ends on the last stage, which runs the sampler: the updated latent
-            # patch (fp32, one per request, no CFG branches) goes back to stage 0 once per tick.
+            # patch (fp32, one per request, no CFG branches; the predicted group's tokens of the patch)
+            # goes back to stage 0 once per tick.
+            latent = math.ceil(sh.local[w.family.prediction_group] / patches)
             out.append(
                 CollectiveCost(
                     "pipefusion",
                     "collective-permute",
                     "the updated fp32 latent patch from the last stage to stage 0, one per tick",
                     patches,
-                    w.requests // c.data * math.ceil(n / patches) * w.output_features,
+                    w.requests // c.data * latent * w.output_features,
                     "float32",
                     c.pipefusion,
                     overlap_flops=device_flops / patches,
@@ -464,9 +466,9 @@ def _fsdp_prefetch_bytes(w: Workload, c: ParallelConfig, cpu: bool) -> float:
 
 
 def pipeline_shape(w: Workload, c: ParallelConfig) -> tuple[int, int]:
-    """PipeFusion's (passes V, patches M): a pass per stack of blocks, M = V x P (a full pipeline)."""
-    passes = len(w.stack_depths)
-    return passes, passes * c.pipefusion
+    """PipeFusion's (passes V, patches M): a pass per stack of blocks; M the family's
+    (``ModelFamily.pipefusion_patches``: V x P, a full pipeline, unless its runner picks another)."""
+    return len(w.stack_depths), w.family.pipefusion_patches(w, c)
 
 
 def fsdp_ways(c: ParallelConfig) -> int:
