@@ -81,7 +81,8 @@ def test_calibration_computes_every_step_and_fits_the_polynomial(pipe, calibrati
     report = out.cache
     assert report.ran.all() and report.devices_agree
     np.testing.assert_array_equal(out.latents, pipe(PROMPT, **CALL).latents)  # nothing skipped
-    entry = json.load(open(path))
+    with open(path) as f:
+        entry = json.load(f)
     x, y = np.asarray(entry["input_changes"]), np.asarray(entry["output_changes"])
     assert entry["steps"] == STEPS and len(x) == len(y) == STEPS - 1
     np.testing.assert_allclose(x, report.ratios[1:], rtol=1e-5)
@@ -115,9 +116,18 @@ def test_cli_calibrates_then_runs_teacache(folder, tmp_path, capsys):
     argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--height", "32", "--width", "48"]
     argv += ["--steps", str(STEPS), "--guidance_scale", "0"]
     assert cli.main([*argv, "--calibrate_teacache", str(poly), "--output", str(tmp_path / "a.npy")]) == 0
-    assert f"TeaCache polynomial fitted to {STEPS - 1} step changes written to {poly}" in capsys.readouterr().out
+    assert (
+        f"TeaCache polynomial fitted to {STEPS - 1} step changes written to {poly}" in capsys.readouterr().out
+    )
     assert len(load_teacache_file(str(poly))["coefficients"]) == 5
-    cached = ["--cache", "teacache", "--teacache_coefficients", str(poly), "--cache_threshold", str(THRESHOLD)]
+    cached = [
+        "--cache",
+        "teacache",
+        "--teacache_coefficients",
+        str(poly),
+        "--cache_threshold",
+        str(THRESHOLD),
+    ]
     assert cli.main([*argv, *cached, "--output", str(tmp_path / "b.npy")]) == 0
     printed = capsys.readouterr().out
     assert f"TeaCache (threshold {THRESHOLD:g}): " in printed and "steps ran every block" in printed, printed

@@ -198,12 +198,20 @@ def _probe(policy: Policy, model: Any, ctx: ShardContext, **inputs: jax.Array) -
     final = segments.carry(model, streams, begin, total - policy.bn, ctx)
     if policy.metric == "first_block":
         head = begin + policy.fn
-        return final, hooks.cache_metric_stream(segments.carry(model, streams, begin, head, ctx), ctx)[0], None
+        return (
+            final,
+            hooks.cache_metric_stream(segments.carry(model, streams, begin, head, ctx), ctx)[0],
+            None,
+        )
     if policy.metric == "step_input":
         return final, hooks.teacache_input(segments.first_block(model), streams, cond, ctx)[0], None
     if policy.metric == "teacache_calibrate":
         metric = hooks.teacache_input(segments.first_block(model), streams, cond, ctx)[0]
-        return final, metric, model.output(segments.carry(model, final, total - policy.bn, total, ctx), cond, ctx)
+        return (
+            final,
+            metric,
+            model.output(segments.carry(model, final, total - policy.bn, total, ctx), cond, ctx),
+        )
     return final, None, None
 
 

@@ -150,6 +150,10 @@ def load_teacache_file(path: str) -> dict[str, Any]:
         threshold = float(entry.get("threshold", TEACACHE_THRESHOLD))
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
         raise ValueError(f"cannot read TeaCache coefficients {path!r}: {e}") from None
-    if not coefficients or not all(np.isfinite(coefficients)) or not (np.isfinite(threshold) and threshold > 0):
+    if (
+        not coefficients
+        or not all(np.isfinite(coefficients))
+        or not (np.isfinite(threshold) and threshold > 0)
+    ):
         raise ValueError(f"{path}: 'coefficients' must be finite numbers and 'threshold' a positive one")
     return {**entry, "coefficients": coefficients, "threshold": threshold}

@@ -179,7 +179,10 @@ def hooks_for(model: Any, cache_name: str, family: Any = None) -> Any:
             f"{family.display} declares {cache_name} in its caches but its cache hooks "
             f"({type(hooks).__name__}) do not implement jaxdit.cache.hooks.{protocol.__name__}"
         )
-    if protocol in (TeaCacheHooks, TeaCacheCalibrationHooks) and hooks.TEACACHE_METRIC not in ("step_input", "schedule"):
+    if protocol in (TeaCacheHooks, TeaCacheCalibrationHooks) and hooks.TEACACHE_METRIC not in (
+        "step_input",
+        "schedule",
+    ):
         raise TypeError(
             f"{type(hooks).__name__}.TEACACHE_METRIC must be 'step_input' or 'schedule', "
             f"got {hooks.TEACACHE_METRIC!r}"

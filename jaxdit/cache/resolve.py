@@ -122,7 +122,15 @@ def resolve(config: Any, model: Any, grid: Sequence[int] = ()) -> Policy:
     """A cache config (``jaxdit.cache``) for ``model`` (a staged transformer with the cache hooks,
     possibly abstract); missing numbers are the model's published ones for ``grid`` (the latent token
     grid: Wan I2V picks its 480P or 720P model's numbers by it)."""
-    known = (FirstBlockCache, DBCache, TeaCache, MagCache, TaylorSeer, MagCacheCalibration, TeaCacheCalibration)
+    known = (
+        FirstBlockCache,
+        DBCache,
+        TeaCache,
+        MagCache,
+        TaylorSeer,
+        MagCacheCalibration,
+        TeaCacheCalibration,
+    )
     if not isinstance(config, known):
         raise TypeError(
             "cache must be a jaxdit.cache FirstBlockCache, TeaCache, MagCache, TaylorSeer or DBCache (or None), "

@@ -102,7 +102,12 @@ class SingleStreamBlock(nnx.Module):
         if not self.modulation:
             return 1.0, 1.0, 1.0, 1.0
         mods = jnp.split(linear_fp32(self.adaLN_modulation, temb), 4, axis=-1)
-        return 1.0 + mods[0][:, None], jnp.tanh(mods[1])[:, None], 1.0 + mods[2][:, None], jnp.tanh(mods[3])[:, None]
+        return (
+            1.0 + mods[0][:, None],
+            jnp.tanh(mods[1])[:, None],
+            1.0 + mods[2][:, None],
+            jnp.tanh(mods[3])[:, None],
+        )
 
     def modulated_input(self, x: jax.Array, temb: jax.Array | None) -> jax.Array:
         """The attention's input RMSNorm(x) * (1 + scale_msa), fp32 (TeaCache's metric input)."""

@@ -37,8 +37,7 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models import z_image
 from jaxdit.models.z_image_config import ZImageConfig
 from jaxdit.models.z_image_tokens import SEQ_MULTIPLE
-from jaxdit.pipelines.pipefusion import flux
-from jaxdit.pipelines.pipefusion import qwen_image
+from jaxdit.pipelines.pipefusion import flux, qwen_image
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 
 __all__ = ["PASSES", "Geometry", "PipeFusionZImage", "ZImagePatches", "default_num_patches", "validate_grid"]
