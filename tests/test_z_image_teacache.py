@@ -111,15 +111,18 @@ def test_teacache_without_coefficients_names_the_calibration(pipe):
         pipe(PROMPT, cache=TeaCache(), **CALL)
 
 
-def test_cli_calibrates_then_runs_teacache(folder, tmp_path, capsys):
+def test_cli_calibrates_then_runs_teacache(folder, calibration, tmp_path, capsys):
+    """On one device: the calibration measures the changes ring2 x ulysses2 measured (same seed)."""
     poly = tmp_path / "poly.json"
     argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--height", "32", "--width", "48"]
-    argv += ["--steps", str(STEPS), "--guidance_scale", "0"]
+    argv += ["--steps", str(STEPS), "--guidance_scale", "0", "--seed", str(CALL["seed"])]
     assert cli.main([*argv, "--calibrate_teacache", str(poly), "--output", str(tmp_path / "a.npy")]) == 0
-    assert (
-        f"TeaCache polynomial fitted to {STEPS - 1} step changes written to {poly}" in capsys.readouterr().out
-    )
-    assert len(load_teacache_file(str(poly))["coefficients"]) == 5
+    printed = capsys.readouterr().out
+    assert f"TeaCache polynomial fitted to {STEPS - 1} step changes written to {poly}" in printed
+    one, mesh = load_teacache_file(str(poly)), load_teacache_file(calibration[1])
+    assert len(one["coefficients"]) == 5
+    for key in ("input_changes", "output_changes"):
+        np.testing.assert_allclose(one[key], mesh[key], rtol=1e-4)
     cached = [
         "--cache",
         "teacache",

@@ -13,7 +13,7 @@ read; jaxdit's own calibrations of its bundled model live in ``jaxdit/cache/rati
 (``scripts/calibrate_magcache.py`` writes them). With guidance the ratio is measured over both branches
 together (one decision per step covers both, as everywhere in jaxdit's caches).
 
-TeaCache's (Liu et al., arXiv 2411.19108, section 3.3: a polynomial rescales the input's change into the
+TeaCache's (Liu et al., arXiv 2411.19108: a polynomial rescales the input's change into the
 output's): the same kind of run records, at every step t >= 1, the relative L1 change of the model's
 TeaCache input ``x`` (``mean|x_t - x_{t-1}| / mean|x_{t-1}|``: FLUX's and Z-Image's first modulated
 block input) and of the model's prediction ``y``, and fits ``numpy.polyfit(x_changes, y_changes, 4)``
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit.cache.magcache import MagCacheCalibration, save_ratios, write_json
-from jaxdit.cache.policies import TeaCacheCalibration
+from jaxdit.cache.policies import TEACACHE_THRESHOLD, TeaCacheCalibration, load_teacache_file
 
 __all__ = [
     "CALIBRATED_FILE",
@@ -43,7 +43,7 @@ __all__ = [
     "calibrate",
     "calibrate_teacache",
     "fit_teacache",
-    "load_teacache_file",
+    "load_teacache_file",  # re-exported from jaxdit.cache.policies, beside the file's writer
     "ratios_of",
     "save_calibration_file",
     "save_teacache_file",
@@ -96,8 +96,6 @@ def ship(key: str, ratios: np.ndarray, source: str, **defaults: Any) -> None:
 
 #: The polynomial's order (TeaCache's published ones are all 4th-order).
 TEACACHE_ORDER = 4
-#: The threshold recorded with a TeaCache calibration: TeaCache4FLUX's 0.4 (about 1.8x on FLUX.1-dev).
-TEACACHE_THRESHOLD = 0.4
 
 
 def teacache_steps_needed() -> int:
@@ -139,21 +137,3 @@ def save_teacache_file(
         "source": source,
     }
     write_json(path, entry)
-
-
-def load_teacache_file(path: str) -> dict[str, Any]:
-    """A coefficients file -> {"coefficients": tuple, "threshold": float, ...}; one line if unusable."""
-    try:
-        with open(path) as f:
-            entry = json.load(f)
-        coefficients = tuple(float(c) for c in entry["coefficients"])
-        threshold = float(entry.get("threshold", TEACACHE_THRESHOLD))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-        raise ValueError(f"cannot read TeaCache coefficients {path!r}: {e}") from None
-    if (
-        not coefficients
-        or not all(np.isfinite(coefficients))
-        or not (np.isfinite(threshold) and threshold > 0)
-    ):
-        raise ValueError(f"{path}: 'coefficients' must be finite numbers and 'threshold' a positive one")
-    return {**entry, "coefficients": coefficients, "threshold": threshold}

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from jaxdit.cache.calibrate import load_teacache_file
 from jaxdit.cache.dbcache import DBCache
 from jaxdit.cache.hooks import hooks_for
 from jaxdit.cache.magcache import (
@@ -18,7 +17,7 @@ from jaxdit.cache.magcache import (
     nearest_interp,
     resolve_ratios,
 )
-from jaxdit.cache.policies import FirstBlockCache, TeaCache, TeaCacheCalibration
+from jaxdit.cache.policies import FirstBlockCache, TeaCache, TeaCacheCalibration, load_teacache_file
 from jaxdit.cache.segments import cache_start, depth
 from jaxdit.cache.taylor import TaylorSeer, taylorseer_pattern
 

@@ -19,8 +19,10 @@ which code it models), so that ``jaxdit plan --verify`` can hold it against the 
   over the stages (one per stack; FLUX: double blocks up, single blocks back down, V=2; Wan: V=1), so
   per tick each device sends V collective-permutes of one patch's fp32 residual stream, overlapped with
   the tick's compute; an odd V ends on the last stage, which also sends the updated fp32 latent patch
-  back to stage 0 each tick. M = V x P keeps the pipeline full. Stale K/V never leaves its device but
-  costs memory.
+  back to stage 0 each tick (the predicted group's tokens of the patch). M = V x P keeps the pipeline
+  full: the plan's M, unless the family's runner takes another by default
+  (``ModelFamily.pipefusion_patches``: Z-Image's M >= 3P dividing the rows). Stale K/V never leaves its
+  device but costs memory.
 - fsdp (``parallel/fsdp.py``, ``plan/fsdp.py``): per stack of n layers on a device, every split block
   parameter all-gathered n + 1 times per forward (each layer one iteration ahead, plus the prefetch of
   layer 0; a one-layer stack once), overlapped with the previous layer; under PipeFusion n per tick and
