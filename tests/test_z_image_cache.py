@@ -12,7 +12,8 @@ guidance branches into one forward, so one state decides for both, as jaxdit's o
 
 The random model's first-layer residual changes by ~1.33-1.54 a step; threshold 1.425 skips steps 1-3
 and runs 0, 4, 5 in both cases (every ratio is >= 0.014 from it, far above rounding). A threshold of
-1e-6 runs every step: exactly the uncached run.
+1e-6 runs every step: exactly the uncached run. MagCache (no published ratios) runs from a calibration
+it records on the same folder, and is refused without one.
 """
 
 from __future__ import annotations
