@@ -148,7 +148,7 @@ def run(r: GenerateRequest) -> int:
     )
     if result.cache is not None:
         say(result.cache.describe())
-        if r.calibrate_magcache is not None and main:
+        if main:
             cache_flags.save_calibration(r, result.cache, say)
     if r.compare_single_device:
         single_mesh = ParallelConfig().device_mesh(jax.local_devices()[:1])

@@ -6,7 +6,9 @@ as spellings of ``--cache fbcache`` / ``--cache teacache``); ``--cache_threshold
 ``--taylor_order`` TaylorSeer's order (alone, or forecasting under First-Block-Cache, DBCache, MagCache);
 ``--taylorseer_interval`` TaylorSeer's N; ``--dbcache_fn`` / ``--dbcache_bn`` DBCache's Fn / Bn;
 ``--magcache_ratios FILE`` MagCache's ratios from a file; ``--calibrate_magcache FILE`` runs every block
-and records the model's magnitude ratios into FILE (what ``--magcache_ratios`` reads).
+and records the model's magnitude ratios into FILE (what ``--magcache_ratios`` reads);
+``--calibrate_teacache FILE`` likewise fits TeaCache's polynomial into FILE (what
+``--teacache_coefficients`` reads; ``jaxdit.cache.calibrate``).
 Unset numbers take the family's measured ones (``ModelFamily.cache_thresholds`` / ``cache_options``),
 else the cache's own defaults.
 """
@@ -27,7 +29,10 @@ _APPLIES = {
     "dbcache_fn": ("dbcache",),
     "dbcache_bn": ("dbcache",),
     "magcache_ratios": ("magcache",),
+    "teacache_coefficients": ("teacache",),
 }
+#: The calibration flags: each runs every block and writes what the cache's own flag reads.
+_CALIBRATIONS = {"calibrate_magcache": "magcache", "calibrate_teacache": "teacache"}
 
 
 def add_arguments(group: Any, flag: Any) -> None:
@@ -63,6 +68,20 @@ def add_arguments(group: Any, flag: Any) -> None:
         metavar="FILE",
         help="run every block and record the model's MagCache ratios into FILE (JSON)",
     )
+    flag(
+        group,
+        "teacache_coefficients",
+        default=None,
+        metavar="FILE",
+        help="TeaCache: the polynomial (and threshold) a --calibrate_teacache run wrote",
+    )
+    flag(
+        group,
+        "calibrate_teacache",
+        default=None,
+        metavar="FILE",
+        help="run every block and fit the model's TeaCache polynomial into FILE (JSON; 6 steps or more)",
+    )
 
 
 def cache_name(r: Any) -> str | None:
@@ -77,8 +96,8 @@ def check_flags(r: Any, pipefusion: int) -> None:
     asked = [n for n, on in (("--use_fbcache", r.use_fbcache), ("--use_teacache", r.use_teacache)) if on]
     if r.feature_cache is not None:
         asked.append(f"--cache {r.feature_cache}")
-    if r.calibrate_magcache is not None:
-        asked.append("--calibrate_magcache")
+    calibrations = [flag for flag in _CALIBRATIONS if getattr(r, flag) is not None]
+    asked += [f"--{flag}" for flag in calibrations]
     if len(asked) > 1:
         raise ValueError(f"{' and '.join(asked)} are two caches: pick one")
     name = cache_name(r)
@@ -96,23 +115,26 @@ def check_flags(r: Any, pipefusion: int) -> None:
             raise ValueError(
                 f"--{option} applies to --cache {' / '.join(caches)}; the request asks for {name}"
             )
-    if (name is not None or r.calibrate_magcache is not None) and pipefusion > 1:
+    if (name is not None or calibrations) and pipefusion > 1:
         from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
 
         raise ValueError(f"--pipefusion_parallel_degree {pipefusion} with a cache: {CACHE_WITH_PIPEFUSION}")
-    if r.calibrate_magcache is not None:
+    for flag in calibrations:
         from jaxdit.pipelines import preflight
 
-        preflight.check_writable(r.calibrate_magcache)
+        preflight.check_writable(getattr(r, flag))
 
 
 def make_cache(r: Any) -> Any:
     """The cache config the flags make (``jaxdit.cache``), or None; raises ValueError on a bad value."""
     from jaxdit.cache import CACHES
     from jaxdit.cache.magcache import MagCacheCalibration
+    from jaxdit.cache.policies import TeaCacheCalibration
 
     if r.calibrate_magcache is not None:
         return MagCacheCalibration()
+    if r.calibrate_teacache is not None:
+        return TeaCacheCalibration()
     name = cache_name(r)
     if name is None:
         return None
@@ -129,17 +151,29 @@ def make_cache(r: Any) -> Any:
             options[field] = getattr(r, option)
     if r.magcache_ratios is not None:
         options["ratios"] = r.magcache_ratios
+    if r.teacache_coefficients is not None:
+        options["coefficients"] = r.teacache_coefficients
     return CACHES[name](**options)
 
 
 def check_for_family(r: Any, config: Any) -> None:
     """The cache against the family (and its transformer's config when known), before any weight loads:
     a family without the cache's hooks is refused in one line; DBCache must leave a middle block."""
-    name = cache_name(r) or ("magcache" if r.calibrate_magcache is not None else None)
+    calibrating = [cache for flag, cache in _CALIBRATIONS.items() if getattr(r, flag) is not None]
+    name = cache_name(r) or (calibrating[0] if calibrating else None)
     if name is None:
         return
     check_family(r.family, name)
     cache = make_cache(r)  # its own checks of the numbers
+    if r.calibrate_teacache is not None:
+        from jaxdit.cache.calibrate import TEACACHE_ORDER, teacache_steps_needed
+
+        steps, needed = r.call().num_inference_steps, teacache_steps_needed()
+        if steps is not None and steps < needed:
+            raise ValueError(
+                f"--calibrate_teacache fits a polynomial of order {TEACACHE_ORDER} to the changes between "
+                f"steps: it needs --steps {needed} or more, got {steps}"
+            )
     if name == "dbcache" and config is not None:
         depth = sum(r.family.stack_depths(config))
         if cache.fn + cache.bn >= depth:
@@ -150,9 +184,18 @@ def check_for_family(r: Any, config: Any) -> None:
 
 
 def save_calibration(r: Any, report: Any, say: Any) -> None:
-    """After a ``--calibrate_magcache`` run: its ratios into the file the flag names."""
-    from jaxdit.cache.calibrate import ratios_of, save_calibration_file
+    """After a ``--calibrate_magcache`` / ``--calibrate_teacache`` run: what it measured into the file the
+    flag names (nothing for any other run)."""
+    from jaxdit.cache.calibrate import fit_teacache, ratios_of, save_calibration_file, save_teacache_file
 
+    if r.calibrate_teacache is not None:
+        coefficients, inputs, outputs = fit_teacache(report)
+        source = f"jaxdit generate --calibrate_teacache ({r.label})"
+        save_teacache_file(r.calibrate_teacache, coefficients, inputs, outputs, source)
+        say(f"TeaCache polynomial fitted to {len(inputs)} step changes written to {r.calibrate_teacache}")
+        return
+    if r.calibrate_magcache is None:
+        return
     ratios = ratios_of(report)
     save_calibration_file(
         r.calibrate_magcache, ratios, source=f"jaxdit generate --calibrate_magcache ({r.label})"

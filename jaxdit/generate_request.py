@@ -94,6 +94,8 @@ class GenerateRequest:
     dbcache_bn: int | None = None
     magcache_ratios: str | None = None
     calibrate_magcache: str | None = None
+    teacache_coefficients: str | None = None
+    calibrate_teacache: str | None = None
     offload_idle_expert: bool = False  # Wan 2.2 A14B: the idle expert waits in host memory
 
     @classmethod

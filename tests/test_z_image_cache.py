@@ -12,7 +12,8 @@ guidance branches into one forward, so one state decides for both, as jaxdit's o
 
 The random model's first-layer residual changes by ~1.33-1.54 a step; threshold 1.425 skips steps 1-3
 and runs 0, 4, 5 in both cases (every ratio is >= 0.014 from it, far above rounding). A threshold of
-1e-6 runs every step: exactly the uncached run.
+1e-6 runs every step: exactly the uncached run. MagCache (no published ratios) runs from a calibration
+it records on the same folder, and is refused without one.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import pytest
 import z_image_tiny as tiny
 
-from jaxdit.cache import FirstBlockCache, TeaCache
+from jaxdit.cache import FirstBlockCache, MagCache
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.z_image import ZImagePipeline
@@ -120,6 +121,25 @@ def test_the_report_counts_the_refiners_as_always_run(pipes):
     assert out.cache.skipped_blocks == 3
 
 
-def test_teacache_names_what_it_lacks(pipes):
-    with pytest.raises(ValueError, match="TeaCache is not available for Z"):
-        pipes[0.0](PROMPT, guidance_scale=0.0, progress=False, cache=TeaCache(), **CALL)
+def test_magcache_without_ratios_names_the_calibration(pipes):
+    # No ratios are published for Z-Image (TeaCache likewise: tests/test_z_image_teacache.py).
+    with pytest.raises(ValueError, match="--calibrate_magcache FILE.*--magcache_ratios FILE"):
+        pipes[0.0](PROMPT, guidance_scale=0.0, progress=False, cache=MagCache(), **CALL)
+
+
+def test_magcache_from_a_calibration(pipes, tmp_path):
+    """MagCache's ratios recorded on Z-Image (its hook: the image tokens leaving the last joint layer),
+    written to a file and read back: the run follows MagCache's rule on them (host-planned)."""
+    from jaxdit.cache.calibrate import calibrate, save_calibration_file
+    from jaxdit.cache.magcache import magcache_pattern
+
+    mesh = pipes[0.0]
+    ratios = calibrate(mesh, PROMPT, guidance_scale=0.0, seed=SEED, progress=False, **CALL)
+    assert ratios.shape == (1, CALL["num_inference_steps"]) and np.all(np.abs(ratios[0, 1:] - 1) < 0.5)
+    path = str(tmp_path / "z-image-mag.json")
+    save_calibration_file(path, ratios, source="tests/test_z_image_cache.py")
+    cache = MagCache(ratios=path, threshold=0.5)
+    got = mesh(PROMPT, guidance_scale=0.0, seed=SEED, progress=False, cache=cache, **CALL).cache
+    want = magcache_pattern(np.round(ratios, 5), 0.5, max_skips=2, retention=0.2, forced=[0])
+    print(f"ratios {np.round(ratios[0], 4)}, ran {got.ran.astype(int)}")
+    assert got.ran.tolist() == want.tolist() and not got.ran.all() and got.devices_agree

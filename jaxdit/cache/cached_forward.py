@@ -127,12 +127,15 @@ def cached_body(
         if policy.max_continuous >= 0:
             run = run | (cache["skipped"] >= policy.max_continuous)
         ratio = numerator / denominator
-    elif policy.metric == "step_input":
+    elif policy.metric in ("step_input", "teacache_calibrate"):
         fresh, valid = hooks.teacache_input(segments.first_block(model), streams, cond, ctx)
         numerator, denominator = _mesh_sum(*_masked_l1(fresh, reference, valid))
-        run, new["accumulated"] = teacache_decision(
-            code, numerator, denominator, cache["accumulated"], policy.threshold, policy.coefficients
-        )
+        if policy.metric == "step_input":
+            run, new["accumulated"] = teacache_decision(
+                code, numerator, denominator, cache["accumulated"], policy.threshold, policy.coefficients
+            )
+        else:
+            run = code == RUN  # the calibration computes every step
         ratio = numerator / denominator
     else:  # the host decided every step
         run = code == RUN
@@ -163,10 +166,17 @@ def cached_body(
     else:
         final, residual, kept = jax.lax.cond(run, full, skip, start, cache["residual"], reference)
     final = segments.advance(model, final, tail, total, cond, ctx)  # the tail: always computed
+    prediction = model.output(final, cond, ctx)
     new["residual"] = residual
     if reference is not None:
         # TeaCache compares consecutive steps: its reference is this step's input, full or not.
-        new["reference"] = fresh if policy.metric == "step_input" else kept
+        new["reference"] = fresh if policy.metric in ("step_input", "teacache_calibrate") else kept
+    if policy.metric == "teacache_calibrate":
+        # The prediction's change since the previous step, over the output tokens' real ones.
+        _, out_valid = hooks.cache_output_stream(final, ctx)
+        changed = _mesh_sum(*_masked_l1(prediction, cache["previous_output"], out_valid))
+        new["previous_output"] = prediction
+        new["output_ratio"] = cache["output_ratio"].at[0, step].set(changed[0] / changed[1])
     if "skipped" in cache:
         new["skipped"] = jnp.where(run, 0, cache["skipped"] + 1)
     if policy.taylor_order:
@@ -174,11 +184,12 @@ def cached_body(
         new["full_steps"] = cache["full_steps"] + run.astype(jnp.int32)
     new["ran"] = cache["ran"].at[0, step].set(run.astype(jnp.int32))
     new["ratio"] = cache["ratio"].at[0, step].set(ratio.astype(jnp.float32))
-    return model.output(final, cond, ctx), new
+    return prediction, new
 
 
-def _probe(policy: Policy, model: Any, ctx: ShardContext, **inputs: jax.Array) -> tuple[Any, Any]:
-    """The final streams and the metric stream of one shard, for their shapes (no block runs)."""
+def _probe(policy: Policy, model: Any, ctx: ShardContext, **inputs: jax.Array) -> tuple[Any, Any, Any]:
+    """The final streams, the metric stream and (TeaCache's calibration) the prediction of one shard,
+    for their shapes (no block runs)."""
     hooks = hooks_for(model, policy.name)
     streams, cond = model.embed(inputs, ctx)
     streams = segments.start(model, streams, ctx)
@@ -187,10 +198,21 @@ def _probe(policy: Policy, model: Any, ctx: ShardContext, **inputs: jax.Array) -
     final = segments.carry(model, streams, begin, total - policy.bn, ctx)
     if policy.metric == "first_block":
         head = begin + policy.fn
-        return final, hooks.cache_metric_stream(segments.carry(model, streams, begin, head, ctx), ctx)[0]
+        return (
+            final,
+            hooks.cache_metric_stream(segments.carry(model, streams, begin, head, ctx), ctx)[0],
+            None,
+        )
     if policy.metric == "step_input":
-        return final, hooks.teacache_input(segments.first_block(model), streams, cond, ctx)[0]
-    return final, None
+        return final, hooks.teacache_input(segments.first_block(model), streams, cond, ctx)[0], None
+    if policy.metric == "teacache_calibrate":
+        metric = hooks.teacache_input(segments.first_block(model), streams, cond, ctx)[0]
+        return (
+            final,
+            metric,
+            model.output(segments.carry(model, final, total - policy.bn, total, ctx), cond, ctx),
+        )
+    return final, None, None
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -227,8 +249,10 @@ class CachedForward:
         by_name = {
             "residual": jax.tree.map(lambda _: self.stream_spec, shapes["residual"]),
             "reference": self.stream_spec,
+            "previous_output": self.stream_spec,
             "ran": PER_DEVICE,
             "ratio": PER_DEVICE,
+            "output_ratio": PER_DEVICE,
         }
         return {name: by_name.get(name, self.replicated) for name in shapes}
 
@@ -251,7 +275,7 @@ class CachedForward:
             check_vma=False,
         )
         params = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), fwd.state)
-        final, metric = jax.eval_shape(probe, params, *inputs)
+        final, metric, prediction = jax.eval_shape(probe, params, *inputs)
         devices = self.mesh.devices.size
         shapes: dict[str, Any] = {
             "step": jax.ShapeDtypeStruct((), jnp.int32),
@@ -262,6 +286,9 @@ class CachedForward:
         }
         if metric is not None:
             shapes["reference"] = metric
+        if prediction is not None:  # TeaCache's calibration: the last prediction and its changes
+            shapes["previous_output"] = prediction
+            shapes["output_ratio"] = jax.ShapeDtypeStruct((devices, steps), jnp.float32)
         if self.policy.metric == "step_input":
             shapes["accumulated"] = jax.ShapeDtypeStruct((), jnp.float32)
         if self.policy.max_continuous >= 0:
@@ -321,7 +348,7 @@ class CachedForward:
         ``schedule_inputs`` [steps, rows, ...] are the metric inputs of every step (the model's
         ``teacache_timestep_input``) and ``branch_rows`` the rows of each guidance branch."""
         forced = self.policy.forced(steps, switches)
-        if self.policy.metric in ("host", "calibrate"):
+        if self.policy.metric in ("host", "calibrate", "teacache_calibrate"):
             return np.where(self.policy.host_pattern(steps, forced), RUN, SKIP).astype(np.int32)
         if self.policy.metric != "schedule":
             return host_plan(steps, forced)
@@ -337,6 +364,7 @@ class CachedForward:
     def report(self, state: Mapping[str, jax.Array], shapes: Mapping[str, Any]) -> CacheReport:
         ran = np.asarray(jax.device_get(state["ran"]))
         ratio = np.asarray(jax.device_get(state["ratio"]))
+        output = state.get("output_ratio")
         return CacheReport(
             title=self.policy.title,
             threshold=self.policy.threshold,
@@ -349,13 +377,14 @@ class CachedForward:
             bytes_per_device=self.bytes_per_device(shapes),
             per_device=ran,
             setting=self.policy.describe(),
+            output_ratios=None if output is None else np.asarray(jax.device_get(output))[0],
         )
 
 
 @functools.lru_cache(maxsize=64)
 def _zeros(tree: Any, specs: tuple, shardings: tuple) -> Any:
     """A jitted builder of a cache state: zeros, and -1 / NaN in the records (no step yet)."""
-    fill = {"ran": -1, "ratio": np.nan}
+    fill = {"ran": -1, "ratio": np.nan, "output_ratio": np.nan}
 
     def build():
         state = jax.tree.unflatten(tree, [jnp.zeros(shape, dtype) for shape, dtype in specs])

@@ -14,6 +14,8 @@ Every cache runs on any staged transformer (``jaxdit.models.staged``: ``STACKS``
 - :class:`MagCacheHooks` (MagCache and its calibration): ``cache_output_stream(streams, ctx)``, the tokens
   of the final streams whose residual magnitude is measured, and ``magcache_defaults(grid)``, the shipped
   ratios or None.
+- TeaCache's calibration (:class:`TeaCacheCalibrationHooks`): TeaCache's input hook and
+  ``cache_output_stream``, whose real tokens mask the prediction's change.
 - TaylorSeer alone needs no hook: it forecasts the residual of every block on a schedule of the step index.
 
 A family says which caches its transformer serves in ``ModelFamily.caches`` (``jaxdit.families.base``),
@@ -40,6 +42,8 @@ __all__ = [
     "CacheHooks",
     "FirstBlockHooks",
     "MagCacheHooks",
+    "OutputStreamHooks",
+    "TeaCacheCalibrationHooks",
     "TeaCacheHooks",
     "check_family",
     "family_of",
@@ -80,6 +84,19 @@ class MagCacheHooks(Protocol):
 
 
 @runtime_checkable
+class OutputStreamHooks(Protocol):
+    """The tokens of the final streams the prediction covers (MagCache's measure; TeaCache's
+    calibration masks the prediction with their real tokens)."""
+
+    def cache_output_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]: ...
+
+
+@runtime_checkable
+class TeaCacheCalibrationHooks(TeaCacheHooks, OutputStreamHooks, Protocol):
+    """TeaCache's calibration: its metric input, and the prediction's real tokens."""
+
+
+@runtime_checkable
 class CacheHooks(FirstBlockHooks, TeaCacheHooks, MagCacheHooks, Protocol):
     """Every hook: a family that serves every cache (FLUX.1, Wan)."""
 
@@ -95,6 +112,7 @@ PROTOCOLS: dict[str, type] = {
     "teacache": TeaCacheHooks,
     "magcache": MagCacheHooks,
     "magcache-calibration": MagCacheHooks,
+    "teacache-calibration": TeaCacheCalibrationHooks,
     "taylorseer": _NoHooks,
 }
 #: What a family with every hook declares in ``ModelFamily.caches``.
@@ -105,6 +123,7 @@ _TITLES = {
     "teacache": "TeaCache",
     "magcache": "MagCache",
     "magcache-calibration": "MagCache",
+    "teacache-calibration": "TeaCache",
     "taylorseer": "TaylorSeer",
 }
 
@@ -130,8 +149,9 @@ def family_of(model: Any) -> Any:
 
 def check_family(family: Any, cache_name: str) -> None:
     """A one-line ValueError when ``family`` does not serve the cache ``cache_name``."""
-    if cache_name == "magcache-calibration":
-        cache_name = "magcache"
+    cache_name = {"magcache-calibration": "magcache", "teacache-calibration": "teacache"}.get(
+        cache_name, cache_name
+    )
     if cache_name not in family.caches:
         offered = ", ".join(sorted(family.caches)) or "none"
         raise ValueError(
@@ -159,7 +179,10 @@ def hooks_for(model: Any, cache_name: str, family: Any = None) -> Any:
             f"{family.display} declares {cache_name} in its caches but its cache hooks "
             f"({type(hooks).__name__}) do not implement jaxdit.cache.hooks.{protocol.__name__}"
         )
-    if protocol is TeaCacheHooks and hooks.TEACACHE_METRIC not in ("step_input", "schedule"):
+    if protocol in (TeaCacheHooks, TeaCacheCalibrationHooks) and hooks.TEACACHE_METRIC not in (
+        "step_input",
+        "schedule",
+    ):
         raise TypeError(
             f"{type(hooks).__name__}.TEACACHE_METRIC must be 'step_input' or 'schedule', "
             f"got {hooks.TEACACHE_METRIC!r}"

@@ -153,14 +153,19 @@ def load_ratios(path: str) -> dict[str, Any]:
     return _check_entry(entry, path)
 
 
-def save_ratios(path: str, ratios: np.ndarray, **fields: Any) -> None:
-    """Write ratios [branches, steps] and the defaults ``fields`` as JSON (atomically)."""
-    entry = {"steps": int(np.shape(ratios)[1]), "ratios": np.round(ratios, 5).tolist(), **fields}
-    _check_entry(entry, path)
+def write_json(path: str, entry: dict[str, Any]) -> None:
+    """``entry`` as JSON at ``path``, atomically (a calibration file is whole or absent)."""
     temporary = f"{path}.tmp"
     with open(temporary, "w") as f:
         json.dump(entry, f, indent=1)
     os.replace(temporary, path)
+
+
+def save_ratios(path: str, ratios: np.ndarray, **fields: Any) -> None:
+    """Write ratios [branches, steps] and the defaults ``fields`` as JSON (atomically)."""
+    entry = {"steps": int(np.shape(ratios)[1]), "ratios": np.round(ratios, 5).tolist(), **fields}
+    _check_entry(entry, path)
+    write_json(path, entry)
 
 
 def shipped_names() -> list[str]:

@@ -45,9 +45,10 @@ depends on the latents (FLUX, First-Block-Cache) the step decides with :func:`fi
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -55,12 +56,15 @@ import numpy as np
 
 __all__ = [
     "DECIDE",
+    "TEACACHE_THRESHOLD",
     "RUN",
     "SKIP",
     "FirstBlockCache",
     "TeaCache",
+    "TeaCacheCalibration",
     "first_block_decision",
     "host_plan",
+    "load_teacache_file",
     "parse_cache",
     "rescale",
     "teacache_accumulate",
@@ -111,21 +115,61 @@ class TeaCache:
 
     ``threshold`` and ``coefficients`` default to the model's published ones (its transformer says which:
     FLUX.1 0.4, about 1.8x on FLUX.1-dev; Wan 2.1 per model, see ``jaxdit/models/wan.py``).
+    ``coefficients`` may also name a file a calibration wrote (``jaxdit generate --calibrate_teacache
+    FILE``, :func:`jaxdit.cache.calibrate.calibrate_teacache`): its polynomial, and its threshold where
+    ``threshold`` is None.
     """
 
     threshold: float | None = None
-    coefficients: tuple[float, ...] | None = None
+    coefficients: tuple[float, ...] | str | None = None
 
     name: ClassVar[str] = "teacache"
     title: ClassVar[str] = "TeaCache"
 
     def __post_init__(self) -> None:
         _check_threshold(self.title, self.threshold)
-        if self.coefficients is not None:
+        if isinstance(self.coefficients, str):
+            load_teacache_file(self.coefficients)  # a missing or malformed file: one line, now
+        elif self.coefficients is not None:
             coefficients = tuple(float(c) for c in self.coefficients)
             if not coefficients or not all(math.isfinite(c) for c in coefficients):
                 raise ValueError(f"TeaCache coefficients must be finite numbers, got {self.coefficients}")
             object.__setattr__(self, "coefficients", coefficients)
+
+
+@dataclasses.dataclass(frozen=True)
+class TeaCacheCalibration:
+    """TeaCache's calibration pass as a cache: every step computes every block and records the relative
+    L1 change of the model's TeaCache input and of its prediction since the previous step (what
+    :func:`jaxdit.cache.calibrate.fit_teacache` fits the polynomial to)."""
+
+    name: ClassVar[str] = "teacache-calibration"
+    title: ClassVar[str] = "TeaCache calibration"
+    threshold: ClassVar[float] = math.inf
+
+
+#: The threshold a TeaCache calibration records (and a file without one means): TeaCache4FLUX's 0.4
+#: (about 1.8x on FLUX.1-dev).
+TEACACHE_THRESHOLD = 0.4
+
+
+def load_teacache_file(path: str) -> dict[str, Any]:
+    """A TeaCache coefficients file (``jaxdit.cache.calibrate.save_teacache_file``'s) -> {"coefficients":
+    tuple, "threshold": float, ...}; one line if it is missing or unusable."""
+    try:
+        with open(path) as f:
+            entry = json.load(f)
+        coefficients = tuple(float(c) for c in entry["coefficients"])
+        threshold = float(entry.get("threshold", TEACACHE_THRESHOLD))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"cannot read TeaCache coefficients {path!r}: {e}") from None
+    if (
+        not coefficients
+        or not all(np.isfinite(coefficients))
+        or not (np.isfinite(threshold) and threshold > 0)
+    ):
+        raise ValueError(f"{path}: 'coefficients' must be finite numbers and 'threshold' a positive one")
+    return {**entry, "coefficients": coefficients, "threshold": threshold}
 
 
 #: The caches by their names (``--cache NAME``): filled in by ``jaxdit.cache``, which knows every one.

@@ -34,6 +34,9 @@ class CacheReport:
     per_device: np.ndarray
     #: How the policy names itself (``Policy.describe``: TaylorSeer's interval, DBCache's Fn/Bn, ...).
     setting: str = ""
+    #: TeaCache's calibration: the relative L1 change of the prediction at each step (``ratios`` holds
+    #: its input's); None otherwise.
+    output_ratios: np.ndarray | None = None
 
     @property
     def steps(self) -> int:

@@ -17,7 +17,7 @@ from jaxdit.cache.magcache import (
     nearest_interp,
     resolve_ratios,
 )
-from jaxdit.cache.policies import FirstBlockCache, TeaCache
+from jaxdit.cache.policies import FirstBlockCache, TeaCache, TeaCacheCalibration, load_teacache_file
 from jaxdit.cache.segments import cache_start, depth
 from jaxdit.cache.taylor import TaylorSeer, taylorseer_pattern
 
@@ -31,8 +31,9 @@ class Policy:
     ``metric``: what decides a step: ``"first_block"`` (First-Block-Cache, DBCache: the residual of the
     first ``fn`` blocks, on the devices), ``"step_input"`` (TeaCache on an input computed in the step),
     ``"schedule"`` (TeaCache on an input of the timestep alone, planned on the host), ``"host"``
-    (MagCache, TaylorSeer: a pattern of the step index alone, planned on the host) or ``"calibrate"``
-    (every step computes and records MagCache's ratio). The blocks ``fn`` .. ``depth - bn`` are the ones
+    (MagCache, TaylorSeer: a pattern of the step index alone, planned on the host), ``"calibrate"``
+    (every step computes and records MagCache's ratio) or ``"teacache_calibrate"`` (every step computes
+    and records the relative L1 changes of TeaCache's input and of the prediction). The blocks ``fn`` .. ``depth - bn`` are the ones
     a skipped step reuses; ``taylor_order`` > 0 forecasts them (TaylorSeer) instead.
     """
 
@@ -120,7 +121,15 @@ def resolve(config: Any, model: Any, grid: Sequence[int] = ()) -> Policy:
     """A cache config (``jaxdit.cache``) for ``model`` (a staged transformer with the cache hooks,
     possibly abstract); missing numbers are the model's published ones for ``grid`` (the latent token
     grid: Wan I2V picks its 480P or 720P model's numbers by it)."""
-    known = (FirstBlockCache, DBCache, TeaCache, MagCache, TaylorSeer, MagCacheCalibration)
+    known = (
+        FirstBlockCache,
+        DBCache,
+        TeaCache,
+        MagCache,
+        TaylorSeer,
+        MagCacheCalibration,
+        TeaCacheCalibration,
+    )
     if not isinstance(config, known):
         raise TypeError(
             "cache must be a jaxdit.cache FirstBlockCache, TeaCache, MagCache, TaylorSeer or DBCache (or None), "
@@ -155,16 +164,29 @@ def resolve(config: Any, model: Any, grid: Sequence[int] = ()) -> Policy:
             max_continuous=config.max_continuous,
         )
     if isinstance(config, TeaCache):
-        defaults = hooks.teacache_defaults(tuple(grid))
+        if isinstance(config.coefficients, str):  # a calibration's file: its polynomial and threshold
+            entry = load_teacache_file(config.coefficients)
+            defaults = (entry["coefficients"], entry["threshold"])
+            config = TeaCache(config.threshold)
+        else:
+            defaults = hooks.teacache_defaults(tuple(grid))
         coefficients = config.coefficients or (defaults[0] if defaults else None)
         threshold = config.threshold or (defaults[1] if defaults else None)
         if coefficients is None or threshold is None:
             raise ValueError(
-                f"TeaCache has no published coefficients for this {kind} (not a published model size); "
-                "pass TeaCache(threshold=..., coefficients=(...)) explicitly"
+                f"TeaCache has no published coefficients for this {kind}: fit them once with `jaxdit "
+                "generate ... --calibrate_teacache FILE`, then pass --teacache_coefficients FILE "
+                "(TeaCache(coefficients=FILE) in Python, or threshold= and coefficients=(...) explicitly)"
             )
         metric = hooks.TEACACHE_METRIC
         return Policy(config.name, config.title, float(threshold), metric, tuple(map(float, coefficients)))
+    if isinstance(config, TeaCacheCalibration):
+        if hooks.TEACACHE_METRIC != "step_input":
+            raise ValueError(
+                f"TeaCache calibration measures an input computed in the step; {kind}'s TeaCache input is "
+                "its time embedding, whose published coefficients jaxdit uses"
+            )
+        return Policy(config.name, config.title, float("inf"), "teacache_calibrate")
     if isinstance(config, MagCache):
         return _magcache(config, hooks, model, grid)
     if isinstance(config, TaylorSeer):

@@ -333,6 +333,16 @@ class ModelFamily:
         """Why the family's PipeFusion runner cannot run ``workload`` (None: it can)."""
         return None
 
+    def pipefusion_max_stages(self, workload: Any) -> int:
+        """The most PipeFusion stages ``jaxdit plan`` splits the stacks over: by default the shallowest
+        stack's blocks (no stage left with padded slots alone of a stack)."""
+        return min(s for s in workload.stack_depths if s > 0)
+
+    def pipefusion_patches(self, workload: Any, parallel: Any) -> int:
+        """Patches per step ``jaxdit plan`` prices (and ``--verify`` compiles) PipeFusion with: a full
+        pipeline, V x P (a pass per stack), unless the family's runner picks another count by default."""
+        return len(workload.stack_depths) * parallel.pipefusion
+
     def prediction_dtype(self, dtype: str) -> str:
         """The dtype the model's prediction leaves in, for a model served in ``dtype``."""
         return dtype

@@ -28,8 +28,7 @@ from jaxdit.parallel.flops import attention_flops
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
 from jaxdit.pipelines.pipefusion.flux import validate_patches
-from jaxdit.pipelines.pipefusion.qwen_image import default_num_patches
-from jaxdit.pipelines.pipefusion.z_image import PipeFusionZImage, validate_grid
+from jaxdit.pipelines.pipefusion.z_image import PipeFusionZImage, default_num_patches, validate_grid
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.pipelines.z_image import FOLDER_CLASSES, ZImagePipeline
 
@@ -72,7 +71,8 @@ class ZImageForward:
 
 class ZImageFamily(ModelFamily):
     name = "z-image"
-    caches = frozenset({"fbcache", "dbcache", "taylorseer"})  # its model's one hook: cache_metric_stream
+    # TeaCache and MagCache run from a calibration's file: none are published for Z-Image.
+    caches = frozenset({"fbcache", "dbcache", "taylorseer", "teacache", "magcache"})
     display = "Z-Image"
     several_prompts = True
     checkpoints = z_image_converters.CHECKPOINTS
@@ -119,7 +119,19 @@ class ZImageFamily(ModelFamily):
         return 2 ** (levels - 1) * 2
 
     def check_generate(self, request: Any, config: ZImageConfig | None, parallel: Any) -> None:
-        """An embeddings file: prompt_embeds [B, L, cap_feat_dim] (every prompt L tokens), negatives alike."""
+        """TeaCache and MagCache come with a calibration's file; an embeddings file: prompt_embeds [B, L,
+        cap_feat_dim] (every prompt L tokens), negatives alike."""
+        # No published TeaCache coefficients or MagCache ratios: refused here, before any weight loads.
+        cache = getattr(request, "cache", None)
+        for title, given, calibrate, needs in (
+            ("TeaCache", "coefficients", "calibrate_teacache", "teacache_coefficients"),
+            ("MagCache", "ratios", "calibrate_magcache", "magcache_ratios"),
+        ):
+            if getattr(cache, "title", None) == title and getattr(cache, given) is None:
+                raise ValueError(
+                    f"{title} has no published numbers for Z-Image: record them once with --{calibrate} "
+                    f"FILE, then pass --{needs} FILE"
+                )
         shapes = request.embeddings
         if config is None or shapes is None:
             return
@@ -139,16 +151,22 @@ class ZImageFamily(ModelFamily):
         validate_grid(rows, cols)
         patches = request.num_pipeline_patch
         if patches is None:
-            patches = default_num_patches(parallel.pipefusion, rows)
+            patches = default_num_patches(parallel.pipefusion, rows, cols, parallel.sequence_degree)
         warmup = 1 if request.warmup_steps is None else request.warmup_steps
         validate_pipefusion(parallel.pipefusion, patches, warmup, request.num_inference_steps)
         validate_patches(rows, cols, patches, parallel.sequence_degree)
 
-    def pipefusion_unsupported(self, workload: Any) -> str | None:
-        # The runner runs it (jaxdit generate, tests/test_z_image_pipefusion.py); what the planner prices
-        # for its three passes (the refiners attend over the whole patch, the other group masked) has
-        # not been compared with the compiled programs, so the plan keeps those rows out of --verify.
-        return "Z-Image's PipeFusion runs, but its plan terms are not yet checked against compiled programs"
+    def pipefusion_max_stages(self, workload: Any) -> int:
+        """As many stages as joint layers: the 2 refiner blocks of a stream leave the stages beyond them
+        padded slots, exact identities (the tiny model's one refiner block runs on 2 stages in
+        tests/test_z_image_cli.py)."""
+        return workload.stack_depths[-1]
+
+    def pipefusion_patches(self, workload: Any, parallel: Any) -> int:
+        """The runner's default count (``pipelines/pipefusion/z_image.py``): 3P would not divide 1024 x
+        1024's 64 rows, so a full pipeline there is the next count that does."""
+        height, width, _ = workload.size
+        return default_num_patches(parallel.pipefusion, height // 16, width // 16, parallel.sequence_degree)
 
     def wrap(self, model: nnx.Module, mesh: Mesh, **options: Any) -> ZImageForward:
         return ZImageForward(model, mesh, **options)
@@ -167,7 +185,11 @@ class ZImageFamily(ModelFamily):
         """Z-Image's blocks (``models/z_image.py``): q/k/v/out and the SwiGLU (w1, w3, w2) on every token
         of the stream a block runs on; the noise refiner on the image tokens, the context refiner on the
         caption tokens (each attending over its own group), the joint layers on both; a replicated 4E
-        modulation in the modulated blocks. Embedders and the final layer replicated."""
+        modulation in the modulated blocks. Embedders and the final layer replicated.
+
+        Under PipeFusion a refiner's attention runs over the whole patch with the other group's keys
+        masked (``PatchContext.group_attention``): its q/k/v, Ulysses' exchanges and ring's hops cover
+        every token of the patch, while its projections and MLP stay on its own group."""
         m, e, b = w.model, w.hidden, sh.b
         n_img, n_cap = sh.local
         e_t, f_t, a = sh.e_t, sh.f_t, w.itemsize
@@ -177,7 +199,11 @@ class ZImageFamily(ModelFamily):
             mod = 2 * b * adaln * 4 * e if modulated else 0
             return mod + 2 * b * n * e * e_t * 4 + 2 * b * n * e * f_t * 3 + att
 
+        staged = parallel.pipefusion > 1
+
         def group_attention(n: int) -> float:
+            if staged:
+                return sh.self_attention_flops
             g = n * parallel.ulysses
             return parallel.ring * attention_flops(b, sh.h_t // parallel.ulysses, g, g, w.head_dim)
 
@@ -213,7 +239,7 @@ class ZImageFamily(ModelFamily):
             param_nonblock_bytes=params_nonblock * a,
             param_block_bytes=(modulated * a, plain * a, modulated * a),
             reductions=reductions,
-            attention_tokens=(n_img, n_cap, n_img + n_cap),
+            attention_tokens=() if staged else (n_img, n_cap, n_img + n_cap),
         )
 
 

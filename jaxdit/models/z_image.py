@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -203,6 +203,35 @@ class ZImageTransformer(nnx.Module):
         # The velocity is minus the model's prediction; pad tokens predict zero, so that norms over all
         # tokens (CFG renormalisation) are the image's alone and their latents stay as they are.
         return jnp.where(cond.image_real[None, :, None], -out, 0).astype(out.dtype)
+
+    #: TeaCache's input is computed in the step from the latents (jaxdit.cache.hooks.TeaCacheHooks).
+    TEACACHE_METRIC: ClassVar[str] = "step_input"
+
+    def teacache_input(
+        self, block: SingleStreamBlock, streams: Any, cond: ZImageCond, ctx: ShardContext
+    ) -> tuple[jax.Array, jax.Array]:
+        """TeaCache's metric input: the first joint block's modulated input RMSNorm(x) * (1 + scale_msa)
+        on the whole [image; caption] stream, as TeaCache4Lumina2 (ali-vilab/TeaCache,
+        ``TeaCache4Lumina2/teacache_lumina2.py``, ``layers[0].norm1(input_to_main_loop, temb)``) reads the
+        same single-stream layout after its refiners; with its real tokens."""
+        return block.modulated_input(streams, cond.temb), ctx.token_valid()
+
+    def teacache_timestep_input(self, timestep: jax.Array) -> jax.Array:
+        raise NotImplementedError("Z-Image's TeaCache input depends on the latents (teacache_input)")
+
+    def teacache_defaults(self, grid: tuple[int, ...]) -> None:
+        """No TeaCache coefficients are published for Z-Image: fit them (``--calibrate_teacache``)."""
+        return None
+
+    def cache_output_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
+        """The image tokens leaving the last joint block (what ``output`` predicts from) and which of them
+        are not layout padding: MagCache's measure, and the mask of TeaCache calibration's prediction."""
+        image = ctx.layout.split_after(streams, IMAGE)[0]
+        return image, ctx.layout.split_local(ctx.token_valid(), axis=0)[IMAGE]
+
+    def magcache_defaults(self, grid: tuple[int, ...]) -> None:
+        """No MagCache ratios are published for Z-Image: calibrate them (``--calibrate_magcache``)."""
+        return None
 
     def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
         """First-Block-Cache compares what diffusers' hook compares, the first joint layer's residual on

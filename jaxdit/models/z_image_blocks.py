@@ -97,18 +97,29 @@ class SingleStreamBlock(nnx.Module):
         self.head_dim = d
         self.eps = cfg.norm_eps
 
+    def _modulation(self, temb: jax.Array | None) -> tuple[Any, Any, Any, Any]:
+        """(scale_msa, gate_msa, scale_mlp, gate_mlp), each [B, 1, E] (1.0 without modulation)."""
+        if not self.modulation:
+            return 1.0, 1.0, 1.0, 1.0
+        mods = jnp.split(linear_fp32(self.adaLN_modulation, temb), 4, axis=-1)
+        return (
+            1.0 + mods[0][:, None],
+            jnp.tanh(mods[1])[:, None],
+            1.0 + mods[2][:, None],
+            jnp.tanh(mods[3])[:, None],
+        )
+
+    def modulated_input(self, x: jax.Array, temb: jax.Array | None) -> jax.Array:
+        """The attention's input RMSNorm(x) * (1 + scale_msa), fp32 (TeaCache's metric input)."""
+        return rms_norm(x, self.attention_norm1[...], self.eps) * self._modulation(temb)[0]
+
     def __call__(
         self, x: jax.Array, temb: jax.Array | None, angles: jax.Array, attend: Attend, ctx: ShardContext
     ) -> jax.Array:
         """x [B, L, E] fp32 stream; temb [B, adaln] (modulated blocks); angles [B, L, D/2]."""
         dtype = self.to_q.kernel.dtype
         eps = self.eps
-        if self.modulation:
-            mods = jnp.split(linear_fp32(self.adaLN_modulation, temb), 4, axis=-1)
-            scale_msa, scale_mlp = 1.0 + mods[0][:, None], 1.0 + mods[2][:, None]
-            gate_msa, gate_mlp = jnp.tanh(mods[1])[:, None], jnp.tanh(mods[3])[:, None]
-        else:
-            scale_msa = scale_mlp = gate_msa = gate_mlp = 1.0
+        scale_msa, gate_msa, scale_mlp, gate_mlp = self._modulation(temb)
         h = (rms_norm(x, self.attention_norm1[...], eps) * scale_msa).astype(dtype)
         q = apply_rope(rms_norm(_heads(self.to_q(h), self.head_dim), self.norm_q[...], QK_EPS), angles)
         k = apply_rope(rms_norm(_heads(self.to_k(h), self.head_dim), self.norm_k[...], QK_EPS), angles)

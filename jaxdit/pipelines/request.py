@@ -24,6 +24,7 @@ import numpy as np
 
 from jaxdit.cache import CacheConfig
 from jaxdit.cache.magcache import MagCacheCalibration
+from jaxdit.cache.policies import TeaCacheCalibration
 
 __all__ = ["OUTPUT_TYPES", "GenerationRequest", "prompt_list"]
 
@@ -147,7 +148,9 @@ class GenerationRequest:
             raise ValueError(f"num_images_per_prompt must be >= 1, got {self.num_images_per_prompt}")
         if self.height < 1 or self.width < 1:
             raise ValueError(f"height and width must be positive, got {self.height}x{self.width}")
-        if self.cache is not None and not isinstance(self.cache, CacheConfig | MagCacheCalibration):
+        if self.cache is not None and not isinstance(
+            self.cache, CacheConfig | MagCacheCalibration | TeaCacheCalibration
+        ):
             raise ValueError(
                 "cache must be a jaxdit.cache FirstBlockCache, TeaCache, MagCache, TaylorSeer or DBCache, "
                 f"got {self.cache!r}"

@@ -19,8 +19,10 @@ which code it models), so that ``jaxdit plan --verify`` can hold it against the 
   over the stages (one per stack; FLUX: double blocks up, single blocks back down, V=2; Wan: V=1), so
   per tick each device sends V collective-permutes of one patch's fp32 residual stream, overlapped with
   the tick's compute; an odd V ends on the last stage, which also sends the updated fp32 latent patch
-  back to stage 0 each tick. M = V x P keeps the pipeline full. Stale K/V never leaves its device but
-  costs memory.
+  back to stage 0 each tick (the predicted group's tokens of the patch). M = V x P keeps the pipeline
+  full: the plan's M, unless the family's runner takes another by default
+  (``ModelFamily.pipefusion_patches``: Z-Image's M >= 3P dividing the rows). Stale K/V never leaves its
+  device but costs memory.
 - fsdp (``parallel/fsdp.py``, ``plan/fsdp.py``): per stack of n layers on a device, every split block
   parameter all-gathered n + 1 times per forward (each layer one iteration ahead, plus the prefetch of
   layer 0; a one-layer stack once), overlapped with the previous layer; under PipeFusion n per tick and
@@ -373,14 +375,16 @@ def _collectives(
         )
         if passes % 2:
             # An odd number of passes ends on the last stage, which runs the sampler: the updated latent
-            # patch (fp32, one per request, no CFG branches) goes back to stage 0 once per tick.
+            # patch (fp32, one per request, no CFG branches; the predicted group's tokens of the patch)
+            # goes back to stage 0 once per tick.
+            latent = math.ceil(sh.local[w.family.prediction_group] / patches)
             out.append(
                 CollectiveCost(
                     "pipefusion",
                     "collective-permute",
                     "the updated fp32 latent patch from the last stage to stage 0, one per tick",
                     patches,
-                    w.requests // c.data * math.ceil(n / patches) * w.output_features,
+                    w.requests // c.data * latent * w.output_features,
                     "float32",
                     c.pipefusion,
                     overlap_flops=device_flops / patches,
@@ -464,9 +468,9 @@ def _fsdp_prefetch_bytes(w: Workload, c: ParallelConfig, cpu: bool) -> float:
 
 
 def pipeline_shape(w: Workload, c: ParallelConfig) -> tuple[int, int]:
-    """PipeFusion's (passes V, patches M): a pass per stack of blocks, M = V x P (a full pipeline)."""
-    passes = len(w.stack_depths)
-    return passes, passes * c.pipefusion
+    """PipeFusion's (passes V, patches M): a pass per stack of blocks; M the family's
+    (``ModelFamily.pipefusion_patches``: V x P, a full pipeline, unless its runner picks another)."""
+    return len(w.stack_depths), w.family.pipefusion_patches(w, c)
 
 
 def fsdp_ways(c: ParallelConfig) -> int:

@@ -67,9 +67,9 @@ def invalid_reasons(w: Workload, c: ParallelConfig) -> list[str]:
     heads = w.num_heads
     if heads % (c.ulysses * c.tensor):
         reasons.append(f"{heads} heads cannot be split over ulysses={c.ulysses} x tensor={c.tensor}")
-    shallowest = min(s for s in w.stack_depths if s > 0)
-    if c.pipefusion > shallowest:
-        reasons.append(f"pipefusion={c.pipefusion} stages for a stack of {shallowest} blocks")
+    stages = w.family.pipefusion_max_stages(w)
+    if c.pipefusion > stages:
+        reasons.append(f"pipefusion={c.pipefusion} stages for a stack of {stages} blocks")
     if w.fp8 and c.pipefusion > 1:
         reasons.append("FP8 weights run on meshes without PipeFusion (not supported yet)")
     if c.sequence_degree > min(w.tokens):

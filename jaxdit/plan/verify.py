@@ -322,8 +322,9 @@ class PipeFusionComparison:
 
 def lower_pipefusion(w: Workload, config: ParallelConfig, warmup_steps: int = 1, devices=None):
     """PipeFusion's warm-up step and pipelined phase lowered from abstract shapes, with the plan's patch
-    count (M = V x P: a pass per block stack), as the pipelines run them: the family's pipeline on the
-    abstract stage layout, prepared from a request of ``w``'s shape (``ModelFamily.example_request``)."""
+    count (``cost.pipeline_shape``: M = V x P, a pass per block stack, unless the family says), as the
+    pipelines run them: the family's pipeline on the abstract stage layout, prepared from a request of
+    ``w``'s shape (``ModelFamily.example_request``)."""
     import jax
     import jax.numpy as jnp
 

@@ -37,11 +37,13 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models import z_image
 from jaxdit.models.z_image_config import ZImageConfig
 from jaxdit.models.z_image_tokens import SEQ_MULTIPLE
-from jaxdit.pipelines.pipefusion import flux
-from jaxdit.pipelines.pipefusion.qwen_image import default_num_patches
+from jaxdit.pipelines.pipefusion import flux, qwen_image
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 
-__all__ = ["Geometry", "PipeFusionZImage", "ZImagePatches", "validate_grid"]
+__all__ = ["PASSES", "Geometry", "PipeFusionZImage", "ZImagePatches", "default_num_patches", "validate_grid"]
+
+#: Passes over the stages per forward: noise refiner (up), context refiner (down), joint layers (up).
+PASSES = len(z_image.ZImageTransformer.STACKS)
 
 
 def validate_grid(rows: int, cols: int) -> None:
@@ -52,6 +54,16 @@ def validate_grid(rows: int, cols: int) -> None:
             "PipeFusion's patches are whole rows without pad tokens: use a size whose token count is a "
             f"multiple of {SEQ_MULTIPLE} (e.g. 1024 x 1024), or sequence parallelism"
         )
+
+
+def default_num_patches(stages: int, rows: int, cols: int, sequence_degree: int = 1) -> int:
+    """A full pipeline: the fewest patches M >= 3P (a patch is back at stage 0 after 3P ticks) that are
+    whole rows of ``rows`` whose tokens ring x ulysses split; where none does, Qwen-Image's choice (P, or
+    the smallest count above P that divides the rows). 1024 x 1024 (64 rows): 8, 16 and 32 patches on 2,
+    4 and 8 stages. ``jaxdit plan`` prices this count (``ZImageFamily.pipefusion_patches``)."""
+    full = range(PASSES * stages, rows + 1)
+    fits = (m for m in full if rows % m == 0 and (rows // m * cols) % sequence_degree == 0)
+    return next(fits, None) or qwen_image.default_num_patches(stages, rows)
 
 
 def _check_model(config: ZImageConfig, parallel: ParallelConfig) -> None:
@@ -160,7 +172,7 @@ class ZImagePatches:
         return self.config.output_features
 
     def default_patches(self, grid: tuple[int, int], parallel: ParallelConfig) -> int:
-        return default_num_patches(parallel.pipefusion, grid[0])
+        return default_num_patches(parallel.pipefusion, *grid, parallel.sequence_degree)
 
     def validate_patches(self, grid: tuple[int, int], patches: int, parallel: ParallelConfig) -> None:
         validate_grid(*grid)
