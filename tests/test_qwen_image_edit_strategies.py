@@ -13,8 +13,9 @@ pictures (448 reference tokens joined to the 80 denoised ones), true CFG 4.0, tw
   latest (this step's for those before it, the previous step's for those after it), the padded text and
   reference tokens and the prompts' masked ones no key.
 
-Also the feature caches and a LoRA on the edit transformer. Bounds: SAME_SEED, PIPEFUSION
-(``tolerance.py``).
+Also every feature cache Qwen-Image has (First-Block-Cache, TeaCache, DBCache, TaylorSeer, MagCache) on
+8 devices against one, and a LoRA fused into the edit transformer against diffusers' ``load_lora_weights``.
+Bounds: SAME_SEED, PIPEFUSION (``tolerance.py``); against diffusers the project's 1e-4 relative.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from jaxdit.pipelines.request import GenerationRequest  # noqa: E402
 
 FAST = {"xla_backend_optimization_level": 0}
 H, W, STEPS, SEED, CFG, PATCHES = 32, 40, 3, 5, 4.0, 2
+LATENT_REL = 1e-4  # against diffusers: the project's latents bound (test_qwen_image_edit.py's)
 CALL = dict(
     prompt="a red car at sunset",
     negative_prompt="a big dog",
@@ -56,7 +58,7 @@ CALL = dict(
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    """(folder, the two pictures, the one-device pipeline, its final latents)."""
+    """(folder, the two pictures, the one-device pipeline, its final latents, diffusers' reloader)."""
     patch = pytest.MonkeyPatch()
     edit_folder.patch_areas(patch)
     saved = edit_folder.save(tmp_path_factory.mktemp("qwen_image_edit_strategies"))
@@ -64,7 +66,7 @@ def case(tmp_path_factory):
     pictures = [Image.open(p).convert("RGB") for p in saved["paths"]]
     one = QwenImageEditPipeline.from_pretrained(folder, _mesh(ParallelConfig()), compiler_options=FAST)
     want = one(pictures, **CALL, output_type="latent", progress=False).latents
-    yield folder, pictures, one, want
+    yield folder, pictures, one, want, saved["reloaded"]
     patch.undo()
 
 
@@ -73,7 +75,7 @@ def _mesh(config: ParallelConfig):
 
 
 def _run(case, config_or_pipe, **options) -> np.ndarray:
-    folder, pictures, _, _ = case
+    folder, pictures = case[:2]
     pipe = config_or_pipe
     if isinstance(pipe, ParallelConfig):
         pipe = QwenImageEditPipeline.from_pretrained(folder, _mesh(pipe), compiler_options=FAST)
@@ -121,7 +123,7 @@ def _caches(tmp_path, one, pictures):
 def test_feature_caches_with_reference_tokens_match_one_device(case, sharded, tmp_path):
     """Each cache on the sharded mesh makes the one-device run's decisions (the reference tokens are in
     the image stream the metrics read, their padding masked) and its latents; each skips a step."""
-    folder, pictures, one, plain = case
+    folder, pictures, one, plain = case[:4]
     for name, cache in _caches(tmp_path, one, pictures).items():
         want = one(pictures, **CALL, cache=cache, output_type="latent", progress=False)
         got = sharded(pictures, **CALL, cache=cache, output_type="latent", progress=False)
@@ -232,10 +234,56 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs) -> np.ndarray:
 
 
 def test_pipelined_pipefusion_matches_the_serial_reference(case, pipefusion):
-    folder, pictures, one, plain = case
+    folder, pictures, one, plain = case[:4]
     got = _run(case, pipefusion, warmup_steps=1, num_pipeline_patch=PATCHES)
     prepared = one.prepare(GenerationRequest.of(image=pictures, **CALL))
     assert prepared.inputs.context["reference_hidden_states"].shape[1] == 256 + 192  # both pictures
     want = prepared.to_latents(_serial_pipefusion(one, prepared.inputs))
     tol.check(got, want, tol.PIPEFUSION, "Qwen-Image-Edit pipelined PipeFusion vs the serial reference")
     assert np.abs(plain - want).max() > 1e-3 * np.abs(plain).max()  # stale K/V changed the result
+
+
+# ------------------------------------------------------------------ LoRA
+
+
+def test_kohya_lora_on_the_edit_transformer_matches_diffusers(case, sharded, tmp_path):
+    """Qwen-Image's LoRA converters (the family's, so every layout ``test_qwen_image_features.py`` checks)
+    fused into the edit transformer on 8 devices: a kohya file (``lora_unet_`` + underscored module names,
+    alpha) against diffusers' ``QwenImageEditPlusPipeline.load_lora_weights`` on the reloaded folder, the
+    same call and noise."""
+    import diffusers
+    import lora_tiny
+    import torch
+
+    from jaxdit.pipelines import latents as latent_ops
+
+    folder, pictures, _, plain, reloaded = case
+    ref = reloaded(diffusers.QwenImageEditPlusPipeline, folder)
+    shapes = {k: tuple(v.shape) for k, v in ref.transformer.state_dict().items()}
+    del ref
+    modules = ["transformer_blocks.0.attn.to_q", "transformer_blocks.1.img_mlp.net.0.proj", "img_in"]
+    kohya = lora_tiny.write_kohya_style(
+        tmp_path / "kohya.safetensors", shapes, modules, prefix="lora_unet_", underscore=True
+    )
+    noise = latent_ops.initial_noise(SEED, (2, 4, H // 2, W // 2))
+
+    def reference(lora):
+        pipe = reloaded(diffusers.QwenImageEditPlusPipeline, folder)
+        pipe.load_lora_weights(str(lora))
+        call = {k: v for k, v in CALL.items() if k != "seed"}
+        with torch.no_grad():
+            packed = pipe(
+                pictures, **call, latents=torch.from_numpy(latent_ops.pack(noise)), output_type="latent"
+            ).images
+        return latent_ops.unpack(packed.numpy(), H // 2, W // 2)
+
+    want = reference(kohya)
+    sharded.load_lora(str(kohya))
+    try:
+        got = _run(case, sharded)
+    finally:
+        sharded.unload_lora()
+    rel = np.linalg.norm(got - want) / np.linalg.norm(want)
+    without = np.linalg.norm(plain - want) / np.linalg.norm(want)
+    print(f"kohya LoRA on Qwen-Image-Edit-2509 vs diffusers: {rel:.2e} relative (without it: {without:.2e})")
+    assert rel < LATENT_REL < without, (rel, without)
