@@ -34,6 +34,9 @@ class QwenImageEditFamily(QwenImageFamily):
     def image_input(self, folder: ModelFolder) -> str:
         return "several" if folder.kind == "qwen-image-edit-plus" else "required"
 
+    def image_count(self, folder: ModelFolder) -> tuple[int, int | None]:
+        return (1, None) if folder.kind == "qwen-image-edit-plus" else (1, 1)  # always a picture to edit
+
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         """An input picture (or several, for Plus), before any weight loads."""
         super().check_generate(request, config, parallel)

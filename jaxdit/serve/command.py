@@ -63,6 +63,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_steps", type=int, default=100)
     _flag(p, "max_batch", type=int, default=4, help="largest n")
     _flag(p, "max_prompt_chars", type=int, default=2000)
+    _flag(p, "max_images", type=int, default=3, help="input pictures per request, for models that take "
+          "them (Qwen-Image-Edit, FLUX.2, FLUX.1 Kontext; fewer where the model takes fewer)")  # fmt: skip
+    _flag(p, "max_image_pixels", type=int, default=4096 * 4096, help="the largest input picture, in pixels")
+    _flag(p, "max_body_bytes", type=int, default=None, help="the largest request body (then 413; default "
+          "1 MiB, 32 MiB for a model that takes pictures: they come base64-encoded)")  # fmt: skip
     _flag(p, "compilation_cache_dir", default=None, help="keep compiled programs here, so a restart loads "
           "them (default: $JAXDIT_COMPILATION_CACHE, else ~/.cache/jaxdit/xla)")  # fmt: skip
     _flag(p, "no_compilation_cache", action="store_true", help="compile everything afresh, keep nothing")
@@ -167,9 +172,11 @@ def check(args: argparse.Namespace) -> _Plan:
                 raise ValueError(f"--sizes takes WIDTHxHEIGHT[,...] (e.g. 1024x768), got {text!r}")
             sizes.append((int(m[1]), int(m[2])))
         sizes = tuple(sizes)
-    for name in ("max_steps", "max_batch", "max_prompt_chars"):
+    for name in ("max_steps", "max_batch", "max_prompt_chars", "max_images", "max_image_pixels"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1024:
+        raise ValueError(f"--max_body_bytes must be >= 1024, got {args.max_body_bytes}")
     if args.max_queue < 0:
         raise ValueError(f"--max_queue must be >= 0, got {args.max_queue}")
     for name, low in (("request_timeout", 0.0), ("initialization_timeout", 0.0), ("shutdown_grace", None)):
@@ -301,7 +308,12 @@ def load(args: argparse.Namespace, plan: _Plan):
         )
     mesh = plan.config.device_mesh(devices[: plan.config.num_devices])  # the mesh and its degrees
     limits = EngineLimits(
-        max_steps=args.max_steps, max_batch=args.max_batch, max_prompt_chars=args.max_prompt_chars
+        max_steps=args.max_steps,
+        max_batch=args.max_batch,
+        max_prompt_chars=args.max_prompt_chars,
+        max_images=args.max_images,
+        max_image_pixels=args.max_image_pixels,
+        max_body_bytes=args.max_body_bytes,
     )
     engine = Engine.load(
         args.weights,

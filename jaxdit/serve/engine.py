@@ -29,8 +29,10 @@ phase only (one program for all its steps; see ``jaxdit.pipelines.pipefusion.den
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
+import math
 import re
 import tempfile
 from collections.abc import Callable
@@ -45,6 +47,7 @@ from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
 from jaxdit.pipelines.output import save_video, to_uint8
 from jaxdit.pipelines.request import GenerationRequest
+from jaxdit.serve.images import decode, encode_png
 from jaxdit.serve.schema import IMAGE, VIDEO, Generation, ModelCard, RequestError
 
 __all__ = ["Engine", "EngineLimits", "GenerationCancelled", "Output"]
@@ -65,6 +68,7 @@ _FIELDS = {
     "num_pipeline_patch": "size",
     "cache_threshold": "cache_threshold",
     "cache": "cache",
+    "image": "image",
 }
 #: The caches whose threshold is traced into the compiled step (the others plan their steps on the host).
 _THRESHOLD_IN_PROGRAM = ("fbcache", "dbcache", "teacache")
@@ -79,6 +83,15 @@ class EngineLimits:
     max_prompt_chars: int = 2000
     max_pixels: int = 2048 * 2048
     max_frames: int = 129
+    #: Input pictures per request (models that take them; fewer where the model takes fewer).
+    max_images: int = 3
+    max_image_pixels: int = 4096 * 4096
+    #: The largest request body; None: 1 MiB, or 32 MiB for a model that takes pictures (base64 files).
+    max_body_bytes: int | None = None
+
+
+#: The body limits when none is given (a prompt of a few thousand characters is a few KiB).
+BODY_BYTES, BODY_BYTES_WITH_IMAGES = 1 << 20, 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +113,33 @@ def _png(image: np.ndarray) -> bytes:
 def _mp4(frames: np.ndarray, fps: int) -> bytes:
     with tempfile.TemporaryDirectory(prefix="jaxdit-serve-") as folder:
         return save_video(Path(folder) / "video.mp4", list(frames), fps=fps).read_bytes()
+
+
+def _image_counts(family: Any, folder: Any, limits: EngineLimits) -> tuple[int, int]:
+    """(least, most) pictures a request sends: the family's, capped by the server's limit; none for the
+    bundled model and for videos."""
+    if folder is None or family.makes_video:
+        return (0, 0)
+    least, most = family.image_count(folder)
+    return (least, limits.max_images if most is None else min(most, limits.max_images))
+
+
+@functools.lru_cache(maxsize=8)
+def _read(images: tuple[str, ...]) -> tuple[np.ndarray, ...]:
+    """A request's checked base64 pictures -> RGB pixels (the HTTP handler decoded them once already;
+    the check and the call of one request share this)."""
+    pictures = tuple(decode(text, "image", math.inf)[1] for text in images)
+    for p in pictures:
+        p.setflags(write=False)  # shared by the calls of one request
+    return pictures
+
+
+def _pictures(images: tuple[str, ...]) -> Any:
+    """As `jaxdit generate --image` gives them: None, one picture, or a tuple of several."""
+    if not images:
+        return None
+    pictures = _read(images)
+    return pictures[0] if len(pictures) == 1 else pictures
 
 
 def _field_of(message: str) -> str | None:
@@ -177,6 +217,8 @@ class Engine:
         defaults = dataclasses.replace(template, prompt=family.example_prompt).call()
         takes = "true_cfg_scale" in inspect.signature(family.pipeline_class.__call__).parameters
         default_size = (defaults.width, defaults.height)
+        images = _image_counts(family, folder, limits)
+        body = limits.max_body_bytes or (BODY_BYTES_WITH_IMAGES if images[1] else BODY_BYTES)
         card = ModelCard(
             name=name or (family.name if folder is None else folder.root.name),
             kind=VIDEO if family.makes_video else IMAGE,
@@ -199,6 +241,9 @@ class Engine:
             max_pixels=limits.max_pixels,
             max_frames=limits.max_frames,
             caches=tuple(caches),
+            images=images,
+            max_image_pixels=limits.max_image_pixels,
+            max_body_bytes=body,
         )
         return cls(pipe, template, card, mesh)
 
@@ -244,7 +289,7 @@ class Engine:
                     f"--weights {weights}: jaxdit serve needs a whole pipeline folder (model_index.json, text "
                     "encoders, VAE) to go from a prompt to pixels; omit --weights to serve the bundled model"
                 )
-            if template.folder.takes_image:
+            if template.folder.takes_image and template.family.makes_video:
                 raise ValueError(f"{weights} is image-to-video; jaxdit serve makes text-to-video and images")
         return template
 
@@ -264,11 +309,15 @@ class Engine:
             seed=g.seed,
             feature_cache=g.cache,
             cache_threshold=g.cache_threshold,
+            image=_pictures(g.images),
         )
 
     def call(self, g: Generation, on_step: StepCallback | None = None) -> GenerationRequest:
         """The pipeline call `jaxdit generate` makes for ``g`` (n images per prompt, pixels out)."""
-        call = self._flags(g).call()
+        flags = self._flags(g)
+        call = flags.call()
+        if flags.image is not None:
+            call = call.replace(image=cli_generate.call_images(flags.image))
         return call.replace(num_images_per_prompt=g.n, output_type="np", progress=False, callback=on_step)
 
     def uses_cfg(self, g: Generation) -> bool:
@@ -287,7 +336,8 @@ class Engine:
     def shape_key(self, g: Generation) -> tuple:
         """What the compiled programs of ``g`` depend on (see the module docstring)."""
         steps = g.steps if self.exact_steps else schedule_rows(g.steps)
-        return (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), steps, self.cache_key(g))
+        key = (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), steps, self.cache_key(g))
+        return key + (g.image_sizes,)  # the input pictures' sizes: their reference tokens
 
     def cache_key(self, g: Generation) -> tuple:
         """The part of a program the request's cache decides: () without one, else its name and its
@@ -302,11 +352,13 @@ class Engine:
     def shape_fields(self) -> tuple[str, ...]:
         """The request field behind each position of a shape key (to name the one a refusal is about)."""
         cfg = _FIELDS[self.family.cfg_scale_argument]
-        return ("size", "size", "n", "num_frames", cfg, "steps", "cache")
+        return ("size", "size", "n", "num_frames", cfg, "steps", "cache", "image")
 
     def describe(self, key: tuple) -> str:
-        width, height, n, frames, cfg, rows, cache = key
+        width, height, n, frames, cfg, rows, cache, pictures = key
         parts = [f"{width}x{height}", f"n={n}"] + ([f"{frames} frames"] if frames is not None else [])
+        if pictures:
+            parts.append("from " + " + ".join(f"{w}x{h}" for w, h in pictures))
         steps = f"{rows} steps" if self.exact_steps else f"{max(1, rows - SCHEDULE_ROWS)}-{rows - 1} steps"
         if cache:
             name, threshold = cache
@@ -342,9 +394,13 @@ class Engine:
         steps: int | None = None,
         cache: str | None = None,
     ) -> Generation:
-        """The default request of a shape (for warm-up)."""
+        """The default request of a shape (for warm-up); a model that needs input pictures gets as many
+        mid-grey ones of the output's size."""
         c = self.card
+        grey = np.full((height, width, 3), 128, np.uint8)
         return Generation(
+            images=(encode_png(grey),) * c.images[0],
+            image_sizes=((width, height),) * c.images[0],
             kind=c.kind,
             prompt=c.example_prompt,
             width=width,
