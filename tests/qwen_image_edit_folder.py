@@ -133,7 +133,10 @@ def save(root: Path, **transformer: object) -> dict:
         processor=None,
         transformer=qwen_image_tiny.transformer(joint_attention_dim=tiny.TEXT["hidden_size"], **transformer),
     )
-    folder = root / "Qwen-Image-Edit-2509-tiny"
+    # Edit-2511 is a Plus folder whose transformer sets zero_cond_t
+    folder = root / (
+        "Qwen-Image-Edit-2511-tiny" if transformer.get("zero_cond_t") else "Qwen-Image-Edit-2509-tiny"
+    )
     pipe.save_pretrained(folder)
     images = Qwen2VLImageProcessorPil(**PROCESSOR)
     _add_processor(folder, images, tok)

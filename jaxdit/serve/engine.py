@@ -12,7 +12,8 @@ A request becomes exactly the call ``jaxdit generate`` makes for the same flags:
 :class:`jaxdit.generate.GenerateRequest` and takes its checks (``check_request``, before anything is
 queued) and its call (``GenerateRequest.call``: every field left out takes the model's default).
 
-What a compiled program depends on: the size, the batch (``n``), the frames (videos), whether
+What a compiled program depends on: the size, the batch (``n``), the frames (videos), the input
+pictures' sizes (models that take pictures: their reference tokens; warm-up sends grey ones), whether
 classifier-free guidance runs (two branches or one), and the step count's bucket (the sampler's tables are
 an argument of the step, padded to a multiple of 64 rows: 1-63 steps share one program, 64-127 the next).
 On a PipeFusion mesh the exact step count instead: the pipelined phase is one program whose schedule of
