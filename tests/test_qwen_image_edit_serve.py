@@ -162,3 +162,20 @@ def test_served_edit_is_the_pipelines_and_hostile_bodies_never_reach_the_devices
     want = engine.pipe(pictures, **call, height=H, width=W, num_inference_steps=2, progress=False).images
     assert served.shape == (H, W, 3)
     np.testing.assert_array_equal(served, output.to_uint8(want)[0])
+
+
+def test_picture_limits_are_checked_before_anything_loads():
+    import argparse
+
+    from jaxdit.serve import command
+
+    def check(*flags: str):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        return command.check(parser.parse_args(["--emulate_devices", "2", "--port", "0", *flags]))
+
+    for flag in ("--max_images", "--max_image_pixels"):
+        with pytest.raises(ValueError, match=f"{flag} must be >= 1, got 0"):
+            check(flag, "0")
+    with pytest.raises(ValueError, match="--max_body_bytes must be >= 1024, got 10"):
+        check("--max_body_bytes", "10")

@@ -26,8 +26,9 @@ __all__ = ["FORMATS", "MODES", "decode", "decode_all", "encode_png"]
 
 #: The file formats taken (Pillow's names).
 FORMATS = ("PNG", "JPEG", "WEBP")
-#: The modes taken: 8-bit pictures that convert to RGB as ``jaxdit generate`` reads them (alpha dropped).
-MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA")
+#: The modes taken: 8-bit pictures that convert to RGB as ``jaxdit generate`` reads them (alpha dropped;
+#: CMYK: Pillow's JPEGs from print workflows). 16-bit and float modes are refused, not silently clipped.
+MODES = ("1", "L", "LA", "P", "PA", "RGB", "RGBA", "CMYK")
 _DATA_URL = re.compile(r"^data:image/[a-z0-9.+-]+;base64,", re.IGNORECASE)
 
 
@@ -58,7 +59,8 @@ def decode(text: Any, name: str, max_pixels: int) -> tuple[str, np.ndarray]:
         )
     if picture.mode not in MODES:
         raise RequestError(
-            f"{name} has mode {picture.mode}; send an 8-bit RGB, RGBA, grayscale or palette picture", "image"
+            f"{name} has mode {picture.mode}; send an 8-bit RGB, RGBA, CMYK, grayscale or palette picture",
+            "image",
         )
     try:
         picture.load()
