@@ -172,7 +172,9 @@ def test_picture_limits_are_checked_before_anything_loads():
     def check(*flags: str):
         parser = argparse.ArgumentParser()
         command.add_arguments(parser)
-        return command.check(parser.parse_args(["--emulate_devices", "2", "--port", "0", *flags]))
+        return command.check(
+            parser.parse_args(["--emulate_devices", "2", "--ulysses_degree", "2", "--port", "0", *flags])
+        )
 
     for flag in ("--max_images", "--max_image_pixels"):
         with pytest.raises(ValueError, match=f"{flag} must be >= 1, got 0"):
