@@ -47,14 +47,14 @@ BODY.update(size=f"{W}x{H}", steps=2, seed=5)
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
-    """(the engine, the two pictures' files as bytes)."""
+    """(the engine, the two pictures' files as bytes, the folder)."""
     patch = pytest.MonkeyPatch()
     edit_folder.patch_areas(patch)
     saved = edit_folder.save(tmp_path_factory.mktemp("qwen_image_edit_serve"))
     mesh = ParallelConfig(ulysses=2).make_mesh(jax.devices()[:2])
     limits = EngineLimits(max_steps=8, max_image_pixels=MAX_IMAGE_PIXELS, max_body_bytes=MAX_BODY)
     engine = Engine.load(str(saved["folders"]["plus"]), mesh, limits=limits, compiler_options=FAST)
-    yield engine, [p.read_bytes() for p in saved["paths"]]
+    yield engine, [p.read_bytes() for p in saved["paths"]], str(saved["folders"]["plus"])
     patch.undo()
 
 
@@ -84,15 +84,17 @@ def _metric(text: str, name: str) -> float:
 
 
 def test_the_card_takes_one_to_three_pictures_and_warm_up_brings_one(case):
-    engine, _ = case
+    engine = case[0]
     card = engine.card
     assert (card.images, card.max_image_pixels, card.max_body_bytes) == ((1, 3), MAX_IMAGE_PIXELS, MAX_BODY)
-    warm = engine.request_for(W, H, steps=2)
+    warm = engine.request_for(W, H, steps=2)  # the default: one grey picture of the output's size
     assert warm.image_sizes == ((W, H),)
-    engine.warm_up([warm])
-    assert engine.shape_key(warm) in engine.compiled and "from 40x32" in engine.describe(
-        engine.shape_key(warm)
-    )
+    # `jaxdit serve --image_sizes 24x24+36x20`: the served request's pictures, so refuse-mode serves it
+    served = engine.request_for(W, H, steps=2, pictures=((24, 24), (36, 20)))
+    served = dataclasses.replace(served, negative_prompt=BODY["negative_prompt"], true_cfg_scale=4.0)
+    engine.warm_up([warm, served])
+    assert {engine.shape_key(warm), engine.shape_key(served)} <= engine.compiled
+    assert "from 40x32" in engine.describe(engine.shape_key(warm))
 
 
 def _hostile(files: list[bytes]) -> list[tuple[object, str]]:
@@ -118,7 +120,7 @@ def _hostile(files: list[bytes]) -> list[tuple[object, str]]:
 
 
 def test_hostile_pictures_get_one_error_each_before_the_queue(case):
-    engine, files = case
+    engine, files = case[:2]
     for value, word in _hostile(files):
         with pytest.raises(schema.RequestError) as e:
             schema.image_request({**BODY, "image": value}, engine.card)
@@ -137,9 +139,9 @@ def test_hostile_pictures_get_one_error_each_before_the_queue(case):
 
 
 def test_served_edit_is_the_pipelines_and_hostile_bodies_never_reach_the_devices(case):
-    engine, files = case
+    engine, files = case[:2]
     metrics = Metrics()
-    service = Service(Scheduler(engine, metrics, new_shapes="compile"))
+    service = Service(Scheduler(engine, metrics))  # new shapes refused: the warm-up compiled this one
     url = f"http://127.0.0.1:{service.port}/v1/images/generations"
     try:
         for value, word in _hostile(files):
@@ -164,7 +166,7 @@ def test_served_edit_is_the_pipelines_and_hostile_bodies_never_reach_the_devices
     np.testing.assert_array_equal(served, output.to_uint8(want)[0])
 
 
-def test_picture_limits_are_checked_before_anything_loads():
+def test_picture_flags_are_checked_before_anything_loads(case):
     import argparse
 
     from jaxdit.serve import command
@@ -176,6 +178,16 @@ def test_picture_limits_are_checked_before_anything_loads():
             parser.parse_args(["--emulate_devices", "2", "--ulysses_degree", "2", "--port", "0", *flags])
         )
 
+    folder = case[2]
+    plan = check("--weights", folder, "--image_sizes", "24x24+36x20,40x32", "--caches", "fbcache")
+    assert plan.image_sizes == (((24, 24), (36, 20)), ((40, 32),)) and plan.caches == ("fbcache",)
+    assert check("--weights", folder).image_sizes is None  # the start-up checks bring a picture
+    with pytest.raises(ValueError, match="takes 1 to 3 pictures, got 4"):
+        check("--weights", folder, "--image_sizes", "8x8+8x8+8x8+8x8")
+    with pytest.raises(ValueError, match="--image_sizes takes WxH"):
+        check("--weights", folder, "--image_sizes", "24")
+    with pytest.raises(ValueError, match="--image_sizes: .* takes no input pictures"):
+        check("--image_sizes", "24x24")  # the bundled tiny-digits
     for flag in ("--max_images", "--max_image_pixels"):
         with pytest.raises(ValueError, match=f"{flag} must be >= 1, got 0"):
             check(flag, "0")

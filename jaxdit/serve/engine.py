@@ -51,7 +51,7 @@ from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.serve.images import decode, encode_png
 from jaxdit.serve.schema import IMAGE, VIDEO, Generation, ModelCard, RequestError
 
-__all__ = ["Engine", "EngineLimits", "GenerationCancelled", "Output"]
+__all__ = ["Engine", "EngineLimits", "GenerationCancelled", "Output", "image_counts"]
 
 StepCallback = Callable[[int, int], bool]
 #: The flags in `jaxdit generate`'s messages -> the request fields they are.
@@ -116,13 +116,13 @@ def _mp4(frames: np.ndarray, fps: int) -> bytes:
         return save_video(Path(folder) / "video.mp4", list(frames), fps=fps).read_bytes()
 
 
-def _image_counts(family: Any, folder: Any, limits: EngineLimits) -> tuple[int, int]:
-    """(least, most) pictures a request sends: the family's, capped by the server's limit; none for the
-    bundled model and for videos."""
+def image_counts(family: Any, folder: Any, max_images: int) -> tuple[int, int]:
+    """(least, most) pictures a request sends: the family's (``ModelFamily.image_count``), capped by the
+    server's ``max_images``; none for the bundled model and for videos."""
     if folder is None or family.makes_video:
         return (0, 0)
     least, most = family.image_count(folder)
-    return (least, limits.max_images if most is None else min(most, limits.max_images))
+    return (least, max_images if most is None else min(most, max_images))
 
 
 @functools.lru_cache(maxsize=8)
@@ -218,7 +218,7 @@ class Engine:
         defaults = dataclasses.replace(template, prompt=family.example_prompt).call()
         takes = "true_cfg_scale" in inspect.signature(family.pipeline_class.__call__).parameters
         default_size = (defaults.width, defaults.height)
-        images = _image_counts(family, folder, limits)
+        images = image_counts(family, folder, limits.max_images)
         body = limits.max_body_bytes or (BODY_BYTES_WITH_IMAGES if images[1] else BODY_BYTES)
         card = ModelCard(
             name=name or (family.name if folder is None else folder.root.name),
@@ -394,14 +394,17 @@ class Engine:
         num_frames: int | None = None,
         steps: int | None = None,
         cache: str | None = None,
+        pictures: tuple[tuple[int, int], ...] | None = None,
     ) -> Generation:
-        """The default request of a shape (for warm-up); a model that needs input pictures gets as many
-        mid-grey ones of the output's size."""
+        """The default request of a shape (for warm-up), with mid-grey input pictures of the sizes
+        ``pictures`` (width, height) gives (None: as many as the model needs, of the output's size)."""
         c = self.card
-        grey = np.full((height, width, 3), 128, np.uint8)
+        if pictures is None:
+            pictures = ((width, height),) * c.images[0]
+        grey = lambda w, h: encode_png(np.full((h, w, 3), 128, np.uint8))  # noqa: E731
         return Generation(
-            images=(encode_png(grey),) * c.images[0],
-            image_sizes=((width, height),) * c.images[0],
+            images=tuple(grey(w, h) for w, h in pictures),
+            image_sizes=tuple(pictures),
             kind=c.kind,
             prompt=c.example_prompt,
             width=width,
