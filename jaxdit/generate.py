@@ -23,6 +23,7 @@ Three modules, in the order a run uses them:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -78,15 +79,19 @@ def generate(pipe: Any, r: GenerateRequest) -> Any:
     if r.prompt_embeds is not None:
         call = call.with_arguments(**load_embeddings(r.prompt_embeds))
     if r.image is not None:
-        from PIL import Image
-
-        if isinstance(r.image, tuple):  # several reference pictures (checked: the family takes them)
-            call = call.replace(image=[np.asarray(Image.open(p).convert("RGB")) for p in r.image])
-        else:
-            call = call.replace(image=np.asarray(Image.open(r.image).convert("RGB")))
+        call = call.replace(image=call_images(r.image))
     if r.source == "checkpoint":
         call = call.replace(output_type="latent")
     return pipe.generate(call)
+
+
+def call_images(image: Any) -> Any:
+    """``--image``'s value -> the call's: a path read as RGB pixels [H, W, 3], several (a tuple: the
+    family takes them, checked) a list of them; pictures already read (``jaxdit serve``'s) as they are."""
+    from PIL import Image
+
+    read = lambda p: np.asarray(Image.open(p).convert("RGB")) if isinstance(p, str | os.PathLike) else p  # noqa: E731
+    return [read(p) for p in image] if isinstance(image, tuple) else read(image)
 
 
 def write(r: GenerateRequest, result: Any) -> Path:

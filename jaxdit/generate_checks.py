@@ -10,6 +10,7 @@ import dataclasses
 import importlib.util
 import inspect
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +114,9 @@ def _check_folder(r: GenerateRequest) -> None:
         )
     if isinstance(r.image, tuple) and takes_image != "several":
         raise ValueError(f"{r.weights} ({folder.kind}) takes one --image; {len(r.image)} were given")
-    for path in (r.image,) if isinstance(r.image, str) else r.image or ():
-        preflight.check_image_file(path)
+    for path in (r.image,) if not isinstance(r.image, tuple) else r.image:
+        if isinstance(path, str | os.PathLike):  # not a picture already read and checked (jaxdit serve's)
+            preflight.check_image_file(path)
     for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
         if prompt is not None:
             preflight.check_prompts(list(prompt) if isinstance(prompt, tuple) else [prompt], flag)

@@ -65,8 +65,9 @@ class GenerateRequest:
     warmup_steps: int | None = None
     num_frames: int | None = None  # video families
     flow_shift: float | None = None  # Wan
-    #: image-to-video (pipeline folders): the first frame; several (a tuple) for FLUX.2's references
-    image: str | tuple[str, ...] | None = None
+    #: image-to-video (pipeline folders): the first frame; several (a tuple) for FLUX.2's references; a
+    #: path, or pixels [H, W, 3] already read and checked (``jaxdit serve``'s request pictures)
+    image: Any = None
     max_sequence_length: int | None = None  # text encoder tokens (pipeline folders)
     #: A family's own flags given (``jaxdit.pipelines.call_options``: its pipeline's ``call_options``), as
     #: (flag name, value) pairs; they become the call's ``family_arguments``.

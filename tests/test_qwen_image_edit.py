@@ -33,8 +33,7 @@ from PIL import Image
 pytest.importorskip("torch")
 pytest.importorskip("diffusers")
 
-import decoder_lm_tiny as tiny  # noqa: E402
-import qwen_image_folder  # noqa: E402
+import qwen_image_edit_folder as edit_folder  # noqa: E402
 import qwen_image_tiny  # noqa: E402
 import torch  # noqa: E402
 
@@ -44,144 +43,27 @@ from jaxdit.pipelines import qwen_image_edit  # noqa: E402
 
 PROMPT, NEGATIVE = "a red car at sunset", "a big dog"
 H, W, STEPS, SEED, CFG = 32, 40, 2, 5, 4.0
-VAE_AREA = 64 * 64
 LATENT_REL, PNG_STEPS, EMBED_REL = 1e-4, 1.5, 1e-5
 FAST = {"xla_backend_optimization_level": 0}
-MARKERS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
-VISION = dict(
-    depth=2,
-    hidden_size=16,
-    intermediate_size=24,
-    num_heads=2,
-    out_hidden_size=32,
-    patch_size=2,
-    window_size=8,
-    fullatt_block_indexes=[1],
-)
-PROCESSOR = dict(patch_size=2, merge_size=2, temporal_patch_size=2, min_pixels=16, max_pixels=20 * 28)
-
-
-class StandInProcessor:
-    """``Qwen2VLProcessor(text=, images=, padding=True, return_tensors="pt")`` without its video half."""
-
-    def __init__(self, tokenizer, image_processor, image_token_id):
-        self.tokenizer, self.image_processor, self.image_token_id = tokenizer, image_processor, image_token_id
-
-    def __call__(self, text, images=None, padding=True, return_tensors="pt"):
-        from transformers import BatchFeature
-
-        pixels = dict(self.image_processor(images=images, return_tensors="pt"))
-        counts = iter((pixels["image_grid_thw"].prod(-1) // 4).tolist())
-        pad = "<|image_pad|>"
-        expanded = []
-        for t in text:
-            parts = t.split(pad)
-            expanded.append(
-                "".join(p + (pad * next(counts) if k < len(parts) - 1 else "") for k, p in enumerate(parts))
-            )
-        tokens = dict(self.tokenizer(expanded, padding=padding, return_tensors="pt"))
-        tokens["mm_token_type_ids"] = (tokens["input_ids"] == self.image_token_id).int()
-        return BatchFeature({**tokens, **pixels})
-
-
-def _with_token_types(text_encoder, image_token_id):
-    """The text encoder given the multimodal token types diffusers drops (its PR 14189)."""
-    forward = text_encoder.forward
-
-    def patched(*args, input_ids=None, **kwargs):
-        kwargs.setdefault("mm_token_type_ids", (input_ids == image_token_id).int())
-        return forward(*args, input_ids=input_ids, **kwargs)
-
-    text_encoder.forward = patched
-    return text_encoder
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     import diffusers
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit as edit_upstream
-    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus as upstream
-    from tokenizers import AddedToken
-    from transformers import (
-        AutoTokenizer,
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLImageProcessorPil,
-    )
 
     patch = pytest.MonkeyPatch()
-    patch.setattr(upstream, "VAE_IMAGE_SIZE", VAE_AREA)
-    patch.setattr(qwen_image_edit, "VAE_AREA", VAE_AREA)
-    root = tmp_path_factory.mktemp("qwen_image_edit")
-    tok = AutoTokenizer.from_pretrained(tiny.save_qwen_tokenizer(root / "parts" / "tokenizer"))
-    tok.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, special=True, normalized=False) for t in MARKERS]}
-    )
-    ids = {t: tok.convert_tokens_to_ids(t) for t in MARKERS}
-    text = dict(
-        tiny.TEXT,
-        num_hidden_layers=2,
-        num_key_value_heads=2,
-        rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "rope_theta": 1e6},
-    )
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=VISION,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-    )
-    config._attn_implementation = "eager"
-    torch.manual_seed(0)
-    encoder = tiny._perturb(Qwen2_5_VLForConditionalGeneration(config), 5)
-    pipe = diffusers.QwenImageEditPlusPipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**qwen_image_folder.SCHEDULER),
-        vae=qwen_image_folder.vae(),
-        text_encoder=encoder,
-        tokenizer=tok,
-        processor=None,
-        transformer=qwen_image_tiny.transformer(joint_attention_dim=tiny.TEXT["hidden_size"]),
-    )
-    folder = root / "Qwen-Image-Edit-2509-tiny"
-    pipe.save_pretrained(folder)
-    images = Qwen2VLImageProcessorPil(**PROCESSOR)
-    images.save_pretrained(folder / "processor")
-    tok.save_pretrained(folder / "processor")
-    index = json.loads((folder / "model_index.json").read_text())
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
-    (folder / "model_index.json").write_text(json.dumps(index))
-    rng = np.random.default_rng(1)
-    paths = []
-    for k, shape in enumerate([(24, 24, 3), (20, 36, 3)]):
-        paths.append(root / f"picture{k}.png")
-        Image.fromarray(rng.integers(0, 256, shape, np.uint8)).save(paths[-1])
-
-    edit_folder = root / "Qwen-Image-Edit-tiny"  # the original Edit: the same components, one picture
-    diffusers.QwenImageEditPipeline(**pipe.components).save_pretrained(edit_folder)
-    images.save_pretrained(edit_folder / "processor")
-    tok.save_pretrained(edit_folder / "processor")
-    edit_index = json.loads((edit_folder / "model_index.json").read_text())
-    edit_index["processor"] = ["transformers", "Qwen2VLProcessor"]
-    (edit_folder / "model_index.json").write_text(json.dumps(edit_index))
-    edit_dimensions = edit_upstream.calculate_dimensions  # its 1024^2 is literal there: the same 64^2
-    patch.setattr(edit_upstream, "calculate_dimensions", lambda area, ratio: edit_dimensions(VAE_AREA, ratio))
-
-    def reloaded(cls, where):
-        ref = cls.from_pretrained(where, processor=None)
-        object.__setattr__(ref, "processor", StandInProcessor(tok, images, config.image_token_id))
-        _with_token_types(ref.text_encoder, config.image_token_id)
-        return ref
-
-    ref = reloaded(diffusers.QwenImageEditPlusPipeline, folder)
+    edit_folder.patch_areas(patch)
+    saved = edit_folder.save(tmp_path_factory.mktemp("qwen_image_edit"))
+    folders, reloaded = saved["folders"], saved["reloaded"]
+    ref = reloaded(diffusers.QwenImageEditPlusPipeline, folders["plus"])
     yield dict(
-        folder=folder,
-        folders={"plus": folder, "edit": edit_folder},
-        paths=paths,
+        folder=folders["plus"],
+        folders=folders,
+        paths=saved["paths"],
         ref=ref,
         reloaded={
             "plus": lambda: ref,
-            "edit": lambda: reloaded(diffusers.QwenImageEditPipeline, edit_folder),
+            "edit": lambda: reloaded(diffusers.QwenImageEditPipeline, folders["edit"]),
         },
     )
     patch.undo()
@@ -386,13 +268,6 @@ def test_unsupported_runs_are_refused(case, tmp_path, capsys):
     base += ["--height", str(H), "--width", str(W)]
     picture = ["--image", str(case["paths"][0])]
     _refused(base, tmp_path, capsys, "Qwen-Image-Edit edits a picture: pass --image IN.png")
-    _refused(
-        [*base, *picture, "--pipefusion_parallel_degree", "2"],
-        tmp_path,
-        capsys,
-        "Qwen-Image-Edit has no PipeFusion stage layout",
-    )
-    _refused([*base, *picture, "--cache", "fbcache"], tmp_path, capsys, "not available for Qwen-Image-Edit")
     layered = shutil.copytree(case["folder"], tmp_path / "layered")
     config = layered / "transformer" / "config.json"
     config.write_text(json.dumps({**json.loads(config.read_text()), "use_layer3d_rope": True}))

@@ -261,6 +261,14 @@ class ModelFamily:
         included) or "none"."""
         return "required" if folder.takes_image else "none"
 
+    def image_count(self, folder: ModelFolder) -> tuple[int, int | None]:
+        """(least, most) input pictures a call of the folder's pipeline takes (None: no bound of its own),
+        from :meth:`image_input` unless a family knows better (``jaxdit serve`` checks a request's
+        ``image`` field against it)."""
+        return {"none": (0, 0), "optional": (0, 1), "required": (1, 1), "several": (0, None)}[
+            self.image_input(folder)
+        ]
+
     def video_fps(self, folder: ModelFolder | None) -> int:
         """Frames per second of the videos a folder's model makes (default: the family's ``fps``)."""
         return self.fps

@@ -5,7 +5,8 @@ noise as reference tokens) and folder classes.
 
 The edit transformer has Qwen-Image's shapes, so a checkpoint alone cannot say which it is: a diffusers
 folder says so in ``model_index.json``; Edit-2511 is a Plus folder whose transformer sets
-``zero_cond_t``. Not here yet (refused): PipeFusion and the feature caches with reference tokens.
+``zero_cond_t``. PipeFusion carries the reference tokens as a never-denoised token group
+(``pipelines/pipefusion/qwen_image.py``); ``jaxdit plan`` does not price that layout yet.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ class QwenImageEditFamily(QwenImageFamily):
     }
     folder_classes = edit.FOLDER_CLASSES
     pipeline_class = edit.QwenImageEditPipeline
-    staged_model = None
-    caches = frozenset()
 
     def image_input(self, folder: ModelFolder) -> str:
         return "several" if folder.kind == "qwen-image-edit-plus" else "required"
+
+    def image_count(self, folder: ModelFolder) -> tuple[int, int | None]:
+        return (1, None) if folder.kind == "qwen-image-edit-plus" else (1, 1)  # always a picture to edit
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         """An input picture (or several, for Plus), before any weight loads."""
@@ -53,11 +55,9 @@ class QwenImageEditFamily(QwenImageFamily):
                 "QwenImageEditPlusPipeline reads several)"
             )
 
-    def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
-        raise ValueError("Qwen-Image-Edit has no PipeFusion layout with reference pictures yet")
-
     def pipefusion_unsupported(self, workload: Any) -> str | None:
-        return "no Qwen-Image-Edit PipeFusion runner yet"
+        # The plan's example request has no pictures, so it would price text-to-image's layout.
+        return "jaxdit plan prices no Qwen-Image-Edit PipeFusion layout with reference pictures yet"
 
     def workload_shape(self, config, height, width, frames, text_tokens):
         """Qwen-Image's groups with the image stream grown by one input picture of the output's size

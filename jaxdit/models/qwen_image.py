@@ -182,9 +182,12 @@ class QwenImageTransformer(nnx.Module):
         self, block: DualStreamBlock, streams: Any, cond: QwenImageCond, ctx: ShardContext
     ) -> tuple[jax.Array, jax.Array]:
         """TeaCache's metric input: the first block's modulated image input, LN(img) * (1 + scale1) +
-        shift1 (as TeaCache reads FLUX's), and the image's real tokens."""
-        shift, scale = jnp.split(modulation(block.img_mod, cond.temb), 6, axis=-1)[:2]
-        x = layer_norm(streams[IMAGE], EPS) * (1.0 + scale[:, None]) + shift[:, None]
+        shift1 (as TeaCache reads FLUX's; Edit-2511's reference tokens with their timestep-0 modulation,
+        as the block has them), and the image's real tokens."""
+        img = streams[IMAGE]
+        image = ctx.layout.local_lengths[IMAGE]
+        shift, scale = block.image_modulations(cond.temb, img.shape[1], cond.reference_temb, image)[:2]
+        x = layer_norm(img, EPS) * (1.0 + scale) + shift
         return x, self.cache_metric_stream(streams, ctx)[1]
 
     def teacache_timestep_input(self, timestep: jax.Array) -> jax.Array:

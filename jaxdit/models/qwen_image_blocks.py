@@ -102,6 +102,18 @@ class DualStreamBlock(nnx.Module):
         self.txt_mlp = FeedForward(cfg, dtype=dtype, rngs=rngs)
         self.head_dim = d
 
+    def image_modulations(
+        self, temb: jax.Array, tokens: int, reference_temb: jax.Array | None = None, image_tokens: int = 0
+    ) -> list[jax.Array]:
+        """The image stream's six AdaLN chunks [B, 1 | tokens, E] from ``temb``; with ``reference_temb``
+        (Edit-2511) the tokens from ``image_tokens`` on (this shard's reference tokens) take theirs from it."""
+        mods = _per_token(jnp.split(modulation(self.img_mod, temb), 6, axis=-1))
+        if reference_temb is None:
+            return mods
+        clean = _per_token(jnp.split(modulation(self.img_mod, reference_temb), 6, axis=-1))
+        is_ref = (jnp.arange(tokens) >= image_tokens)[None, :, None]
+        return [jnp.where(is_ref, c, m) for m, c in zip(mods, clean, strict=True)]
+
     def _qkv(self, x: jax.Array, q: Linear, k: Linear, v: Linear, qn: nnx.Param, kn: nnx.Param, angles):
         """One stream's q, k (RMS-normed per head, rotated; fp32 math) and v, cast to the compute dtype."""
         dtype = q.dtype
@@ -124,11 +136,7 @@ class DualStreamBlock(nnx.Module):
         (Edit-2511's ``zero_cond_t``): the image stream's tokens from ``image_tokens`` on (this shard's
         reference tokens) take their modulation from it (timestep 0) instead of ``temb``."""
         dtype = self.to_q.dtype
-        img_mods = _per_token(jnp.split(modulation(self.img_mod, temb), 6, axis=-1))
-        if reference_temb is not None:
-            clean = _per_token(jnp.split(modulation(self.img_mod, reference_temb), 6, axis=-1))
-            is_ref = (jnp.arange(img.shape[1]) >= image_tokens)[None, :, None]
-            img_mods = [jnp.where(is_ref, c, m) for m, c in zip(img_mods, clean, strict=True)]
+        img_mods = self.image_modulations(temb, img.shape[1], reference_temb, image_tokens)
         txt_mods = jnp.split(modulation(self.txt_mod, temb), 6, axis=-1)
         img_in = _modulate(img, img_mods[0], img_mods[1]).astype(dtype)
         txt_in = _modulate(txt, txt_mods[0], txt_mods[1]).astype(dtype)

@@ -22,7 +22,8 @@ at the aspect ratio of the last picture (Plus) or the picture (Qwen-Image-Edit).
 Qwen2.5-VL's 3-axis positions (what the model was trained with; diffusers 0.42 on transformers 5 drops
 the processor's ``mm_token_type_ids`` and so falls back to 1-D positions, diffusers issue 14194). Not
 supported (refused): several prompts in one call (diffusers' Plus refuses them too), prompt embeddings
-instead of prompts, PipeFusion, the feature caches.
+instead of prompts. On a PipeFusion mesh the reference tokens are a context token group of every patch
+(``pipelines/pipefusion/qwen_image.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from jaxdit.pipelines import latents as latent_ops
 from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import GenerationOutput, Prepared
 from jaxdit.pipelines.model_folder import FolderClass, open_diffusers_folder
+from jaxdit.pipelines.pipefusion.qwen_image import PipeFusionQwenImage
 from jaxdit.pipelines.qwen_image import QwenImagePipeline
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
@@ -144,8 +146,6 @@ class QwenImageEditPipeline(QwenImagePipeline):
     H/f, W/f].
     """
 
-    staged_model = None  # no PipeFusion layout with reference tokens yet
-
     def __init__(
         self,
         model: Any,
@@ -181,15 +181,15 @@ class QwenImageEditPipeline(QwenImagePipeline):
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), FOLDER_CLASSES)
         where = DeviceMesh.of(parallel)
-        if where.parallel.pipefusion > 1:
-            raise ValueError("Qwen-Image-Edit has no PipeFusion layout with reference pictures yet")
         mesh = where.mesh
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         dtype = as_dtype(dtype)
         plus = folder.kind == "qwen-image-edit-plus"
         encoder = load_edit_prompt_encoder(folder.root, plus=plus)
         vae = load_wan_vae(folder["vae"], dtype=dtype, compiler_options=compiler_options)
-        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, fp8=fp8)
+        model = load_model(
+            folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionQwenImage, fp8=fp8
+        )
 
         def decode(z: np.ndarray) -> np.ndarray:
             frames = vae.decode_latents(np.asarray(z, np.float32)[:, :, None], mesh=mesh)
@@ -231,11 +231,14 @@ class QwenImageEditPipeline(QwenImagePipeline):
         output_type: str = "np",
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
         cache: Any = None,
     ) -> GenerationOutput:
         """Edit ``image`` (a picture, or a list of them for Plus: PIL images or [H, W, 3] arrays) as
         ``prompt`` says, as diffusers' call with the same arguments; ``latents``: the initial noise [B, C,
-        H/f, W/f] instead of the seed's."""
+        H/f, W/f] instead of the seed's. PipeFusion (a mesh with pipefusion > 1): ``num_pipeline_patch``,
+        ``warmup_steps``."""
         return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     # ------------------------------------------------------------------ pictures

@@ -38,7 +38,8 @@ from jaxdit.serve.schema import RequestError
 
 __all__ = ["create_app"]
 
-#: The largest request body read (a prompt of a few thousand characters is a few KiB).
+#: The largest request body read when the card gives none (a prompt of a few thousand characters is a
+#: few KiB; a model that takes pictures has its card's ``max_body_bytes``, ``jaxdit serve --max_body_bytes``).
 MAX_BODY_BYTES = 1 << 20
 #: A body over the limit but under this is read and discarded before the 413, so that the client, still
 #: sending, reads the answer instead of a connection reset; a larger one is answered at once.
@@ -53,19 +54,20 @@ def _error(e: RequestError, headers: dict[str, str] | None = None) -> JSONRespon
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
-async def _read_json(request: Request) -> dict[str, Any]:
+async def _read_json(request: Request, limit: int = MAX_BODY_BYTES) -> dict[str, Any]:
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+    if size is not None and size.isdigit() and int(size) > limit:
         if int(size) <= DRAIN_BYTES:
             async for _ in request.stream():
                 pass
-        raise RequestError(f"the body is {size} bytes; the limit is {MAX_BODY_BYTES}", "body", status=413)
-    raw = b""
+        raise RequestError(f"the body is {size} bytes; the limit is {limit}", "body", status=413)
+    chunks, length = [], 0
     async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise RequestError(f"the body exceeds {MAX_BODY_BYTES} bytes", "body", status=413)
-    return schema.parse_json(raw, request.headers.get("content-type"))
+        chunks.append(chunk)
+        length += len(chunk)
+        if length > limit:
+            raise RequestError(f"the body exceeds {limit} bytes", "body", status=413)
+    return schema.parse_json(b"".join(chunks), request.headers.get("content-type"))
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -76,9 +78,9 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-async def _read_body_in_time(request: Request, seconds: float) -> dict[str, Any]:
+async def _read_body_in_time(request: Request, seconds: float, limit: int) -> dict[str, Any]:
     try:
-        return await asyncio.wait_for(_read_json(request), seconds)
+        return await asyncio.wait_for(_read_json(request, limit), seconds)
     except TimeoutError:
         raise RequestError(
             f"the body did not arrive within {seconds:g} s (all of its Content-Length)", "body", status=408
@@ -104,7 +106,7 @@ def create_app(scheduler: Scheduler, *, body_timeout: float = BODY_TIMEOUT_S) ->
         """Read, check and queue a request: the job, or the error response (nothing reached the devices)."""
         kind = card.kind
         try:
-            g = parse(await _read_body_in_time(request, body_timeout), card)
+            g = parse(await _read_body_in_time(request, body_timeout, card.max_body_bytes), card)
             scheduler.check(g)
             return scheduler.submit(g)
         except RequestError as e:

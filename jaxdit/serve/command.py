@@ -26,6 +26,8 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
+
 from jaxdit import distributed, runtime
 
 __all__ = ["Service", "add_arguments", "run"]
@@ -63,6 +65,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _flag(p, "max_steps", type=int, default=100)
     _flag(p, "max_batch", type=int, default=4, help="largest n")
     _flag(p, "max_prompt_chars", type=int, default=2000)
+    _flag(p, "max_images", type=int, default=3, help="input pictures per request, for models that take "
+          "them (Qwen-Image-Edit, FLUX.2, FLUX.1 Kontext; fewer where the model takes fewer)")  # fmt: skip
+    _flag(p, "max_image_pixels", type=int, default=4096 * 4096, help="the largest input picture, in pixels")
+    _flag(p, "image_sizes", default=None, help="input pictures of the start-up requests, for models that "
+          "take them: WxH[+WxH...] per request, comma-separated (default: as many as the model needs, "
+          "of each output size)")  # fmt: skip
+    _flag(p, "max_body_bytes", type=int, default=None, help="the largest request body (then 413; default "
+          "1 MiB, 32 MiB for a model that takes pictures: they come base64-encoded)")  # fmt: skip
     _flag(p, "compilation_cache_dir", default=None, help="keep compiled programs here, so a restart loads "
           "them (default: $JAXDIT_COMPILATION_CACHE, else ~/.cache/jaxdit/xla)")  # fmt: skip
     _flag(p, "no_compilation_cache", action="store_true", help="compile everything afresh, keep nothing")
@@ -120,6 +130,36 @@ class _Plan:
     frames: tuple[int, ...] | None
     step_counts: tuple[int, ...] | None
     caches: tuple[str, ...] = ()
+    #: Per start-up request, its input pictures' (width, height); None: the engine's default.
+    image_sizes: tuple[tuple[tuple[int, int], ...], ...] | None = None
+
+
+def _picture_sets(text: str | None, template, max_images: int) -> tuple | None:
+    """``--image_sizes``: per start-up request a set of picture sizes, as many as the model takes."""
+    from jaxdit.serve.engine import image_counts
+
+    if text is None:
+        return None
+    least, most = image_counts(template.family, template.folder, max_images)
+    if not most:
+        raise ValueError(f"--image_sizes: {template.label} takes no input pictures")
+    sets = []
+    for entry in text.split(","):
+        sizes = []
+        for part in entry.split("+"):
+            m = _SIZE.match(part.strip())
+            if not m or min(int(m[1]), int(m[2])) < 1:
+                raise ValueError(
+                    f"--image_sizes takes WxH[+WxH...][,...] (e.g. 1024x768+512x512), got {part!r}"
+                )
+            sizes.append((int(m[1]), int(m[2])))
+        if not least <= len(sizes) <= most:
+            raise ValueError(
+                f"--image_sizes {entry.strip()!r}: {template.label} takes {least} to {most} pictures, "
+                f"got {len(sizes)}"
+            )
+        sets.append(tuple(sizes))
+    return tuple(sets)
 
 
 def _numbers(text: str, flag: str) -> tuple[int, ...]:
@@ -167,9 +207,11 @@ def check(args: argparse.Namespace) -> _Plan:
                 raise ValueError(f"--sizes takes WIDTHxHEIGHT[,...] (e.g. 1024x768), got {text!r}")
             sizes.append((int(m[1]), int(m[2])))
         sizes = tuple(sizes)
-    for name in ("max_steps", "max_batch", "max_prompt_chars"):
+    for name in ("max_steps", "max_batch", "max_prompt_chars", "max_images", "max_image_pixels"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_body_bytes is not None and args.max_body_bytes < 1024:
+        raise ValueError(f"--max_body_bytes must be >= 1024, got {args.max_body_bytes}")
     if args.max_queue < 0:
         raise ValueError(f"--max_queue must be >= 0, got {args.max_queue}")
     for name, low in (("request_timeout", 0.0), ("initialization_timeout", 0.0), ("shutdown_grace", None)):
@@ -200,13 +242,19 @@ def check(args: argparse.Namespace) -> _Plan:
         raise ValueError(f"--frames applies to video models; {template.label} makes images")
     if template.family.makes_video and importlib.util.find_spec("av") is None:
         raise ValueError("serving videos (MP4) needs PyAV: pip install 'jaxdit[video]'")
-    _check_shapes(template, sizes, frames, step_counts)
-    caches = _caches(args.caches, template)
-    return _Plan(config, group, sizes, batch_sizes, frames, step_counts, caches)
+    from jaxdit.serve.engine import image_counts
+
+    pictures = _picture_sets(args.image_sizes, template, args.max_images)
+    least = image_counts(template.family, template.folder, args.max_images)[0]
+    probes = _probe_pictures(pictures, least)
+    _check_shapes(template, sizes, frames, step_counts, probes)
+    caches = _caches(args.caches, template, probes[0])
+    return _Plan(config, group, sizes, batch_sizes, frames, step_counts, caches, pictures)
 
 
-def _caches(text: str | None, template) -> tuple[str, ...]:
-    """``--caches``: known names the model and the mesh take (as `jaxdit generate --cache` checks them)."""
+def _caches(text: str | None, template, image: Any = None) -> tuple[str, ...]:
+    """``--caches``: known names the model and the mesh take (as `jaxdit generate --cache` checks them);
+    ``image``: a start-up request's input pictures (a model that needs them)."""
     from jaxdit.cache import CACHES
     from jaxdit.generate_checks import check_request
 
@@ -218,7 +266,7 @@ def _caches(text: str | None, template) -> tuple[str, ...]:
         raise ValueError(
             f"--caches {text!r}: {', '.join(unknown) or 'empty'}; the caches are {', '.join(sorted(CACHES))}"
         )
-    probe = dataclasses.replace(template, prompt=template.family.example_prompt)
+    probe = dataclasses.replace(template, prompt=template.family.example_prompt, image=image)
     for name in names:
         try:
             check_request(dataclasses.replace(probe, feature_cache=name), output=False)
@@ -227,22 +275,42 @@ def _caches(text: str | None, template) -> tuple[str, ...]:
     return names
 
 
-def _check_shapes(template, sizes, frames, step_counts) -> None:
+def _check_shapes(template, sizes, frames, step_counts, pictures=(None,)) -> None:
     """The start-up shapes as `jaxdit generate` checks them (sizes, frames, steps against the model and the
-    mesh: PipeFusion's patches and warm-up steps among them), before anything loads."""
-    from jaxdit.generate_checks import check_request
-
+    mesh: PipeFusion's patches and warm-up steps among them), before anything loads. ``pictures``: the
+    start-up requests' input pictures (``--image`` of the check: grey pixels, as the warm-up sends)."""
     probe = dataclasses.replace(template, prompt=template.family.example_prompt)
     for width, height in sizes or ((None, None),):
         for num_frames in frames or (None,):
             for steps in step_counts or (None,):
-                shape = dataclasses.replace(
-                    probe, width=width, height=height, num_frames=num_frames, num_inference_steps=steps
-                )
-                try:
-                    check_request(shape, output=False)
-                except ValueError as e:
-                    raise ValueError(f"cannot serve the start-up shapes: {e}") from None
+                for image in pictures:
+                    _check_shape(
+                        dataclasses.replace(
+                            probe,
+                            width=width,
+                            height=height,
+                            num_frames=num_frames,
+                            num_inference_steps=steps,
+                            image=image,
+                        )
+                    )
+
+
+def _probe_pictures(picture_sets, least: int) -> tuple:
+    """``--image`` values for the checks: one per start-up picture set (None: ``least`` small ones)."""
+    grey = lambda w, h: np.full((h, w, 3), 128, np.uint8)  # noqa: E731
+    sets = picture_sets or (((8, 8),) * least,)
+    values = tuple(tuple(grey(w, h) for w, h in s) for s in sets)
+    return tuple(None if not v else v[0] if len(v) == 1 else v for v in values)
+
+
+def _check_shape(shape) -> None:
+    from jaxdit.generate_checks import check_request
+
+    try:
+        check_request(shape, output=False)
+    except ValueError as e:
+        raise ValueError(f"cannot serve the start-up shapes: {e}") from None
 
 
 def check_listen(host: str, port: int) -> None:
@@ -301,7 +369,12 @@ def load(args: argparse.Namespace, plan: _Plan):
         )
     mesh = plan.config.device_mesh(devices[: plan.config.num_devices])  # the mesh and its degrees
     limits = EngineLimits(
-        max_steps=args.max_steps, max_batch=args.max_batch, max_prompt_chars=args.max_prompt_chars
+        max_steps=args.max_steps,
+        max_batch=args.max_batch,
+        max_prompt_chars=args.max_prompt_chars,
+        max_images=args.max_images,
+        max_image_pixels=args.max_image_pixels,
+        max_body_bytes=args.max_body_bytes,
     )
     engine = Engine.load(
         args.weights,
@@ -321,12 +394,13 @@ def load(args: argparse.Namespace, plan: _Plan):
     frames = plan.frames or ((card.default_frames,) if card.default_frames else (None,))
     steps = plan.step_counts or (card.default_steps,)
     warm = [
-        engine.request_for(w, h, n, f, k, c)
+        engine.request_for(w, h, n, f, k, c, pictures=p)
         for (w, h) in sizes
         for n in plan.batch_sizes
         for f in frames
         for k in steps
         for c in (None, *plan.caches)
+        for p in plan.image_sizes or (None,)
     ]
     try:
         engine.warm_up(warm)

@@ -12,7 +12,8 @@ A request becomes exactly the call ``jaxdit generate`` makes for the same flags:
 :class:`jaxdit.generate.GenerateRequest` and takes its checks (``check_request``, before anything is
 queued) and its call (``GenerateRequest.call``: every field left out takes the model's default).
 
-What a compiled program depends on: the size, the batch (``n``), the frames (videos), whether
+What a compiled program depends on: the size, the batch (``n``), the frames (videos), the input
+pictures' sizes (models that take pictures: their reference tokens; warm-up sends grey ones), whether
 classifier-free guidance runs (two branches or one), and the step count's bucket (the sampler's tables are
 an argument of the step, padded to a multiple of 64 rows: 1-63 steps share one program, 64-127 the next).
 On a PipeFusion mesh the exact step count instead: the pipelined phase is one program whose schedule of
@@ -29,8 +30,10 @@ phase only (one program for all its steps; see ``jaxdit.pipelines.pipefusion.den
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import io
+import math
 import re
 import tempfile
 from collections.abc import Callable
@@ -45,9 +48,10 @@ from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.pipelines.denoiser import SCHEDULE_ROWS, GenerationCancelled, schedule_rows
 from jaxdit.pipelines.output import save_video, to_uint8
 from jaxdit.pipelines.request import GenerationRequest
+from jaxdit.serve.images import decode, encode_png
 from jaxdit.serve.schema import IMAGE, VIDEO, Generation, ModelCard, RequestError
 
-__all__ = ["Engine", "EngineLimits", "GenerationCancelled", "Output"]
+__all__ = ["Engine", "EngineLimits", "GenerationCancelled", "Output", "image_counts"]
 
 StepCallback = Callable[[int, int], bool]
 #: The flags in `jaxdit generate`'s messages -> the request fields they are.
@@ -65,6 +69,7 @@ _FIELDS = {
     "num_pipeline_patch": "size",
     "cache_threshold": "cache_threshold",
     "cache": "cache",
+    "image": "image",
 }
 #: The caches whose threshold is traced into the compiled step (the others plan their steps on the host).
 _THRESHOLD_IN_PROGRAM = ("fbcache", "dbcache", "teacache")
@@ -79,6 +84,15 @@ class EngineLimits:
     max_prompt_chars: int = 2000
     max_pixels: int = 2048 * 2048
     max_frames: int = 129
+    #: Input pictures per request (models that take them; fewer where the model takes fewer).
+    max_images: int = 3
+    max_image_pixels: int = 4096 * 4096
+    #: The largest request body; None: 1 MiB, or 32 MiB for a model that takes pictures (base64 files).
+    max_body_bytes: int | None = None
+
+
+#: The body limits when none is given (a prompt of a few thousand characters is a few KiB).
+BODY_BYTES, BODY_BYTES_WITH_IMAGES = 1 << 20, 32 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +114,33 @@ def _png(image: np.ndarray) -> bytes:
 def _mp4(frames: np.ndarray, fps: int) -> bytes:
     with tempfile.TemporaryDirectory(prefix="jaxdit-serve-") as folder:
         return save_video(Path(folder) / "video.mp4", list(frames), fps=fps).read_bytes()
+
+
+def image_counts(family: Any, folder: Any, max_images: int) -> tuple[int, int]:
+    """(least, most) pictures a request sends: the family's (``ModelFamily.image_count``), capped by the
+    server's ``max_images``; none for the bundled model and for videos."""
+    if folder is None or family.makes_video:
+        return (0, 0)
+    least, most = family.image_count(folder)
+    return (least, max_images if most is None else min(most, max_images))
+
+
+@functools.lru_cache(maxsize=8)
+def _read(images: tuple[str, ...]) -> tuple[np.ndarray, ...]:
+    """A request's checked base64 pictures -> RGB pixels (the HTTP handler decoded them once already;
+    the check and the call of one request share this)."""
+    pictures = tuple(decode(text, "image", math.inf)[1] for text in images)
+    for p in pictures:
+        p.setflags(write=False)  # shared by the calls of one request
+    return pictures
+
+
+def _pictures(images: tuple[str, ...]) -> Any:
+    """As `jaxdit generate --image` gives them: None, one picture, or a tuple of several."""
+    if not images:
+        return None
+    pictures = _read(images)
+    return pictures[0] if len(pictures) == 1 else pictures
 
 
 def _field_of(message: str) -> str | None:
@@ -177,6 +218,8 @@ class Engine:
         defaults = dataclasses.replace(template, prompt=family.example_prompt).call()
         takes = "true_cfg_scale" in inspect.signature(family.pipeline_class.__call__).parameters
         default_size = (defaults.width, defaults.height)
+        images = image_counts(family, folder, limits.max_images)
+        body = limits.max_body_bytes or (BODY_BYTES_WITH_IMAGES if images[1] else BODY_BYTES)
         card = ModelCard(
             name=name or (family.name if folder is None else folder.root.name),
             kind=VIDEO if family.makes_video else IMAGE,
@@ -199,6 +242,9 @@ class Engine:
             max_pixels=limits.max_pixels,
             max_frames=limits.max_frames,
             caches=tuple(caches),
+            images=images,
+            max_image_pixels=limits.max_image_pixels,
+            max_body_bytes=body,
         )
         return cls(pipe, template, card, mesh)
 
@@ -244,7 +290,7 @@ class Engine:
                     f"--weights {weights}: jaxdit serve needs a whole pipeline folder (model_index.json, text "
                     "encoders, VAE) to go from a prompt to pixels; omit --weights to serve the bundled model"
                 )
-            if template.folder.takes_image:
+            if template.folder.takes_image and template.family.makes_video:
                 raise ValueError(f"{weights} is image-to-video; jaxdit serve makes text-to-video and images")
         return template
 
@@ -264,11 +310,15 @@ class Engine:
             seed=g.seed,
             feature_cache=g.cache,
             cache_threshold=g.cache_threshold,
+            image=_pictures(g.images),
         )
 
     def call(self, g: Generation, on_step: StepCallback | None = None) -> GenerationRequest:
         """The pipeline call `jaxdit generate` makes for ``g`` (n images per prompt, pixels out)."""
-        call = self._flags(g).call()
+        flags = self._flags(g)
+        call = flags.call()
+        if flags.image is not None:
+            call = call.replace(image=cli_generate.call_images(flags.image))
         return call.replace(num_images_per_prompt=g.n, output_type="np", progress=False, callback=on_step)
 
     def uses_cfg(self, g: Generation) -> bool:
@@ -287,7 +337,8 @@ class Engine:
     def shape_key(self, g: Generation) -> tuple:
         """What the compiled programs of ``g`` depend on (see the module docstring)."""
         steps = g.steps if self.exact_steps else schedule_rows(g.steps)
-        return (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), steps, self.cache_key(g))
+        key = (g.width, g.height, g.n, g.num_frames, self.uses_cfg(g), steps, self.cache_key(g))
+        return key + (g.image_sizes,)  # the input pictures' sizes: their reference tokens
 
     def cache_key(self, g: Generation) -> tuple:
         """The part of a program the request's cache decides: () without one, else its name and its
@@ -302,11 +353,13 @@ class Engine:
     def shape_fields(self) -> tuple[str, ...]:
         """The request field behind each position of a shape key (to name the one a refusal is about)."""
         cfg = _FIELDS[self.family.cfg_scale_argument]
-        return ("size", "size", "n", "num_frames", cfg, "steps", "cache")
+        return ("size", "size", "n", "num_frames", cfg, "steps", "cache", "image")
 
     def describe(self, key: tuple) -> str:
-        width, height, n, frames, cfg, rows, cache = key
+        width, height, n, frames, cfg, rows, cache, pictures = key
         parts = [f"{width}x{height}", f"n={n}"] + ([f"{frames} frames"] if frames is not None else [])
+        if pictures:
+            parts.append("from " + " + ".join(f"{w}x{h}" for w, h in pictures))
         steps = f"{rows} steps" if self.exact_steps else f"{max(1, rows - SCHEDULE_ROWS)}-{rows - 1} steps"
         if cache:
             name, threshold = cache
@@ -341,10 +394,17 @@ class Engine:
         num_frames: int | None = None,
         steps: int | None = None,
         cache: str | None = None,
+        pictures: tuple[tuple[int, int], ...] | None = None,
     ) -> Generation:
-        """The default request of a shape (for warm-up)."""
+        """The default request of a shape (for warm-up), with mid-grey input pictures of the sizes
+        ``pictures`` (width, height) gives (None: as many as the model needs, of the output's size)."""
         c = self.card
+        if pictures is None:
+            pictures = ((width, height),) * c.images[0]
+        grey = lambda w, h: encode_png(np.full((h, w, 3), 128, np.uint8))  # noqa: E731
         return Generation(
+            images=tuple(grey(w, h) for w, h in pictures),
+            image_sizes=tuple(pictures),
             kind=c.kind,
             prompt=c.example_prompt,
             width=width,

@@ -6,8 +6,10 @@ The shapes follow OpenAI's API, which clients already speak: ``POST /v1/images/g
 ``POST /v1/videos`` takes ``prompt``, ``size``, ``seconds`` and ``model``. The diffusion fields are optional
 keys beside them, named as ``jaxdit generate``'s flags: ``seed``, ``steps``, ``guidance`` (the pipeline's
 ``guidance_scale``), ``negative_prompt``, ``true_cfg_scale`` where the model takes it (FLUX), and
-``num_frames`` for videos, and a feature cache: ``cache`` (one of the caches the server was started to
-allow, ``jaxdit serve --caches``) with ``cache_threshold``. A field left out takes the served model's default (its :class:`ModelCard`), the
+``num_frames`` for videos, a feature cache: ``cache`` (one of the caches the server was started to
+allow, ``jaxdit serve --caches``) with ``cache_threshold``, and for a model that takes pictures (its
+card's ``images``: Qwen-Image-Edit, FLUX.2, FLUX.1 Kontext) ``image``: one base64-encoded PNG, JPEG or
+WebP, or a list of them (checked and decoded here: :mod:`jaxdit.serve.images`). A field left out takes the served model's default (its :class:`ModelCard`), the
 default ``jaxdit generate`` uses. Unknown fields are refused by name (a typo such as ``step``
 would otherwise be silently ignored).
 
@@ -78,6 +80,13 @@ class ModelCard:
     takes_guidance: bool = True
     #: The feature caches a request may name (``jaxdit serve --caches``); empty: none.
     caches: tuple[str, ...] = ()
+    #: (least, most) input pictures a request sends as ``image`` (the family's ``image_count``, capped by
+    #: the server's limit); (0, 0): the model takes none.
+    images: tuple[int, int] = (0, 0)
+    #: The largest input picture, in pixels (read from its header before it is decoded).
+    max_image_pixels: int = 4096 * 4096
+    #: The largest request body the application reads (then 413): base64 pictures make bodies large.
+    max_body_bytes: int = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,14 @@ class Generation:
     true_cfg_scale: float | None = None
     cache: str | None = None  # a feature cache (jaxdit.cache.CACHES), None: every block every step
     cache_threshold: float | None = None  # None: the family's measured one, else the cache's own
+    #: Input pictures: each one's base64 text (checked: :mod:`jaxdit.serve.images`) and its (width,
+    #: height), which the compiled programs depend on (reference tokens).
+    images: tuple[str, ...] = ()
+    image_sizes: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:  # from JSON: lists back to (hashable) tuples
+        object.__setattr__(self, "images", tuple(self.images))
+        object.__setattr__(self, "image_sizes", tuple(tuple(s) for s in self.image_sizes))
 
     @property
     def size(self) -> str:
@@ -327,7 +344,9 @@ def image_request(body: dict[str, Any], card: ModelCard) -> Generation:
         raise RequestError(
             f"{card.name} makes videos: use POST /v1/videos", None, status=404, kind="invalid_request_error"
         )
-    fields = _common(body, card, _fields(card) | {"n", "response_format", "user"})
+    sends_images = _sends_images(body, card)
+    allowed = _fields(card) | {"n", "response_format", "user"} | ({"image"} if card.images[1] else set())
+    fields = _common(body, card, allowed)
     response_format = body.get("response_format", "b64_json")
     if response_format != "b64_json":
         raise RequestError(
@@ -337,7 +356,35 @@ def image_request(body: dict[str, Any], card: ModelCard) -> Generation:
     if "user" in body and not isinstance(body["user"], str):
         raise RequestError("user must be a string", "user")
     n = _integer(body, "n", 1, 1, card.max_batch)
-    return Generation(kind=IMAGE, n=n, **fields)
+    pictures = _decode(body["image"], card) if sends_images else {}  # last: the cheap checks first
+    return Generation(kind=IMAGE, n=n, **fields, **pictures)
+
+
+def _sends_images(body: dict, card: ModelCard) -> bool:
+    """Whether the request sends pictures, refusing them by name where the model takes none and their
+    absence where it needs one (they are decoded by :func:`_decode`, after every other field)."""
+    least, most = card.images
+    if "image" in body and not most:
+        raise RequestError(f"image: {card.name} takes no input pictures", "image")
+    if "image" not in body:
+        if least:
+            raise RequestError(
+                f"image is required: {card.name} edits pictures (send {least} to {most} base64-encoded "
+                "PNG, JPEG or WebP files)",
+                "image",
+            )
+        return False
+    return True
+
+
+def _decode(value: Any, card: ModelCard) -> dict[str, Any]:
+    from jaxdit.serve import images
+
+    decoded = images.decode_all(value, max(card.images[0], 1), card.images[1], card.max_image_pixels)
+    return dict(
+        images=tuple(text for text, _ in decoded),
+        image_sizes=tuple((p.shape[1], p.shape[0]) for _, p in decoded),
+    )
 
 
 def video_request(body: dict[str, Any], card: ModelCard) -> Generation:

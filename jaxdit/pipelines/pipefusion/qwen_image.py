@@ -13,6 +13,14 @@ mask enters the programs like the text, in patch chunks, but replicated over the
 device needs every shard's keys), and the pieces hand it to the programs as ``sample_valid``: fresh and
 stale keys are then masked per row.
 
+The edit pipelines' input pictures (``QwenImageEditPipeline``): their clean latent tokens are a third
+token group, context like the text (as FLUX.1 Kontext's, the geometry's ``reference`` group): split into M
+chunks, patch m carrying chunk m after its image rows, embedded by the image stream's weights and run
+through the blocks in the image stream ([image band; reference chunk] per piece), computed once per step
+in its patch's micro-step, their K/V buffered like every other token's; they leave no prediction (the
+output layer reads the image band only) and the sampler never steps them. Edit-2511 (``zero_cond_t``)
+gives them the modulation of timestep 0.
+
 Embeddings and the output layer are replicated; every stage computes the timestep embedding itself.
 """
 
@@ -68,38 +76,49 @@ class _Pieces:
     def __init__(self, model: qwen_image.QwenImageTransformer, context: dict, g: Geometry, full: bool, batch):
         self.model, self.batch, self.full = model, batch, full
         text, mask = context["encoder_hidden_states"], context["encoder_hidden_states_mask"]
+        ref, ref_ids = context.get("reference_hidden_states"), context.get("reference_ids")
         self.rows = text.shape[0]
         rope = lambda ids: model.rope(ids.reshape(-1, 3)).reshape(*ids.shape[:-1], -1)
-        if full:  # every patch at once: [text of every patch; image of every patch]
-            self.text = text.reshape(text.shape[0], -1, text.shape[-1])
-            self.angles = (rope(context["txt_ids"]).reshape(1, -1, rope_dim(model)),) + (
-                rope(context["img_ids"]).reshape(1, -1, rope_dim(model)),
-            )
+        angles = [rope(context["txt_ids"]), rope(context["img_ids"])]  # [M, t | n, D/2]
+        ref_angles = None if ref_ids is None else rope(ref_ids)  # [M, r, D/2]
+        if full:  # every patch at once: [text of every patch; image of every patch(; reference)]
+            flat = lambda x: None if x is None else x.reshape(x.shape[0], -1, x.shape[-1])
+            self.text, self.ref = flat(text), flat(ref)
+            one = lambda a: None if a is None else a.reshape(1, -1, a.shape[-1])  # [1, M*(t | n | r), D/2]
+            angles, ref_angles = [one(a) for a in angles], one(ref_angles)
         else:
-            self.text = text  # [b, M, t, C']: patch m's text chunk
-            self.angles = (rope(context["txt_ids"]), rope(context["img_ids"]))  # [M, t | n, D/2]
-        # [b, M, S*t] replicated over the sequence axes -> [b, M, S, t] real text tokens per piece.
+            self.text, self.ref = text, ref  # [b, M, t | r, C']: patch m's text (and reference) chunk
+        if ref_angles is not None:  # the image stream is [image; reference], in the layout's order
+            angles[1] = jnp.concatenate([angles[1], ref_angles], axis=1)
+        self.angles = tuple(angles)
+        # Edit-2511: the reference tokens' modulation from timestep 0 (the same for every step).
+        self.clean = ref is not None and model.config.zero_cond_t
+        # [b, M, S*t] replicated over the sequence axes -> [b, M, S, t] real text tokens per piece; the
+        # image and reference groups' real tokens are the geometry's.
         self.sample_valid = None
         if mask is not None:
-            self.sample_valid = (mask.reshape(mask.shape[0], g.patches, g.seq, -1), None)
+            rest = (None, None) if ref is not None else (None,)
+            self.sample_valid = (mask.reshape(mask.shape[0], g.patches, g.seq, -1), *rest)
 
-    def step_cond(self, sigma: jax.Array) -> jax.Array:
-        return self.model.time_embedding(jnp.full((self.rows,), sigma, jnp.float32))
+    def step_cond(self, sigma: jax.Array) -> tuple[jax.Array, jax.Array | None]:
+        embed = lambda s: self.model.time_embedding(jnp.full((self.rows,), s, jnp.float32))
+        return embed(sigma), embed(0.0) if self.clean else None
 
     def embed(self, x: jax.Array, patch: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-        text = self.text if patch is None else lax.dynamic_index_in_dim(self.text, patch, 1, False)
-        return self.model.embed_tokens(text, self.batch(x).astype(self.model.dtype))
+        chunk = lambda c: c if c is None or patch is None else lax.dynamic_index_in_dim(c, patch, 1, False)
+        latents = self.batch(x).astype(self.model.dtype)
+        if self.ref is not None:  # this piece's image band, then its reference chunk
+            latents = jnp.concatenate([latents, chunk(self.ref).astype(latents.dtype)], axis=1)
+        return self.model.embed_tokens(chunk(self.text), latents)
 
-    def cond(self, temb: jax.Array, patch: jax.Array | None) -> qwen_image.QwenImageCond:
+    def cond(
+        self, temb: tuple[jax.Array, jax.Array | None], patch: jax.Array | None
+    ) -> qwen_image.QwenImageCond:
         angles = self.angles if patch is None else tuple(a[patch][None] for a in self.angles)
-        return qwen_image.QwenImageCond(temb, angles)
+        return qwen_image.QwenImageCond(temb[0], angles, temb[1])
 
     def prediction(self, pred: jax.Array) -> jax.Array:
         return pred
-
-
-def rope_dim(model: qwen_image.QwenImageTransformer) -> int:
-    return model.config.head_dim // 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +127,9 @@ class QwenImagePatches:
 
     Program context: ``encoder_hidden_states`` [B, M, S*t, C'] and ``txt_ids`` [M, S*t, 3] in patch
     chunks (FLUX's text layout), ``img_ids`` [M, S*n, 3], and ``encoder_hidden_states_mask`` [B, M, S*t]
-    (the prompts' real tokens, chunked like the text, replicated over the sequence axes).
+    (the prompts' real tokens, chunked like the text, replicated over the sequence axes); the edit
+    pipelines' ``reference_hidden_states`` [B, M, S*r, K] and ``reference_ids`` [M, S*r, 3], chunked like
+    the text.
     """
 
     config: QwenImageConfig
@@ -118,6 +139,8 @@ class QwenImagePatches:
         "encoder_hidden_states_mask": ("batch", None, None),
         "txt_ids": (None, "seq", None),
         "img_ids": (None, "seq", None),
+        "reference_hidden_states": ("batch", None, "seq", None),
+        "reference_ids": (None, "seq", None),
     }
 
     @property
@@ -138,11 +161,13 @@ class QwenImagePatches:
         self, grid: tuple[int, int], patches: int, parallel: ParallelConfig, requests: int, context: Mapping
     ) -> Geometry:
         batch, text = np.shape(context["encoder_hidden_states"])[:2]
-        return Geometry(text, *grid, patches, parallel.ring, parallel.ulysses, batch, requests)
+        ref = np.shape(context["reference_hidden_states"])[1] if "reference_hidden_states" in context else 0
+        return Geometry(text, *grid, patches, parallel.ring, parallel.ulysses, batch, requests, ref)
 
     def program_context(self, context: Mapping, g: Geometry, dtype: Any) -> dict[str, tuple | None]:
         f32 = lambda name: np.asarray(context[name], np.float32)
         mask = context.get("encoder_hidden_states_mask")
+        ref, r = "reference_hidden_states" in context or None, g.reference
         return {
             "encoder_hidden_states": (g.pad_text(f32("encoder_hidden_states"), 1), dtype),
             "encoder_hidden_states_mask": None
@@ -150,15 +175,19 @@ class QwenImagePatches:
             else (g.pad_text(np.asarray(mask, bool), 1).reshape(len(mask), g.patches, -1), jnp.bool_),
             "txt_ids": (g.pad_text(f32("txt_ids"), 0), jnp.float32),
             "img_ids": (g.to_patches(f32("img_ids"), 0), jnp.float32),
+            "reference_hidden_states": ref and (g.pad_text(f32("reference_hidden_states"), 1, r), dtype),
+            "reference_ids": ref and (g.pad_text(f32("reference_ids"), 0, r), jnp.float32),
         }
 
     def abstract_context(self, g: Geometry, dtype: Any) -> dict[str, tuple | None]:
-        c, m, s = self.config, g.patches, g.seq
+        c, m, s, r = self.config, g.patches, g.seq, g.reference_piece
         return {
             "encoder_hidden_states": ((g.batch, m, s * g.text_piece, c.joint_attention_dim), dtype),
             "encoder_hidden_states_mask": ((g.batch, m, s * g.text_piece), jnp.bool_),
             "txt_ids": ((m, s * g.text_piece, 3), jnp.float32),
             "img_ids": ((m, s * g.image_piece, 3), jnp.float32),
+            "reference_hidden_states": g.reference and ((g.batch, m, s * r, c.in_channels), dtype) or None,
+            "reference_ids": g.reference and ((m, s * r, 3), jnp.float32) or None,
         }
 
     def pieces(
