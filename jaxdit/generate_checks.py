@@ -394,6 +394,7 @@ def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) ->
         dtype=r.dtype or "bfloat16",
         family=r.family,
         fp8=r.quantize == "fp8",
+        fp8_retained=r.quantize == "fp8" and r.fp8_skip_steps > 0,
     )
     check_fits(workload, parallel, devices)
 

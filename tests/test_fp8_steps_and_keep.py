@@ -122,3 +122,70 @@ def test_qwen_image_keeps_its_image_mlp_in_its_dtype_and_a_user_list_replaces_it
     assert GenerateRequest(fp8_keep="img_mlp, txt_mlp").fp8_keep_layers == ("img_mlp", "txt_mlp")
     assert GenerateRequest(fp8_keep="none").fp8_keep_layers == ()
     assert GenerateRequest().fp8_keep_layers is None
+
+
+def test_the_planner_prices_the_retained_originals_as_the_run_holds_them(pipes):
+    from jaxdit.families import for_config
+    from jaxdit.plan.cost import step_cost
+    from jaxdit.plan.workload import Workload
+
+    def held(*states) -> int:  # bytes on the device, an array both models share counted once
+        arrays = {a.unsafe_buffer_pointer(): a.nbytes for s in states for a in jax.tree.leaves(s)}
+        return sum(arrays.values())
+
+    skip1 = pipes["skip1"]
+    config = skip1.config
+    priced = {
+        retained: step_cost(
+            Workload.for_config(
+                config,
+                height=16,
+                width=16,
+                dtype="float32",
+                family=for_config(config),
+                fp8=True,
+                fp8_retained=retained,
+            ),
+            skip1.parallel,
+        ).param_bytes
+        for retained in (False, True)
+    }
+    assert priced[False] == held(skip1.forward.state)
+    both = held(skip1.forward.state, skip1.high_precision[0].state)
+    print(
+        f"tiny-digits weights: fp8 {priced[False]} B, fp8 + retained originals {both} B (priced {priced[True]})"
+    )
+    scales = sum(layer.kernel_scale.get_value().nbytes for _, layer in fp8_layers_of(skip1))
+    assert 0 <= both - priced[True] <= 2 * scales  # exact but for the scales' bytes
+
+
+def fp8_layers_of(pipe):
+    from flax import nnx
+
+    model = nnx.merge(pipe.forward.graphdef, pipe.forward.state)
+    return [(n, m) for n, m in nnx.iter_modules(model) if getattr(m, "kernel_scale", None) is not None]
+
+
+def test_generate_with_skipped_steps_and_a_keep_list_on_a_mesh(tmp_path, monkeypatch, capsys):
+    """``jaxdit generate --quantize fp8 --fp8_skip_steps 1 --fp8_keep double_blocks`` on ring2 x ulysses2:
+    the flags reach the pipeline: the double blocks stay fp32, the single blocks go FP8, and the first
+    and last step run the original weights."""
+    from flax import nnx
+
+    from jaxdit import cli, generate
+
+    built = []
+    build = generate.build
+    monkeypatch.setattr(generate, "build", lambda r, mesh: built.append(build(r, mesh)) or built[-1])
+    argv = ["generate", "--emulate_devices", "4", "--ring_degree", "2", "--ulysses_degree", "2"]
+    argv += ["--prompt", "0123", "--num_inference_steps", "4", "--quantize", "fp8"]
+    argv += ["--fp8_mode", "weight", "--fp8_skip_steps", "1", "--fp8_keep", "double_blocks"]
+    assert cli.main([*argv, "--output", str(tmp_path / "digits.png")]) == 0
+    assert "recognises 4 of 4" in capsys.readouterr().out
+    for pipe in built:
+        assert pipe.denoiser.high_precision_steps == 1
+        model = nnx.merge(pipe.forward.graphdef, pipe.forward.state)
+        in_fp8: dict[str, set[bool]] = {}
+        for name, layer in fp8_layers(model, keep=()):  # every block layer FP8 could take
+            in_fp8.setdefault(name.split(".")[0], set()).add(layer.kernel_scale is not None)
+        assert in_fp8 == {"double_blocks": {False}, "single_blocks": {True}}, in_fp8
