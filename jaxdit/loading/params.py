@@ -141,7 +141,17 @@ def load_params(
     model = nnx.merge(graphdef, _fill(abstract, arrays))
     if fp8 is not None:
         quantize_model(model, fp8.mode, fp8.keep, skip_steps=fp8.skip_steps)
+        _place_by_rules(model, rules, mesh, degrees)
     return model
+
+
+def _place_by_rules(model: nnx.Module, rules: Any, mesh: Any, degrees: Any) -> None:
+    """Every parameter of ``model`` where the rule table (and fsdp) stores it, in place: the FP8 scales
+    are made laid out like their kernel's output axis, but fsdp splits a 1-D scale on its own (the other
+    arrays are there already and do not move)."""
+    state = nnx.state(model)
+    shardings = named_shardings(state, rules, mesh, degrees)
+    nnx.update(model, jax.tree.map(jax.device_put, state, shardings))
 
 
 def convert_checkpoint(
