@@ -201,7 +201,8 @@ def _add_generate(sub) -> None:
         default=0,
         metavar="N",
         help="with --quantize fp8: run the first N and the last N steps with the original (--dtype) weights, "
-        "kept on the devices beside the FP8 ones (about 1.5x the bf16 weight memory). Default 0, as "
+        "kept on the devices beside the FP8 ones (more weight memory than bf16 alone: FLUX.1-dev 30.2 GiB "
+        "against 22.2). Default 0, as "
         "xDiT's, whose FP8 GEMMs run every step",
     )
     _flag(
