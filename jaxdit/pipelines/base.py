@@ -166,6 +166,9 @@ class DiffusionPipeline:
         self.decode = decode
         #: The LoRAs fused into the transformer's weights now (``load_lora``), or None.
         self.loras: FusedLoras | None = None
+        #: FP8 with skipped steps: (the original weights' forward, the steps it runs at each end), set by
+        #: :meth:`plain_forward`; None otherwise.
+        self.high_precision: tuple[Any, int] | None = None
 
     # ------------------------------------------------------------------ the denoiser, chosen once here
     def plain_forward(self, sharded: Callable[..., Any], model: Any, kernel: Any = None) -> Any:
@@ -176,7 +179,6 @@ class DiffusionPipeline:
             return None
         # FP8 with skipped steps (quantize.FP8.skip_steps): the original weights' forward runs those.
         kept = retained(model)
-        self.high_precision = None
         if kept is not None:
             self.high_precision = (sharded(kept.original, self.device_mesh, kernel=kernel), kept.skip_steps)
         return sharded(model, self.device_mesh, kernel=kernel)
@@ -220,7 +222,7 @@ class DiffusionPipeline:
             dtype=model.dtype if dtype is None else dtype,
             compiler_options=compiler_options,
             experts=experts,
-            high_precision=getattr(self, "high_precision", None),
+            high_precision=self.high_precision,
         )
 
     @property
