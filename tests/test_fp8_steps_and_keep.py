@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import qwen_image_tiny
+from flax import nnx
 
 from jaxdit.distributed import fetch
 from jaxdit.generate_checks import check_run
@@ -172,8 +173,6 @@ def test_generate_with_skipped_steps_and_a_keep_list_on_a_mesh(tmp_path, monkeyp
     """``jaxdit generate --quantize fp8 --fp8_skip_steps 1 --fp8_keep double_blocks`` on ring2 x ulysses2:
     the flags reach the pipeline: the double blocks stay fp32, the single blocks go FP8, and the first
     and last step run the original weights."""
-    from flax import nnx
-
     from jaxdit import cli, generate
     from jaxdit.families import FAMILIES
 
@@ -200,3 +199,18 @@ def test_generate_with_skipped_steps_and_a_keep_list_on_a_mesh(tmp_path, monkeyp
         for name, layer in fp8_layers(model, keep=()):  # every block layer FP8 could take
             in_fp8.setdefault(name.split(".")[0], set()).add(layer.kernel_scale is not None)
         assert in_fp8 == {"double_blocks": {False}, "single_blocks": {True}}, in_fp8
+
+
+def test_serve_takes_the_skipped_steps_and_the_keep_list():
+    from jaxdit.serve.engine import Engine
+
+    engine = Engine.load(None, single_device_mesh(), quantize="fp8", fp8_mode="weight", fp8_skip_steps=2,
+                         fp8_keep="single_blocks")  # fmt: skip
+    assert engine.pipe.denoiser.high_precision_steps == 2
+    model = nnx.merge(engine.pipe.forward.graphdef, engine.pipe.forward.state)
+    in_fp8: dict[str, set[bool]] = {}
+    for name, layer in fp8_layers(model, keep=()):
+        in_fp8.setdefault(name.split(".")[0], set()).add(layer.kernel_scale is not None)
+    assert in_fp8 == {"double_blocks": {True}, "single_blocks": {False}}
+    with pytest.raises(ValueError, match="--fp8_skip_steps 1 applies with --quantize fp8"):
+        Engine.template_for(None, single_device_mesh(), fp8_skip_steps=1)
