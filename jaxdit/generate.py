@@ -56,8 +56,10 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
         options["offload_encoders"] = True
     if r.quantize == "fp8":  # checked: the builder takes it
         from jaxdit.models.fp8 import choose_mode
+        from jaxdit.models.quantize import FP8
 
-        options["fp8"] = choose_mode(r.fp8_mode, DeviceMesh.of(mesh).mesh.devices.flat)
+        mode = choose_mode(r.fp8_mode, DeviceMesh.of(mesh).mesh.devices.flat)
+        options["fp8"] = FP8(mode, r.fp8_keep_layers, r.fp8_skip_steps)
     if r.source == "bundled":
         pipe = r.family.bundled_pipeline(mesh, kernel=kernel, dtype=dtype, **options)
     elif r.source == "folder":

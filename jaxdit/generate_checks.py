@@ -276,9 +276,15 @@ def check_load_options(r: GenerateRequest, parallel: Any) -> None:
 def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
     """FP8 combinations that cannot run, refused before anything loads."""
     if r.quantize is None:
-        if r.fp8_mode is not None:
-            raise ValueError(f"--fp8_mode {r.fp8_mode} applies with --quantize fp8, which is not given")
+        for flag, given in (
+            ("fp8_mode", r.fp8_mode),
+            ("fp8_keep", r.fp8_keep),
+            ("fp8_skip_steps", r.fp8_skip_steps),
+        ):
+            if given:
+                raise ValueError(f"--{flag} {given} applies with --quantize fp8, which is not given")
         return
+    _check_fp8_steps(r)
     if parallel.pipefusion > 1:
         raise ValueError(
             "--quantize fp8 runs on meshes without PipeFusion (drop --pipefusion_parallel_degree)"
@@ -290,6 +296,23 @@ def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
         )
     if not _builder_takes(r, "fp8"):
         raise ValueError(f"--quantize fp8 is not available for {r.label} yet")
+
+
+def _check_fp8_steps(r: GenerateRequest) -> None:
+    """``--fp8_skip_steps`` against the call's steps and the options it does not run with."""
+    k = r.fp8_skip_steps
+    if k < 0:
+        raise ValueError(f"--fp8_skip_steps {k}: expected a count of steps >= 0")
+    if not k:
+        return
+    steps = r.call().num_inference_steps
+    if steps is not None and 2 * k > steps:
+        raise ValueError(
+            f"--fp8_skip_steps {k} runs the first and last {k} steps in bf16, {2 * k} steps, but the run has "
+            f"{steps} (--num_inference_steps): use at most {steps // 2}"
+        )
+    if r.use_fbcache or r.use_teacache or r.feature_cache is not None:
+        raise ValueError("--fp8_skip_steps does not run with a feature cache yet (drop one of them)")
 
 
 def _builder_takes(r: GenerateRequest, option: str) -> bool:
@@ -389,6 +412,7 @@ def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) ->
         dtype=r.dtype or "bfloat16",
         family=r.family,
         fp8=r.quantize == "fp8",
+        fp8_retained=r.quantize == "fp8" and r.fp8_skip_steps > 0,
     )
     check_fits(workload, parallel, devices)
 

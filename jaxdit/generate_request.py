@@ -77,6 +77,9 @@ class GenerateRequest:
     attention_backend: str = "auto"  # auto, xla, cudnn, triton, splash (jaxdit.parallel.kernels)
     quantize: str | None = None  # "fp8": the transformer blocks' linear weights in float8_e4m3fn
     fp8_mode: str | None = None  # weight | matmul (jaxdit.models.fp8); default: matmul where GPUs have FP8
+    fp8_skip_steps: int = 0  # the first and last N steps on the original (bf16) weights, retained
+    #: Block layers left in --dtype (dotted path parts, comma-separated; "none": none); None: the family's
+    fp8_keep: str | None = None
     offload_encoders: bool = False  # pipeline folders: encoder weights wait in host memory between prompts
     fsdp: bool = False  # the block stacks' weights sharded over the mesh, gathered per layer (parallel.fsdp)
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
@@ -122,6 +125,14 @@ class GenerateRequest:
     def loras_2(self) -> list[tuple[str, float]]:
         """``--lora_2 FILE[:SCALE]`` (the low-noise expert's) as (path, scale) pairs."""
         return [parse_lora(arg, "--lora_2") for arg in self.lora_2]
+
+    @property
+    def fp8_keep_layers(self) -> tuple[str, ...] | None:
+        """``--fp8_keep`` as path parts: None (not given: the family's list), () for "none"."""
+        if self.fp8_keep is None:
+            return None
+        parts = tuple(p.strip() for p in self.fp8_keep.split(",") if p.strip())
+        return () if parts == ("none",) else parts
 
     # ------------------------------------------------------------------ what runs
     @property

@@ -28,7 +28,7 @@ from converters.keymap import place_params
 from jaxdit.lora import fuse_loras, read_loras
 from jaxdit.mesh import DeviceMesh, MeshLike, single_device_mesh
 from jaxdit.models.partitioning import named_shardings
-from jaxdit.models.quantize import quantize_model
+from jaxdit.models.quantize import FP8, as_fp8, quantize_model
 from sharding_rules import rules_for
 
 __all__ = [
@@ -85,17 +85,18 @@ def load_params(
     config: Any = None,
     rules: Mapping[str, object] | None = None,
     check: Callable[[Any], None] | None = None,
-    fp8: str | None = None,
+    fp8: str | FP8 | None = None,
 ) -> nnx.Module:
     """Read the checkpoint at ``path`` (of the family whose ``checkpoints`` format is given) into a model whose parameters live on ``mesh``.
 
     ``dtype`` defaults to the checkpoint's storage dtype; ``rules`` to the mesh's rule table.
     ``check(config)`` runs once the config is known and before any tensor is read (e.g. heads against
-    the mesh). ``fp8``: ``"weight"`` or ``"matmul"`` turns the block stacks' linear layers to FP8
-    (``jaxdit.models.quantize``) once they are placed; a ``jaxdit convert --quantize fp8`` folder is FP8
-    already and restores as it is (``"weight"`` unless ``fp8`` says otherwise), never holding the
-    higher-precision weights.
+    the mesh). ``fp8``: ``"weight"`` or ``"matmul"`` (or a ``jaxdit.models.quantize.FP8``: keep list,
+    skipped steps) turns the block stacks' linear layers to FP8 once they are placed; a ``jaxdit convert
+    --quantize fp8`` folder is FP8 already and restores as it is (``"weight"`` unless ``fp8`` says
+    otherwise), never holding the higher-precision weights.
     """
+    fp8 = as_fp8(fp8)
     check_compute_dtype(dtype)
     path = Path(path)
     where = DeviceMesh.of(mesh)
@@ -109,7 +110,12 @@ def load_params(
         dtype = jnp.dtype(dtype or meta["dtype"])
         model = checkpoints.abstract_model(cfg, dtype)
         if meta.get("fp8"):
-            quantize_model(model, fp8 or "weight")
+            if fp8 is not None and (fp8.skip_steps or fp8.keep is not None):
+                raise ValueError(
+                    f"{path} holds FP8 weights only (jaxdit convert --quantize fp8): skipped bf16 steps "
+                    "and another keep list need the original weights; load the checkpoint it came from"
+                )
+            quantize_model(model, fp8.mode if fp8 else "weight")
         graphdef, abstract = nnx.split(model)
         shardings = named_shardings(abstract, rules, mesh, degrees)
         target = jax.tree.map(
@@ -134,8 +140,18 @@ def load_params(
     arrays = place_params(lazies, shardings, dtype)
     model = nnx.merge(graphdef, _fill(abstract, arrays))
     if fp8 is not None:
-        quantize_model(model, fp8)
+        quantize_model(model, fp8.mode, fp8.keep, skip_steps=fp8.skip_steps)
+        _place_by_rules(model, rules, mesh, degrees)
     return model
+
+
+def _place_by_rules(model: nnx.Module, rules: Any, mesh: Any, degrees: Any) -> None:
+    """Every parameter of ``model`` where the rule table (and fsdp) stores it, in place: the FP8 scales
+    are made laid out like their kernel's output axis, but fsdp splits a 1-D scale on its own (the other
+    arrays are there already and do not move)."""
+    state = nnx.state(model)
+    shardings = named_shardings(state, rules, mesh, degrees)
+    nnx.update(model, jax.tree.map(jax.device_put, state, shardings))
 
 
 def convert_checkpoint(

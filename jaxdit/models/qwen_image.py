@@ -102,6 +102,10 @@ class QwenImageTransformer(nnx.Module):
     on the (text, image) streams -> output layer on the image tokens."""
 
     STACKS = ("transformer_blocks",)
+    #: Left in the model's dtype under --quantize fp8: the image stream's MLP, which vLLM-Omni finds loses
+    #: quality in FP8 on Qwen-Image (its per-model table, vllm-project/vllm-omni
+    #: docs/user_guide/diffusion/quantization/fp8.md: "Skip sensitive layers: img_mlp").
+    FP8_KEEP = ("img_mlp",)
 
     def __init__(self, config: QwenImageConfig, *, dtype: Any = jnp.float32, rngs: nnx.Rngs | None = None):
         cfg = config

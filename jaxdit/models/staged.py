@@ -17,6 +17,8 @@ The contract (:class:`StagedTransformer`), in the local view of one shard (insid
 - ``STACKS``: the names of the model's stacked block attributes, in the order a forward runs them.
   Each is an ``nnx`` module whose parameters carry a leading layer axis (or None when the model has no
   block of that kind); ``lax.scan`` runs them, so a program holds ONE block whatever the depth.
+- ``FP8_KEEP`` (optional): dotted path parts of block layers that stay in the model's dtype under FP8
+  (``jaxdit.models.quantize``): the layers the family knows to lose quality there.
 - ``CACHE_FROM`` (optional): the stack whose first block is a feature cache's first block; the blocks of
   the stacks before it always run (Z-Image's refiners, outside the block list diffusers' cache hooks
   take). Without it the caches start at the first block of the forward.

@@ -73,12 +73,13 @@ def load_model(
     check: Callable[[Any], None] | None = None,
     staged: Any = None,
     config: Any = None,
-    fp8: str | None = None,
+    fp8: Any = None,
 ) -> Any:
     """The transformer's parameters on ``mesh``: on a mesh with ``pipefusion > 1`` the family's PipeFusion
     stage layout (``staged``, a ``StagedModel`` class: each device reads only its own stages' blocks),
     else the plain model (every layer on every device). ``check(config)`` runs before any tensor is read.
-    ``fp8``: ``"weight"`` or ``"matmul"`` (``jaxdit.models.fp8``), plain meshes only."""
+    ``fp8``: ``"weight"`` or ``"matmul"`` (``jaxdit.models.fp8``) or a ``jaxdit.models.quantize.FP8``
+    (keep list, skipped steps), plain meshes only."""
     where = DeviceMesh.of(mesh)
     parallel = where.parallel
     if fp8 is not None and parallel.pipefusion > 1:

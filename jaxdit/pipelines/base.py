@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 from converters.checkpoints import CheckpointFormat
 from jaxdit.lora import FusedLoras, LoraArg, fuse_loras, read_loras, unfuse_loras
 from jaxdit.mesh import DeviceMesh, MeshLike, ParallelConfig
+from jaxdit.models.quantize import retained
 from jaxdit.parallel.cfg import interleave_branches
 from jaxdit.parallel.kernels import check_kernel_options, with_backend
 from jaxdit.pipelines import finite
@@ -165,13 +166,22 @@ class DiffusionPipeline:
         self.decode = decode
         #: The LoRAs fused into the transformer's weights now (``load_lora``), or None.
         self.loras: FusedLoras | None = None
+        #: FP8 with skipped steps: (the original weights' forward, the steps it runs at each end), set by
+        #: :meth:`plain_forward`; None otherwise.
+        self.high_precision: tuple[Any, int] | None = None
 
     # ------------------------------------------------------------------ the denoiser, chosen once here
     def plain_forward(self, sharded: Callable[..., Any], model: Any, kernel: Any = None) -> Any:
         """``sharded(model, mesh, kernel=)`` (the family's sharded forward) on a plain mesh; None under
         PipeFusion, where ``model`` is the stage layout and the runner computes."""
         # The DeviceMesh, not its jax mesh: a mesh alone has no ParallelConfig.fsdp.
-        return None if self.parallel.pipefusion > 1 else sharded(model, self.device_mesh, kernel=kernel)
+        if self.parallel.pipefusion > 1:
+            return None
+        # FP8 with skipped steps (quantize.FP8.skip_steps): the original weights' forward runs those.
+        kept = retained(model)
+        if kept is not None:
+            self.high_precision = (sharded(kept.original, self.device_mesh, kernel=kernel), kept.skip_steps)
+        return sharded(model, self.device_mesh, kernel=kernel)
 
     def denoiser_for(
         self,
@@ -212,6 +222,7 @@ class DiffusionPipeline:
             dtype=model.dtype if dtype is None else dtype,
             compiler_options=compiler_options,
             experts=experts,
+            high_precision=self.high_precision,
         )
 
     @property

@@ -193,6 +193,9 @@ class Denoiser:
       experts: ``experts(index) -> parameters`` on the mesh, for inputs that choose a parameter set per
         step (:attr:`DenoiseInputs.experts`); they must share the forward's shapes and shardings (one
         compiled step serves them all).
+      high_precision: ``(forward, k)``: an FP8 model's original-weight forward and the number of steps it
+        runs at each end of the loop (``jaxdit.models.quantize.FP8.skip_steps``): steps ``0..k-1`` and
+        the last ``k`` run it, the others ``forward``. One compiled step per precision, each reused.
     """
 
     def __init__(
@@ -204,6 +207,7 @@ class Denoiser:
         dtype: Any,
         compiler_options: Mapping[str, Any] | None = None,
         experts: Callable[[int], Any] | None = None,
+        high_precision: tuple[ShardedForward, int] | None = None,
     ) -> None:
         self.forward = forward
         self.experts = experts
@@ -222,6 +226,14 @@ class Denoiser:
         self._init_state = jax.jit(sampler.init_state, out_shardings=self.latent_sharding)
         #: The last step function and its abstract arguments, to inspect the compiled program.
         self.last_step: tuple[Callable, tuple] | None = None
+        #: FP8's skipped steps: the loop over the original weights (same mesh, sampler and hooks), and k.
+        self.high_precision: Denoiser | None = None
+        self.high_precision_steps = 0
+        if high_precision is not None:
+            original, self.high_precision_steps = high_precision
+            self.high_precision = Denoiser(
+                original, sampler, hooks, dtype=dtype, compiler_options=compiler_options
+            )
 
     # ------------------------------------------------------------------ layout
     def layout(self, inputs: DenoiseInputs) -> tuple[SequenceLayout, tuple[str, ...]]:
@@ -378,6 +390,8 @@ class Denoiser:
         ``cache``: a ``jaxdit.cache.FirstBlockCache`` / ``TeaCache`` (see :meth:`run_cached`).
         """
         if cache is not None:
+            if self.high_precision_steps:
+                raise ValueError("FP8's skipped steps (skip_steps) do not run with a feature cache yet")
             return self.run_cached(inputs, cache, progress=progress, callback=callback, params=params)
         layout, names = self.layout(inputs)
         step = self.step_fn(layout, names, inputs.cfg, inputs.renorm)
@@ -385,10 +399,17 @@ class Denoiser:
         pick, scale_of = self._per_step(inputs, params, scale)
         self.last_step = (step, jax.tree.map(abstract_like, (pick(0), x, state, i, *rest, scale)))
         carry = (x, state, i)
+        precise = self._high_precision_steps(inputs, params)
+        if precise:
+            high = self.high_precision
+            high_step = high.step_fn(layout, names, inputs.cfg, inputs.renorm)
 
         def advance(n: int) -> tuple[jax.Array, Any]:
             nonlocal carry
-            *carry, seen = step(pick(n), *carry, *rest, scale_of(n))
+            if n in precise:
+                *carry, seen = high_step(high.forward.state, *carry, *rest, scale_of(n))
+            else:
+                *carry, seen = step(pick(n), *carry, *rest, scale_of(n))
             return carry[0], seen
 
         start = time.perf_counter()
@@ -419,6 +440,20 @@ class Denoiser:
                     raise GenerationCancelled(f"stopped after step {n + 1} of {steps}")
         watch.finish()
         return fetch(x)
+
+    def _high_precision_steps(self, inputs: DenoiseInputs, params: Any) -> frozenset[int]:
+        """The steps that run on the original weights (FP8's skipped steps): the first and last k."""
+        k = self.high_precision_steps
+        if not k:
+            return frozenset()
+        if params is not None or inputs.experts:
+            raise ValueError("FP8's skipped steps run the loaded model's own weights: no per-step params")
+        if 2 * k > inputs.steps:
+            raise ValueError(
+                f"fp8 skip_steps={k} runs the first and last {k} steps in high precision, {2 * k} steps, "
+                f"but this call has {inputs.steps}: use at most {inputs.steps // 2}"
+            )
+        return frozenset(range(k)) | frozenset(range(inputs.steps - k, inputs.steps))
 
     def _per_step(self, inputs: DenoiseInputs, params: Any, scale: jax.Array) -> tuple[Callable, Callable]:
         """(``pick(n)``: step n's parameters, ``scale_of(n)``: its guidance scale, placed) for :meth:`run`."""

@@ -511,6 +511,13 @@ def step_cost(w: Workload, c: ParallelConfig) -> StepCost:
     summed = c.num_devices * terms.nonblock_flops + (c.num_devices // p) * sum(
         layers * f for layers, f in stacks
     )
+    if w.fp8_retained:
+        # The FP8 weights plus their layers' originals (the other weights are one array shared by both).
+        # FP8 saves (b - 1) of every b bytes of an element stored in b-byte floats, less the scales, so the
+        # originals are b / (b - 1) x the saving: exact to the scales' bytes (one fp32 per output channel).
+        plain = step_cost(dataclasses.replace(w, fp8=False, fp8_retained=False), c).param_bytes
+        b = w.itemsize
+        params += (plain - params) * b // (b - 1)
     attention_layers = sum(_stage_layers(layers, p) for layers, _ in stacks)
     single_cfg = ParallelConfig()
     single = w.family.step_terms(w, single_cfg, shapes(w, single_cfg))

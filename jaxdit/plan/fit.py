@@ -74,6 +74,23 @@ def _weight_hint(workload: Workload, config: ParallelConfig, have: int) -> str:
     return f"; on this mesh with {', '.join(said)}" if said else ""
 
 
+def _devices_hint(workload: Workload, config: ParallelConfig, count: int, have: int) -> str:
+    """The fewest devices of this size (up to 64, doubling) on which a configuration of this run's
+    choices (dtype, --fsdp, --quantize) fits, or nothing when none does."""
+    hardware = Hardware(memory_gb=have / 1e9)
+    more = count * 2
+    while more <= 64:
+        fitting = [
+            p.config.describe()
+            for p in plan(workload, more, hardware, fsdp=bool(config.fsdp)).plans
+            if p.fits and p.runnable and p.exact
+        ]
+        if fitting:
+            return f"; with more devices: {more} ({fitting[0]})"
+        more *= 2
+    return ""
+
+
 def check_fits(workload: Workload, config: ParallelConfig, devices: Sequence[Any]) -> int:
     """Raise ValueError if the cost model's memory per device for ``workload`` on ``config`` exceeds what
     ``devices`` have, naming both and the configurations of as many devices that fit. Returns the need."""
@@ -94,6 +111,8 @@ def check_fits(workload: Workload, config: ParallelConfig, devices: Sequence[Any
         + (", or --dtype bfloat16" if workload.dtype == "float32" else "")
     )
     hint += _weight_hint(workload, config, have)
+    if not fitting:
+        hint += _devices_hint(workload, config, len(devices), have)
     raise ValueError(
         f"{workload.describe()} with {config.describe()} needs about {need / GiB:.1f} GiB per device (the "
         f"planner's model: parameters, activations, K/V), and each device has {have / GiB:.1f} GiB; {hint}"

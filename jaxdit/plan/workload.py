@@ -62,6 +62,8 @@ class Workload:
     experts: int = 1
     offload_idle_expert: bool = False
     fp8: bool = False  # the blocks' linear weights in FP8 (``--quantize fp8``)
+    #: ``--fp8_skip_steps``: the FP8 layers' original weights held beside them for the bf16 steps
+    fp8_retained: bool = False
 
     def __post_init__(self) -> None:
         if self.experts < 1:
@@ -77,6 +79,8 @@ class Workload:
             raise ValueError(
                 f"every token group must hold >= 1 token: tokens={self.tokens}, context={self.context}"
             )
+        if self.fp8_retained and not self.fp8:
+            raise ValueError("fp8_retained (--fp8_skip_steps) holds FP8 weights' originals: it needs fp8")
         if self.dtype not in ("bfloat16", "float16", "float32"):
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
 
@@ -163,6 +167,7 @@ class Workload:
         dtype: str = "bfloat16",
         offload_idle_expert: bool = False,
         fp8: bool = False,
+        fp8_retained: bool = False,
     ) -> Workload:
         """A preset of any registered family (``flux-dev``, ``wan2.1-t2v-14b``, ...) at an output size;
         unset arguments take the preset's defaults (its experts too)."""
@@ -183,6 +188,7 @@ class Workload:
             experts=preset.experts,
             offload_idle_expert=offload_idle_expert,
             fp8=fp8,
+            fp8_retained=fp8_retained,
             family=family,  # the preset's: variants sharing a config class (Kontext) are not told by it
         )
 
@@ -204,6 +210,7 @@ class Workload:
         offload_idle_expert: bool = False,
         family: Any = None,
         fp8: bool = False,
+        fp8_retained: bool = False,
     ) -> Workload:
         """Any architecture of a registered family at an output size (pixels; frames for video);
         ``family``: the registered family (default: the one whose config class ``config`` is)."""
@@ -226,4 +233,5 @@ class Workload:
             experts=experts,
             offload_idle_expert=offload_idle_expert,
             fp8=fp8,
+            fp8_retained=fp8_retained,
         )

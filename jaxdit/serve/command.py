@@ -94,6 +94,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     _flag(
         p,
+        "fp8_skip_steps",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --quantize fp8: the first and last N steps of every request with the original weights, "
+        "as `jaxdit generate --fp8_skip_steps` (a request of fewer than 2N steps is refused)",
+    )
+    _flag(
+        p,
+        "fp8_keep",
+        default=None,
+        metavar="LAYERS",
+        help="with --quantize fp8: the block layers left in --dtype, as `jaxdit generate --fp8_keep`",
+    )
+    _flag(
+        p,
         "offload_encoders",
         action="store_true",
         help="keep the text encoders' weights in host memory "
@@ -236,6 +252,8 @@ def check(args: argparse.Namespace) -> _Plan:
         num_pipeline_patch=args.num_pipeline_patch,
         quantize=args.quantize,
         fp8_mode=args.fp8_mode,
+        fp8_skip_steps=args.fp8_skip_steps,
+        fp8_keep=args.fp8_keep,
         offload_encoders=args.offload_encoders,
     )
     if frames is not None and not template.family.makes_video:
@@ -386,6 +404,8 @@ def load(args: argparse.Namespace, plan: _Plan):
         num_pipeline_patch=args.num_pipeline_patch,
         quantize=args.quantize,
         fp8_mode=args.fp8_mode,
+        fp8_skip_steps=args.fp8_skip_steps,
+        fp8_keep=args.fp8_keep,
         offload_encoders=args.offload_encoders,
         caches=plan.caches,
     )

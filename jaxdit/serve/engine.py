@@ -181,17 +181,20 @@ class Engine:
         num_pipeline_patch: int | None = None,
         quantize: str | None = None,
         fp8_mode: str | None = None,
+        fp8_skip_steps: int = 0,
+        fp8_keep: str | None = None,
         offload_encoders: bool = False,
         caches: tuple[str, ...] = (),
     ) -> Engine:
         """The pipeline for ``weights`` (None: the bundled model; else a pipeline folder) on ``mesh``;
         jax must be started (devices, processes). ``compiler_options``: XLA's, for the compiled steps.
         ``warmup_steps`` and ``num_pipeline_patch``: PipeFusion's (a mesh with pipefusion > 1), as
-        `jaxdit generate`'s flags, for every request. ``quantize``, ``fp8_mode``, ``offload_encoders``: how
-        the weights are held, as `jaxdit generate`'s flags."""
+        `jaxdit generate`'s flags, for every request. ``quantize``, ``fp8_mode``, ``fp8_skip_steps``,
+        ``fp8_keep``, ``offload_encoders``: how the weights are held, as `jaxdit generate`'s flags."""
         import jax.numpy as jnp
 
         from jaxdit.models.fp8 import choose_mode
+        from jaxdit.models.quantize import FP8
 
         mesh = DeviceMesh.of(mesh)  # read once; the pipeline and the engine are given this object
         template = cls.template_for(
@@ -202,11 +205,16 @@ class Engine:
             num_pipeline_patch=num_pipeline_patch,
             quantize=quantize,
             fp8_mode=fp8_mode,
+            fp8_skip_steps=fp8_skip_steps,
+            fp8_keep=fp8_keep,
             offload_encoders=offload_encoders,
         )
         family, folder = template.family, template.folder
         dtype = jnp.dtype(dtype) if dtype else None
-        options = {"fp8": choose_mode(fp8_mode, mesh.mesh.devices.flat)} if quantize == "fp8" else {}
+        options = {}
+        if quantize == "fp8":
+            mode = choose_mode(fp8_mode, mesh.mesh.devices.flat)
+            options["fp8"] = FP8(mode, template.fp8_keep_layers, fp8_skip_steps)
         if template.source == "bundled":
             pipe = family.bundled_pipeline(mesh, compiler_options=compiler_options, dtype=dtype, **options)
         else:
@@ -258,6 +266,8 @@ class Engine:
         num_pipeline_patch: int | None = None,
         quantize: str | None = None,
         fp8_mode: str | None = None,
+        fp8_skip_steps: int = 0,
+        fp8_keep: str | None = None,
         offload_encoders: bool = False,
     ):
         """The `jaxdit generate` request every served request starts from; checks what cannot be served
@@ -281,6 +291,8 @@ class Engine:
             num_pipeline_patch=num_pipeline_patch,
             quantize=quantize,
             fp8_mode=fp8_mode,
+            fp8_skip_steps=fp8_skip_steps,
+            fp8_keep=fp8_keep,
             offload_encoders=offload_encoders,
         )
         check_load_options(template, parallel)
