@@ -28,7 +28,18 @@ def folder(tmp_path_factory):
     return folder
 
 
+_REFERENCES: dict[str, tuple] = {}
+
+
 def _diffusers(folder, **call):
+    """diffusers' latents and pictures for this call, computed once per call in this file."""
+    key = repr(sorted(call.items()))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _diffusers_run(folder, **call)
+    return _REFERENCES[key]
+
+
+def _diffusers_run(folder, **call):
     import torch
     from diffusers import ZImagePipeline as Reference
 
@@ -90,6 +101,13 @@ def test_base_guidance_normalised_on_ring2_ulysses2_matches_diffusers(folder):
     _check(_ours(folder, ParallelConfig(ring=2, ulysses=2), **call), want)
     uncapped = _diffusers(folder, guidance_scale=4.0)[0]
     assert np.abs(uncapped - want[0]).max() > 100 * 1e-4 * np.abs(want[0]).max()
+
+
+def test_data2_tensor2_splits_the_two_prompts_and_matches_diffusers(folder):
+    """Data parallelism: the batch's rows (two prompts of different caption lengths, both CFG branches)
+    split over the data axis, each keeping its own caption length; the guided norm cap stays per image."""
+    call = dict(guidance_scale=4.0, cfg_normalization=True)
+    _check(_ours(folder, ParallelConfig(data=2, tensor=2), **call), _diffusers(folder, **call))
 
 
 def test_turbo_refuses_cfg_parallel(folder):
