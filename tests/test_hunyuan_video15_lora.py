@@ -100,3 +100,38 @@ def test_a_lora_for_another_model_size_is_refused(case):
     bad = write_safetensors(root / "wide.safetensors", t)
     with pytest.raises(LoraError, match="transformer_blocks.0.attn.to_q"):
         read_lora(bad, fwd.config)
+
+
+def test_pipeline_load_lora_matches_diffusers(tmp_path):
+    """``HunyuanVideo15Pipeline.load_lora`` (what ``--lora`` calls) on cfg2 x ulysses2: 3 CFG steps from
+    embeddings of the tiny folder, against diffusers' pipeline with the adapter on its transformer."""
+    import hunyuan_video15_folder as hf
+
+    from jaxdit.pipelines.hunyuan_video15 import HunyuanVideo15Pipeline
+
+    pipe = hf.save(tmp_path / "folder")
+    targets = sorted(n for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear))
+    path = lora_tiny.write_peft(
+        pipe.transformer, tmp_path / "lora.safetensors", targets, rank=RANK, alpha=ALPHA
+    )
+    emb = {**hf.embeddings([6], [2]), **hf.embeddings([3], [0], seed=1, prefix="negative_")}
+    noise = np.random.default_rng(0).standard_normal((1, 4, 2, 2, 3), dtype=np.float32)
+    call = dict(height=32, width=48, num_frames=5, num_inference_steps=3)
+    args = {k: torch.from_numpy(v) for k, v in emb.items()}
+    with torch.no_grad():
+        base = pipe(**args, latents=torch.from_numpy(noise), output_type="latent", **call).frames.numpy()
+    with SafetensorsFile(path) as f:
+        sd, peft = (
+            {k: torch.from_numpy(f.read(k)) for k in f},
+            json.loads(f.metadata["lora_adapter_metadata"]),
+        )
+    pipe.transformer.load_lora_adapter(sd, prefix=None, metadata=peft, adapter_name="h")
+    pipe.transformer.set_adapters(["h"], weights=[SCALE])
+    with torch.no_grad():
+        want = pipe(**args, latents=torch.from_numpy(noise), output_type="latent", **call).frames.numpy()
+    ours = HunyuanVideo15Pipeline.from_pretrained(tmp_path / "folder", ParallelConfig(cfg=2, ulysses=2))
+    ours.load_lora(path, scale=SCALE)
+    got = np.asarray(ours(**emb, latents=noise, output_type="latent", progress=False, **call).latents)
+    effect = float(np.abs(want - base).max())
+    assert effect > 100 * tol.TORCH_LOOP.allowed(np.abs(want).max()), effect
+    tol.check(got, want, tol.TORCH_LOOP, "HunyuanVideo 1.5 pipe.load_lora, cfg2 x ulysses2: final latents")
