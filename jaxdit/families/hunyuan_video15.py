@@ -5,8 +5,8 @@ checkpoints) and ``pipelines/hunyuan_video15.py`` (text-to-video with the Qwen2.
 the causal VAE) together, and adds the diffusers call surface of the forward
 (:class:`HunyuanVideo15Forward`), the presets (480p and 720p at 121 frames, the model card's) and the cost
 terms ``jaxdit plan`` prices. Image to video is the variant family ``families/hunyuan_video15_i2v.py``;
-First-Block-Cache starts at the first dual-stream block. Not yet: PipeFusion, the other feature caches,
-LoRA.
+First-Block-Cache starts at the first dual-stream block; LoRA files in diffusers' layout
+(``converters/lora/hunyuan_video15.py``). Not yet: PipeFusion, the other feature caches.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters import hunyuan_video15 as hv_converters
+from converters.lora import hunyuan_video15 as hv_lora
 from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.models import hunyuan_video15 as hv
 from jaxdit.models.hunyuan_video15 import TIME_FREQ_DIM
@@ -90,6 +91,7 @@ class HunyuanVideo15Family(ModelFamily):
     name = "hunyuan-video15"
     display = "HunyuanVideo 1.5"
     checkpoints = hv_converters.CHECKPOINTS
+    lora = hv_lora.LORA
     presets = {
         "hunyuanvideo1.5-480p": _preset(480, 848),
         "hunyuanvideo1.5-720p": _preset(720, 1280),

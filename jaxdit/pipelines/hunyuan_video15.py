@@ -42,6 +42,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from converters.hunyuan_video15 import CHECKPOINTS
+from converters.lora import hunyuan_video15 as _lora_layouts  # noqa: F401  registers them: pipe.load_lora reads
 from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_prompt_encoder, load_hunyuan_video15_vae
 from jaxdit.mesh import DeviceMesh, ParallelConfig
 from jaxdit.models import hunyuan_video15 as hv

@@ -347,6 +347,8 @@ def pipefusion_not_compilable(w: Workload, config: ParallelConfig) -> str | None
     The plan models a full pipeline (M = V x P patches); a family's patches may be whole latent rows
     (Wan), so when P does not divide the rows (Wan at 720p: 45) the runner would need a larger M that the
     model does not price, and the comparison would not be like for like."""
+    if getattr(w.family, "staged_model", None) is None:  # as the plan's row says: nothing to compile
+        return f"no PipeFusion stage layout for {w.family.display} yet"
     unsupported = w.family.pipefusion_unsupported(w)
     if unsupported is not None:
         return unsupported
