@@ -9,7 +9,8 @@ keys beside them, named as ``jaxdit generate``'s flags: ``seed``, ``steps``, ``g
 ``num_frames`` for videos, a feature cache: ``cache`` (one of the caches the server was started to
 allow, ``jaxdit serve --caches``) with ``cache_threshold``, and for a model that takes pictures (its
 card's ``images``: Qwen-Image-Edit, FLUX.2, FLUX.1 Kontext) ``image``: one base64-encoded PNG, JPEG or
-WebP, or a list of them (checked and decoded here: :mod:`jaxdit.serve.images`). A field left out takes the served model's default (its :class:`ModelCard`), the
+WebP, or a list of them (checked and decoded here: :mod:`jaxdit.serve.images`; then each size against
+the family's ``picture_problem``, the limits of the model's own resizing). A field left out takes the served model's default (its :class:`ModelCard`), the
 default ``jaxdit generate`` uses. Unknown fields are refused by name (a typo such as ``step``
 would otherwise be silently ignored).
 
