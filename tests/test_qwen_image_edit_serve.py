@@ -182,6 +182,18 @@ def test_the_pipeline_refuses_the_narrow_picture_as_serve_does(case):
     assert engine.card.picture_problem(24, 24) is None  # the test's pictures are taken
 
 
+def test_jaxdit_generate_refuses_the_narrow_picture_before_loading(case, tmp_path):
+    from jaxdit.generate_checks import check_request
+    from jaxdit.generate_request import GenerateRequest
+
+    narrow = tmp_path / "narrow.png"
+    Image.fromarray(np.zeros(NARROW, np.uint8)).save(narrow)
+    with pytest.raises(
+        ValueError, match=r"--image .*narrow.png is 4x100 pixels, which .* its VAE copy would be"
+    ):
+        check_request(GenerateRequest(weights=case[2], prompt="a car", image=str(narrow)), output=False)
+
+
 def test_picture_flags_are_checked_before_anything_loads(case):
     import argparse
 
