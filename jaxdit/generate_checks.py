@@ -117,12 +117,26 @@ def _check_folder(r: GenerateRequest) -> None:
     for path in (r.image,) if not isinstance(r.image, tuple) else r.image:
         if isinstance(path, str | os.PathLike):  # not a picture already read and checked (jaxdit serve's)
             preflight.check_image_file(path)
+            _check_picture_size(family, folder, path)
     for flag, prompt in (("--prompt", r.prompt), ("--negative_prompt", r.negative_prompt)):
         if prompt is not None:
             preflight.check_prompts(list(prompt) if isinstance(prompt, tuple) else [prompt], flag)
     limit, why = family.text_token_limit or (MAX_SEQUENCE_LENGTH, "the T5 encoders' length")
     if r.max_sequence_length is not None and not 1 <= r.max_sequence_length <= limit:
         raise ValueError(f"--max_sequence_length must be in 1..{limit} ({why}), got {r.max_sequence_length}")
+
+
+def _check_picture_size(family: Any, folder: Any, path: str | os.PathLike[str]) -> None:
+    """A size the family's pipeline can resize (``ModelFamily.picture_problem``), from the file's header."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        width, height = image.size
+    problem = family.picture_problem(folder, width, height)
+    if problem:
+        raise ValueError(
+            f"--image {path} is {width}x{height} pixels, which {folder.root.name} cannot take: {problem}"
+        )
 
 
 def _check_checkpoint(r: GenerateRequest) -> None:

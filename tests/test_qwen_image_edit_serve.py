@@ -3,8 +3,8 @@
 ``image_count``, the server's ``max_images``); two pictures sent base64-encoded in the JSON body (one with
 a data-URL prefix) come back as the picture the pipeline makes from the same files; the warm-up request
 brings its own grey picture; and hostile bodies (truncated base64, a truncated file, a non-picture, a GIF,
-a 16-bit picture, an oversize picture, too many or no pictures, an oversize body) each get one 4xx naming
-``image`` (or ``body``), and none reaches the devices.
+a 16-bit picture, an oversize picture, a picture too narrow for the pipeline's resizing, too many or no
+pictures, an oversize body) each get one 4xx naming ``image`` (or ``body``), and none reaches the devices.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ H, W = 32, 40
 MAX_IMAGE_PIXELS, MAX_BODY = 1000, 64 << 10
 BODY = dict(prompt="a red car at sunset", negative_prompt="a big dog", true_cfg_scale=4.0)
 BODY.update(size=f"{W}x{H}", steps=2, seed=5)
+#: A picture too narrow for the pipeline: at the tests' VAE area (64^2) its copy would be 0x320 pixels.
+NARROW = (100, 4, 3)
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +104,7 @@ def _hostile(files: list[bytes]) -> list[tuple[object, str]]:
     good = _b64(files[0])
     rng = np.random.default_rng(0)
     big = _file(rng.integers(0, 256, (40, 40, 3), np.uint8))
+    narrow = _file(rng.integers(0, 256, NARROW, np.uint8))
     deep = io.BytesIO()
     Image.fromarray(rng.integers(0, 65535, (8, 8), np.uint16)).save(deep, format="PNG")  # mode I;16
     return [
@@ -116,6 +119,9 @@ def _hostile(files: list[bytes]) -> list[tuple[object, str]]:
         ([], "takes 1 to 3 pictures, got 0"),
         (7, "must be a base64 string"),
         ("", "is empty"),
+        # a narrow picture the pipeline's resizing cannot handle (its VAE copy would be 0 pixels wide)
+        (_b64(narrow), "image is 4x100 pixels, which Qwen-Image-Edit-2509-tiny cannot take: its VAE copy"),
+        ([good, _b64(narrow)], "image[1] is 4x100 pixels"),
     ]
 
 
@@ -166,6 +172,28 @@ def test_served_edit_is_the_pipelines_and_hostile_bodies_never_reach_the_devices
     np.testing.assert_array_equal(served, output.to_uint8(want)[0])
 
 
+def test_the_pipeline_refuses_the_narrow_picture_as_serve_does(case):
+    """The limit serve checks is the pipeline's own: its call refuses the picture before any work."""
+    engine, files = case[:2]
+    good = np.asarray(Image.open(io.BytesIO(files[0])).convert("RGB"))
+    narrow = np.zeros(NARROW, np.uint8)
+    with pytest.raises(ValueError, match=r"input picture 1 \(4x100 pixels\): its VAE copy would be 0x320"):
+        engine.pipe([good, narrow], prompt=BODY["prompt"], height=H, width=W, progress=False)
+    assert engine.card.picture_problem(24, 24) is None  # the test's pictures are taken
+
+
+def test_jaxdit_generate_refuses_the_narrow_picture_before_loading(case, tmp_path):
+    from jaxdit.generate_checks import check_request
+    from jaxdit.generate_request import GenerateRequest
+
+    narrow = tmp_path / "narrow.png"
+    Image.fromarray(np.zeros(NARROW, np.uint8)).save(narrow)
+    with pytest.raises(
+        ValueError, match=r"--image .*narrow.png is 4x100 pixels, which .* its VAE copy would be"
+    ):
+        check_request(GenerateRequest(weights=case[2], prompt="a car", image=str(narrow)), output=False)
+
+
 def test_picture_flags_are_checked_before_anything_loads(case):
     import argparse
 
@@ -184,6 +212,10 @@ def test_picture_flags_are_checked_before_anything_loads(case):
     assert check("--weights", folder).image_sizes is None  # the start-up checks bring a picture
     with pytest.raises(ValueError, match="takes 1 to 3 pictures, got 4"):
         check("--weights", folder, "--image_sizes", "8x8+8x8+8x8+8x8")
+    with pytest.raises(
+        ValueError, match="--image_sizes 4x100: .* cannot edit it: its VAE copy would be 0x320"
+    ):
+        check("--weights", folder, "--image_sizes", "24x24+4x100")
     with pytest.raises(ValueError, match="--image_sizes takes WxH"):
         check("--weights", folder, "--image_sizes", "24")
     with pytest.raises(ValueError, match="--image_sizes: .* takes no input pictures"):

@@ -177,6 +177,8 @@ def _chunks(x: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
 
 
 def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs) -> np.ndarray:
+    """The pipelined PipeFusion run, serially (also used by ``test_qwen_image_edit_reference_tokens.py``
+    on the folders without ``zero_cond_t``)."""
     model, sampler, schedule, c = pipe.model, pipe.sampler, inputs.schedule, inputs.context
     rows, cols = inputs.grid
     n = rows * cols // PATCHES  # image tokens per patch: a band of rows
@@ -191,8 +193,8 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs) -> np.ndarray:
     x = np.asarray(inputs.tokens, np.float32)
     batch, stores = text.shape[0], {}
     rope = lambda ids: model.rope(jnp.asarray(ids))[None]  # noqa: E731
-    assert model.config.zero_cond_t  # Edit-2511: the reference tokens' modulation of timestep 0
-    clean = model.time_embedding(jnp.zeros((batch,), jnp.float32))
+    # Edit-2511 (zero_cond_t): the reference tokens' modulation of timestep 0; otherwise the step's
+    clean = model.time_embedding(jnp.zeros((batch,), jnp.float32)) if model.config.zero_cond_t else None
 
     def run(patch, tokens, step):
         """The guided velocity of ``patch``'s image tokens (None: every patch, the warm-up)."""

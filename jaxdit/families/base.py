@@ -269,6 +269,11 @@ class ModelFamily:
             self.image_input(folder)
         ]
 
+    def picture_problem(self, folder: ModelFolder, width: int, height: int) -> str | None:
+        """Why the folder's pipeline cannot take a ``width`` x ``height`` input picture, else None (a size
+        its resizing cannot handle: ``jaxdit serve`` refuses such a picture before it is queued)."""
+        return None
+
     def video_fps(self, folder: ModelFolder | None) -> int:
         """Frames per second of the videos a folder's model makes (default: the family's ``fps``)."""
         return self.fps

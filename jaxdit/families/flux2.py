@@ -20,6 +20,7 @@ from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
 from jaxdit.models import flux2
 from jaxdit.models.flux2_config import Flux2Config
 from jaxdit.parallel.pipefusion import validate_pipefusion
+from jaxdit.pipelines import flux2_references
 from jaxdit.pipelines.flux2 import FOLDER_CLASSES, Flux2KleinPipeline
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
 from jaxdit.pipelines.pipefusion.flux import default_num_patches, validate_patches
@@ -69,6 +70,9 @@ class Flux2Family(ModelFamily):
 
     def image_input(self, folder: ModelFolder) -> str:
         return "several"  # text-to-image, or editing with one or more reference pictures
+
+    def picture_problem(self, folder: ModelFolder, width: int, height: int) -> str | None:
+        return flux2_references.picture_problem(width, height)
 
     def example_request(self, w: Any) -> Any:
         m, (text, _), rows = w.model, w.tokens, w.requests

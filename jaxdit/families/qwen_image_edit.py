@@ -37,6 +37,9 @@ class QwenImageEditFamily(QwenImageFamily):
     def image_count(self, folder: ModelFolder) -> tuple[int, int | None]:
         return (1, None) if folder.kind == "qwen-image-edit-plus" else (1, 1)  # always a picture to edit
 
+    def picture_problem(self, folder: ModelFolder, width: int, height: int) -> str | None:
+        return edit.picture_problem(width, height, plus=folder.kind == "qwen-image-edit-plus")
+
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         """An input picture (or several, for Plus), before any weight loads."""
         super().check_generate(request, config, parallel)

@@ -14,7 +14,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_AREA", "as_pictures", "check_picture", "reference_pixels", "reference_size"]
+__all__ = [
+    "MAX_AREA",
+    "as_pictures",
+    "check_picture",
+    "picture_problem",
+    "reference_pixels",
+    "reference_size",
+]
 
 #: Pixels above which a reference picture is scaled down first (diffusers' 1024 x 1024).
 MAX_AREA = 1024 * 1024
@@ -46,12 +53,21 @@ def as_pictures(image: Any) -> list:
     return out
 
 
-def check_picture(width: int, height: int) -> None:
-    """diffusers' limits on a reference picture: each side >= 64 pixels, aspect ratio at most 8:1."""
+def picture_problem(width: int, height: int) -> str | None:
+    """What diffusers' limits on a reference picture (each side >= 64 pixels, aspect ratio at most 8:1)
+    say of a width x height one: its problem, else None."""
     if min(width, height) < MIN_SIDE:
-        raise ValueError(f"reference image {width}x{height}: both sides must be at least {MIN_SIDE} pixels")
+        return f"both sides must be at least {MIN_SIDE} pixels"
     if max(width / height, height / width) > MAX_ASPECT:
-        raise ValueError(f"reference image {width}x{height}: aspect ratio above {MAX_ASPECT}:1")
+        return f"aspect ratio above {MAX_ASPECT}:1"
+    return None
+
+
+def check_picture(width: int, height: int) -> None:
+    """:func:`picture_problem`'s limits, raised as a ValueError naming the picture."""
+    problem = picture_problem(width, height)
+    if problem:
+        raise ValueError(f"reference image {width}x{height}: {problem}")
 
 
 def _scaled(width: int, height: int) -> tuple[int, int]:

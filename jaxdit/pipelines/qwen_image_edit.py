@@ -60,6 +60,7 @@ __all__ = [
     "QwenImageEditPipeline",
     "area_size",
     "load_edit_prompt_encoder",
+    "picture_problem",
 ]
 
 _COMPONENTS = ("transformer", "vae", "text_encoder", "tokenizer", "processor", "scheduler")
@@ -91,6 +92,28 @@ def area_size(area: int, width: int, height: int) -> tuple[int, int]:
     w = math.sqrt(area * ratio)
     h = w / ratio
     return round(w / 32) * 32, round(h / 32) * 32
+
+
+#: The largest long side / short side Qwen2-VL's image processor takes (its ``smart_resize`` raises above).
+PROCESSOR_MAX_RATIO = 200
+
+
+def picture_problem(width: int, height: int, *, plus: bool) -> str | None:
+    """Why a ``width`` x ``height`` input picture cannot be edited, else None: each resized copy (the
+    condition size the text encoder reads, the VAE size) needs sides that round to 32 pixels or more, and
+    the condition copy an aspect ratio Qwen2-VL's image processor takes. Checked on the resized sizes,
+    where the pipeline would fail (a ratio a little over 200 can round back under it)."""
+    condition = area_size(CONDITION_AREA if plus else VAE_AREA, width, height)
+    for what, (w, h) in (("condition", condition), ("VAE", area_size(VAE_AREA, width, height))):
+        if min(w, h) < 32:
+            return f"its {what} copy would be {w}x{h} pixels; each side must come out 32 or more"
+    ratio = max(condition) / min(condition)
+    if ratio > PROCESSOR_MAX_RATIO:
+        return (
+            f"its {condition[0]}x{condition[1]} condition copy has an aspect ratio of {ratio:.1f}; "
+            f"Qwen2-VL's image processor takes at most {PROCESSOR_MAX_RATIO}"
+        )
+    return None
 
 
 def _as_pil(image: Any):
@@ -254,7 +277,12 @@ class QwenImageEditPipeline(QwenImagePipeline):
                 f"Qwen-Image-Edit reads one input picture, got {len(items)} (Qwen-Image-Edit-2509, "
                 "QwenImageEditPlusPipeline, reads several)"
             )
-        return [_as_pil(p) for p in items]
+        pictures = [_as_pil(p) for p in items]
+        for k, p in enumerate(pictures):
+            problem = picture_problem(p.width, p.height, plus=self.plus)
+            if problem:
+                raise ValueError(f"input picture {k} ({p.width}x{p.height} pixels): {problem}")
+        return pictures
 
     def condition_pictures(self, pictures: list[Any]) -> list[Any]:
         area = CONDITION_AREA if self.plus else VAE_AREA

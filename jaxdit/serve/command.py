@@ -169,6 +169,9 @@ def _picture_sets(text: str | None, template, max_images: int) -> tuple | None:
                     f"--image_sizes takes WxH[+WxH...][,...] (e.g. 1024x768+512x512), got {part!r}"
                 )
             sizes.append((int(m[1]), int(m[2])))
+            problem = template.family.picture_problem(template.folder, *sizes[-1])
+            if problem:
+                raise ValueError(f"--image_sizes {part.strip()}: {template.label} cannot edit it: {problem}")
         if not least <= len(sizes) <= most:
             raise ValueError(
                 f"--image_sizes {entry.strip()!r}: {template.label} takes {least} to {most} pictures, "

@@ -253,6 +253,7 @@ class Engine:
             images=images,
             max_image_pixels=limits.max_image_pixels,
             max_body_bytes=body,
+            picture_problem=functools.partial(family.picture_problem, folder) if images[1] else None,
         )
         return cls(pipe, template, card, mesh)
 

@@ -9,7 +9,8 @@ keys beside them, named as ``jaxdit generate``'s flags: ``seed``, ``steps``, ``g
 ``num_frames`` for videos, a feature cache: ``cache`` (one of the caches the server was started to
 allow, ``jaxdit serve --caches``) with ``cache_threshold``, and for a model that takes pictures (its
 card's ``images``: Qwen-Image-Edit, FLUX.2, FLUX.1 Kontext) ``image``: one base64-encoded PNG, JPEG or
-WebP, or a list of them (checked and decoded here: :mod:`jaxdit.serve.images`). A field left out takes the served model's default (its :class:`ModelCard`), the
+WebP, or a list of them (checked and decoded here: :mod:`jaxdit.serve.images`; then each size against
+the family's ``picture_problem``, the limits of the model's own resizing). A field left out takes the served model's default (its :class:`ModelCard`), the
 default ``jaxdit generate`` uses. Unknown fields are refused by name (a typo such as ``step``
 would otherwise be silently ignored).
 
@@ -22,6 +23,7 @@ import dataclasses
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Generation", "ModelCard", "RequestError", "image_request", "parse_json", "video_request"]
@@ -87,6 +89,9 @@ class ModelCard:
     max_image_pixels: int = 4096 * 4096
     #: The largest request body the application reads (then 413): base64 pictures make bodies large.
     max_body_bytes: int = 1 << 20
+    #: The family's check of one input picture's (width, height): why the model cannot take it, or None
+    #: (``ModelFamily.picture_problem``); None: every size is taken.
+    picture_problem: Callable[[int, int], str | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,6 +386,14 @@ def _decode(value: Any, card: ModelCard) -> dict[str, Any]:
     from jaxdit.serve import images
 
     decoded = images.decode_all(value, max(card.images[0], 1), card.images[1], card.max_image_pixels)
+    for k, (_, p) in enumerate(decoded):
+        width, height = p.shape[1], p.shape[0]
+        problem = card.picture_problem and card.picture_problem(width, height)
+        if problem:
+            name = f"image[{k}]" if isinstance(value, list) else "image"
+            raise RequestError(
+                f"{name} is {width}x{height} pixels, which {card.name} cannot take: {problem}", "image"
+            )
     return dict(
         images=tuple(text for text, _ in decoded),
         image_sizes=tuple((p.shape[1], p.shape[0]) for _, p in decoded),
