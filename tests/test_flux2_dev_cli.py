@@ -125,7 +125,9 @@ def _argv(path, *extra: str) -> list[str]:
         "two-references-pipefusion2-ulysses2",
     ],
 )
-def test_cli_dev_matches_diffusers(folder, diffusers_runs, tmp_path, monkeypatch, references, placement, mesh):
+def test_cli_dev_matches_diffusers(
+    folder, diffusers_runs, tmp_path, monkeypatch, references, placement, mesh
+):
     """The text encoder's three placements: sharded over the mesh (given to the builder), on one device
     with its weights in host memory between prompts (--offload_encoders), and on one device (default)."""
     path, pictures = folder

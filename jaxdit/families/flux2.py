@@ -21,6 +21,7 @@ from jaxdit.models import flux2
 from jaxdit.models.flux2_config import Flux2Config
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.flux2 import FOLDER_CLASSES, Flux2KleinPipeline
+from jaxdit.pipelines.flux2_dev import Flux2Pipeline
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
 from jaxdit.pipelines.pipefusion.flux import default_num_patches, validate_patches
 from jaxdit.pipelines.pipefusion.flux2 import PipeFusionFlux2
@@ -58,6 +59,10 @@ class Flux2Family(ModelFamily):
     embedding_names = ("prompt_embeds", "negative_prompt_embeds")
 
     def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
+        """The pipeline the transformer's guidance embedding calls for: ``jaxdit plan``'s ``flux2-dev``
+        preset is this family's, and only dev's pipeline prepares the guidance input."""
+        if model.config.guidance_embeds:
+            return Flux2Pipeline(model, mesh, **options)
         return Flux2KleinPipeline(model, mesh, **options)
 
     def check_folder(self, folder: ModelFolder) -> None:
@@ -110,13 +115,6 @@ class Flux2Family(ModelFamily):
         warmup = 1 if request.warmup_steps is None else request.warmup_steps
         validate_pipefusion(parallel.pipefusion, patches, warmup, request.num_inference_steps)
         validate_patches(rows, cols, patches, parallel.sequence_degree)
-
-    def pipefusion_unsupported(self, workload: Any) -> str | None:
-        # The runner and its adapter take dev's guidance input (pipefusion/flux2.py), but the programs
-        # are lowered through the family's pipeline, and the klein pipeline prepares no guidance.
-        if workload.model.guidance_embeds:
-            return "FLUX.2 [dev] has no jaxdit pipeline yet to prepare its PipeFusion programs"
-        return None
 
     def size_multiple(self, folder: ModelFolder | None) -> int:
         """The VAE's factor (2 per level after the first: 8 for FLUX.2's) x the 2x2 patches."""
