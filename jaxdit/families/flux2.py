@@ -36,6 +36,21 @@ TEXT_LEN = 512
 PIXELS_PER_TOKEN = 16
 
 
+def check_calibrated_caches(request: Any, display: str) -> None:
+    """No TeaCache coefficients or MagCache ratios are published for FLUX.2: a cache without them is
+    refused before any weight loads, naming the calibration that records them."""
+    cache = getattr(request, "cache", None)
+    for title, given, calibrate, needs in (
+        ("TeaCache", "coefficients", "calibrate_teacache", "teacache_coefficients"),
+        ("MagCache", "ratios", "calibrate_magcache", "magcache_ratios"),
+    ):
+        if getattr(cache, "title", None) == title and getattr(cache, given) is None:
+            raise ValueError(
+                f"{title} has no published numbers for {display}: record them once with --{calibrate} "
+                f"FILE, then pass --{needs} FILE"
+            )
+
+
 class Flux2Family(ModelFamily):
     name = "flux2"
     display = "FLUX.2"
@@ -92,7 +107,9 @@ class Flux2Family(ModelFamily):
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         """A distilled klein folder runs one branch whatever --guidance_scale says, so --use_cfg_parallel
-        would have nothing to split; a dev transformer runs from its folder (``families/flux2_dev.py``)."""
+        would have nothing to split; a dev transformer runs from its folder (``families/flux2_dev.py``);
+        TeaCache and MagCache come with a calibration's file."""
+        check_calibrated_caches(request, self.display)
         if config is not None and config.guidance_embeds:
             raise ValueError(
                 "FLUX.2 [dev] (a transformer with a guidance embedding) runs from its diffusers Flux2Pipeline "
