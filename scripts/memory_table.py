@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights' dtype")
     args = p.parse_args(argv)
-    meshes = [parse_config(m) for m in args.meshes or ()]  # a bad name fails here, before any compile
+    try:  # a bad name is refused in one line, before any compile
+        meshes = [parse_config(m) for m in args.meshes or ()]
+    except ValueError as e:
+        p.error(str(e))
     if args.compiled:
         from jaxdit.plan.verify import ensure_cpu_devices
 
