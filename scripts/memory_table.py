@@ -6,16 +6,19 @@ Two sources, one table each:
   or compiled. Its parameter bytes are the sharded model's exactly; working memory (one block's
   activations, fsdp's two gathered layers and the gathered weights outside the blocks) is a model;
 - ``--compiled``: the pipelines' own denoising step compiled for 8 emulated CPU devices from abstract
-  full-size shapes (``jaxdit.plan.verify.lower_step``, no weight allocated; FLUX.2 [dev], which has no
-  pipeline, its transformer forward), and the compiled program's own memory analysis per device: the
-  bytes of its arguments (parameters, latents, text) and, in brackets, its temporaries as the CPU
-  backend reports them. Those include fp32 copies the CPU makes of bf16 weights (whole) and of FP8 ones
+  full-size shapes (``jaxdit.plan.verify.lower_step``, no weight allocated), and the compiled program's
+  own memory analysis per device: the bytes of its arguments (parameters, latents, text) and, in
+  brackets, its temporaries as the CPU backend reports them. Those include fp32 copies the CPU makes of bf16 weights (whole) and of FP8 ones
   (per layer, inside the scan), which a GPU does not make, so they bound the working memory from above
-  and are no GPU figure.
+  and are no GPU figure. ``--dtype float32`` compiles the same step with fp32 weights, which the CPU
+  does not copy: its temp is then the fp32 working memory, a bound from above on bf16's (every
+  activation at most as wide).
 
 Prints a Markdown table.
 
     python scripts/memory_table.py [--compiled] [--columns both] [--models flux2-dev]
+        [--meshes ulysses8 ring2xulysses4]  # other 8-device meshes than each model's own, one row each
+        [--dtype float32]  # weights (and activations) in fp32 instead of bf16
 """
 
 from __future__ import annotations
@@ -50,42 +53,12 @@ def modelled(w: Workload, c) -> str:
     return f"{cost.memory_bytes / GiB:.2f} ({cost.resident_param_bytes / GiB:.2f} + {work / GiB:.2f})"
 
 
-def lower_flux2_dev(w: Workload, c):
-    """FLUX.2 [dev] has no jaxdit pipeline (its guidance embedding), so its transformer forward is what
-    compiles: 4096 image + 512 text tokens at 1024 x 1024, as tests/test_flux2_fullsize.py lowers it."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxdit.models import flux2
-    from jaxdit.models.quantize import quantize_model
-
-    model = flux2.abstract_model(w.model, jnp.bfloat16)
-    if w.fp8:
-        quantize_model(model, "weight")
-    forward = flux2.sharded(model, c.device_mesh(jax.devices()[: c.num_devices]))
-    s, bf16, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
-    image, text = 4096, 512
-    lowered = forward.lower(
-        hidden_states=s((1, image, 128), bf16),
-        encoder_hidden_states=s((1, text, w.model.joint_attention_dim), bf16),
-        timestep=s((1,), f32),
-        img_ids=s((image, 4), f32),
-        txt_ids=s((text, 4), f32),
-        guidance=s((1,), f32),
-    )
-    return lowered, forward
-
-
-#: Models whose denoising step has no pipeline to compile through: what compiles instead.
-LOWER = {"flux2-dev": lower_flux2_dev}
-
-
 def compiled(w: Workload, c) -> str:
     """The compiled step's parameters + working memory per device (see the module docstring)."""
     from jaxdit.plan.verify import lower_step, measure
 
     start = time.perf_counter()
-    lowered, forward = LOWER.get(w.name, lower_step)(w, c)
+    lowered, forward = lower_step(w, c)
     m, _ = measure(lowered, forward, c)
     params, work = m.param_bytes, m.activation_bytes  # work: jaxdit plan --verify's estimate
     seconds = time.perf_counter() - start
@@ -103,24 +76,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--compiled", action="store_true", help="from compiled programs (8 emulated CPU devices)")
     p.add_argument("--columns", nargs="+", choices=tuple(COLUMNS), default=list(COLUMNS))
     p.add_argument("--models", nargs="+", choices=[m[1] for m in MODELS], default=[m[1] for m in MODELS])
+    p.add_argument(
+        "--meshes", nargs="+", metavar="MESH", help="rows for these meshes instead of each model's own"
+    )
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="weights' dtype")
     args = p.parse_args(argv)
+    try:  # a bad name is refused in one line, before any compile
+        meshes = [parse_config(m) for m in args.meshes or ()]
+    except ValueError as e:
+        p.error(str(e))
     if args.compiled:
         from jaxdit.plan.verify import ensure_cpu_devices
 
         ensure_cpu_devices(8)
     cell = compiled if args.compiled else modelled
-    print("| model, mesh | " + " | ".join(HEADERS[k] for k in args.columns) + " |")
+    headers = {**HEADERS, "bf16": "fp32"} if args.dtype == "float32" else HEADERS
+    print("| model, mesh | " + " | ".join(headers[k] for k in args.columns) + " |")
     print("|---|" + "---|" * len(args.columns))
-    for label, name, kwargs, mesh in MODELS:
+    for label, name, kwargs, own in MODELS:
         if name not in args.models:
             continue
-        cells = []
-        for column in args.columns:
-            fp8, fsdp = COLUMNS[column]
-            w = Workload.create(name, fp8=fp8, **kwargs)
-            c = dataclasses.replace(parse_config(mesh), fsdp=fsdp)
-            cells.append("n/a" if invalid_reasons(w, c) else cell(w, c))
-        print(f"| {label}, {mesh} | " + " | ".join(cells) + " |", flush=True)
+        for mesh in meshes or [parse_config(own)]:
+            cells = []
+            for column in args.columns:
+                fp8, fsdp = COLUMNS[column]
+                w = Workload.create(name, fp8=fp8, dtype=args.dtype, **kwargs)
+                c = dataclasses.replace(mesh, fsdp=fsdp)
+                cells.append("n/a" if invalid_reasons(w, c) else cell(w, c))
+            print(f"| {label}, {mesh.describe()} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":

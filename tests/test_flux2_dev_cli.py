@@ -1,6 +1,7 @@
 """FLUX.2 [dev] through ``jaxdit generate``: a tiny ``Flux2Pipeline`` folder saved by diffusers (random
 weights, Mistral3 text encoder, offline processor folder; ``tests/flux2_dev_tiny.py``) from a prompt, and
-from a prompt plus two reference pictures, to a PNG on 4 emulated devices (ulysses2 x ring2), against
+from a prompt plus two reference pictures, to a PNG on 4 emulated devices (ulysses2 x ring2 and
+pipefusion2 x ulysses2), against
 diffusers running the reloaded folder with the project's noise (numpy ``default_rng(seed).standard_normal``
 in the packed latent grid [B, 16, H/4, W/4], diffusers' ``latents``); the flags of a second guidance
 branch refused in one line (dev is guidance-distilled).
@@ -8,7 +9,8 @@ branch refused in one line (dev is guidance-distilled).
 diffusers loads the folder without its ``tokenizer`` and is then given ``flux2_dev_tiny.text_processor``
 (transformers' ``ProcessorMixin`` over the folder's tokenizer and template), since ``PixtralProcessor``
 needs torchvision, which is not installed; everything else (Mistral3, transformer, VAE, scheduler) it
-reads from the folder. Diffusers' reference is computed once per case (fp32).
+reads from the folder. Diffusers' reference is computed once per set of pictures (fp32) and shared by
+the meshes.
 
 The latents compared are what diffusers hands its VAE (de-normalised, un-patchified; jaxdit's
 ``output_type="latent"``), read from the CLI's own generation, so one run gives both the latents and the
@@ -39,7 +41,13 @@ PROMPT = "a photo of a cat on a mat"
 H, W, STEPS, SEED, TEXT, GUIDANCE = 32, 48, 3, 5, 64, 3.5
 LATENT_REL, PNG_STEPS = 1e-4, 1.5
 FAST = {"xla_backend_optimization_level": 0}
-MESH = ["--ulysses_degree", "2", "--ring_degree", "2"]
+ULYSSES2_RING2 = ["--ulysses_degree", "2", "--ring_degree", "2"]
+#: Every step a warm-up step, as in tests/test_flux2_cli.py: PipeFusion's synchronous steps are the serial
+#: forward, so diffusers is the reference (the stale-K/V phase is tested against a serial reference in
+#: tests/test_flux2_pipefusion.py); the default 4 patches of 2 latent rows, each with a chunk of the text
+#: and of the reference tokens, and dev's guidance input on every stage.
+PIPEFUSION2_ULYSSES2 = ["--pipefusion_parallel_degree", "2", "--ulysses_degree", "2"]
+PIPEFUSION2_ULYSSES2 += ["--warmup_steps", str(STEPS)]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +63,21 @@ def folder(tmp_path_factory):
     return path, pictures
 
 
-def _reference(path, images=()):
+@pytest.fixture(scope="module")
+def diffusers_runs():
+    """diffusers' (latents, pixels) per set of pictures, computed once for every mesh."""
+    return {}
+
+
+def _reference(runs, path, images=()):
     """diffusers' Flux2Pipeline from the reloaded folder: (VAE latents, pixels in [0, 1])."""
+    key = tuple(map(str, images))
+    if key not in runs:
+        runs[key] = _run_diffusers(path, images)
+    return runs[key]
+
+
+def _run_diffusers(path, images):
     pipe = diffusers.Flux2Pipeline.from_pretrained(path, tokenizer=None)  # every other part from the folder
     pipe.tokenizer = tiny.text_processor(path)
     noise = torch.from_numpy(latent_ops.initial_noise(SEED, (1, 16, H // 4, W // 4)))
@@ -90,13 +111,25 @@ def _argv(path, *extra: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "references, placement",
-    [(0, {"encoder_on_mesh": True}), (2, {})],
-    ids=["prompt-encoder-on-mesh", "two-references-encoder-offloaded"],
+    "references, placement, mesh",
+    [
+        (0, "on-mesh", ULYSSES2_RING2),
+        (2, "offloaded", ULYSSES2_RING2),
+        (0, "one-device", PIPEFUSION2_ULYSSES2),
+        (2, "one-device", PIPEFUSION2_ULYSSES2),
+    ],
+    ids=[
+        "prompt-encoder-on-mesh-ulysses2-ring2",
+        "two-references-encoder-offloaded-ulysses2-ring2",
+        "prompt-pipefusion2-ulysses2",
+        "two-references-pipefusion2-ulysses2",
+    ],
 )
-def test_cli_dev_ulysses2_ring2_matches_diffusers(folder, tmp_path, monkeypatch, references, placement):
-    """The text encoder's two other placements, one per case: sharded over the mesh (given to the
-    builder), and on one device with its weights in host memory between prompts (--offload_encoders)."""
+def test_cli_dev_matches_diffusers(
+    folder, diffusers_runs, tmp_path, monkeypatch, references, placement, mesh
+):
+    """The text encoder's three placements: sharded over the mesh (given to the builder), on one device
+    with its weights in host memory between prompts (--offload_encoders), and on one device (default)."""
     path, pictures = folder
     images = pictures[:references]
     results = []
@@ -106,19 +139,20 @@ def test_cli_dev_ulysses2_ring2_matches_diffusers(folder, tmp_path, monkeypatch,
 
     @functools.wraps(loads)  # the builder's own signature: the CLI checks it takes --offload_encoders
     def quick(cls, *args, **kwargs):  # XLA's backend optimisations off: compiles in a fraction of the time
-        return loads(cls, *args, **{**kwargs, "compiler_options": FAST, **placement})
+        on_mesh = {"encoder_on_mesh": True} if placement == "on-mesh" else {}
+        return loads(cls, *args, **{**kwargs, "compiler_options": FAST, **on_mesh})
 
     monkeypatch.setattr(Flux2Pipeline, "from_pretrained", classmethod(quick))
     extra = [a for p in images for a in ("--image", str(p))]
-    if not placement:
+    if placement == "offloaded":
         extra.append("--offload_encoders")
-    assert cli.main([*_argv(path, *MESH, *extra), "--output", str(tmp_path / "x.png")]) == 0
+    assert cli.main([*_argv(path, *mesh, *extra), "--output", str(tmp_path / "x.png")]) == 0
     latents, png = results[0].latents, np.asarray(Image.open(tmp_path / "x.png"), np.float32)
-    want_latents, want_pixels = _reference(path, images)
+    want_latents, want_pixels = _reference(diffusers_runs, path, images)
     assert latents.shape == want_latents.shape == (1, 4, H // 2, W // 2)
     rel = np.linalg.norm(latents - want_latents) / np.linalg.norm(want_latents)
     worst = np.abs(png - want_pixels * 255).max()
-    print(f"dev ulysses2 x ring2 refs={references}: latents {rel:.2e} relative, PNG {worst:.2f}/255")
+    print(f"dev {' '.join(mesh)} refs={references}: latents {rel:.2e} relative, PNG {worst:.2f}/255")
     assert rel < LATENT_REL, rel
     assert png.shape == (H, W, 3) and worst <= PNG_STEPS, worst
 

@@ -22,6 +22,7 @@ from jaxdit.models.flux2_config import Flux2Config
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines import flux2_references
 from jaxdit.pipelines.flux2 import FOLDER_CLASSES, Flux2KleinPipeline
+from jaxdit.pipelines.flux2_dev import Flux2Pipeline
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
 from jaxdit.pipelines.pipefusion.flux import default_num_patches, validate_patches
 from jaxdit.pipelines.pipefusion.flux2 import PipeFusionFlux2
@@ -34,6 +35,21 @@ __all__ = ["FLUX2", "Flux2Family"]
 TEXT_LEN = 512
 #: The VAE's 8x spatial compression x the 2x2 patches the pipelines fold into channels.
 PIXELS_PER_TOKEN = 16
+
+
+def check_calibrated_caches(request: Any, display: str) -> None:
+    """No TeaCache coefficients or MagCache ratios are published for FLUX.2: a cache without them is
+    refused before any weight loads, naming the calibration that records them."""
+    cache = getattr(request, "cache", None)
+    for title, given, calibrate, needs in (
+        ("TeaCache", "coefficients", "calibrate_teacache", "teacache_coefficients"),
+        ("MagCache", "ratios", "calibrate_magcache", "magcache_ratios"),
+    ):
+        if getattr(cache, "title", None) == title and getattr(cache, given) is None:
+            raise ValueError(
+                f"{title} has no published numbers for {display}: record them once with --{calibrate} "
+                f"FILE, then pass --{needs} FILE"
+            )
 
 
 class Flux2Family(ModelFamily):
@@ -59,6 +75,10 @@ class Flux2Family(ModelFamily):
     embedding_names = ("prompt_embeds", "negative_prompt_embeds")
 
     def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
+        """The pipeline the transformer's guidance embedding calls for: ``jaxdit plan``'s ``flux2-dev``
+        preset is this family's, and only dev's pipeline prepares the guidance input."""
+        if model.config.guidance_embeds:
+            return Flux2Pipeline(model, mesh, **options)
         return Flux2KleinPipeline(model, mesh, **options)
 
     def check_folder(self, folder: ModelFolder) -> None:
@@ -91,7 +111,9 @@ class Flux2Family(ModelFamily):
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         """A distilled klein folder runs one branch whatever --guidance_scale says, so --use_cfg_parallel
-        would have nothing to split; a dev transformer runs from its folder (``families/flux2_dev.py``)."""
+        would have nothing to split; a dev transformer runs from its folder (``families/flux2_dev.py``);
+        TeaCache and MagCache come with a calibration's file."""
+        check_calibrated_caches(request, self.display)
         if config is not None and config.guidance_embeds:
             raise ValueError(
                 "FLUX.2 [dev] (a transformer with a guidance embedding) runs from its diffusers Flux2Pipeline "
@@ -114,13 +136,6 @@ class Flux2Family(ModelFamily):
         warmup = 1 if request.warmup_steps is None else request.warmup_steps
         validate_pipefusion(parallel.pipefusion, patches, warmup, request.num_inference_steps)
         validate_patches(rows, cols, patches, parallel.sequence_degree)
-
-    def pipefusion_unsupported(self, workload: Any) -> str | None:
-        # The runner and its adapter take dev's guidance input (pipefusion/flux2.py), but the programs
-        # are lowered through the family's pipeline, and the klein pipeline prepares no guidance.
-        if workload.model.guidance_embeds:
-            return "FLUX.2 [dev] has no jaxdit pipeline yet to prepare its PipeFusion programs"
-        return None
 
     def size_multiple(self, folder: ModelFolder | None) -> int:
         """The VAE's factor (2 per level after the first: 8 for FLUX.2's) x the 2x2 patches."""

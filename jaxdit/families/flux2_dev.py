@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxdit.families.flux2 import Flux2Family
+from jaxdit.families.flux2 import Flux2Family, check_calibrated_caches
 from jaxdit.pipelines import flux2_dev
 
 __all__ = ["FLUX2_DEV", "Flux2DevFamily"]
@@ -35,8 +35,9 @@ class Flux2DevFamily(Flux2Family):
         return flux2_dev.Flux2Pipeline(model, mesh, **options)
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
-        """Nothing beyond the shared checks: the CFG flags are refused by ``guidance_distilled``, and the
-        transformer's guidance embedding is checked by the pipeline when it loads."""
+        """The calibrated caches' files (as klein's); the CFG flags are refused by ``guidance_distilled``,
+        and the transformer's guidance embedding is checked by the pipeline when it loads."""
+        check_calibrated_caches(request, self.display)
 
 
 FLUX2_DEV = Flux2DevFamily()
