@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxdit.serve.schema import RequestError
+from jaxdit.serve.errors import RequestError
 
 __all__ = ["FORMATS", "MODES", "decode", "decode_all", "encode_png"]
 

@@ -26,27 +26,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from jaxdit.serve.errors import RequestError
+
 __all__ = ["Generation", "ModelCard", "RequestError", "image_request", "parse_json", "video_request"]
 
 IMAGE, VIDEO = "image", "video"
 #: The largest seed: numpy's generators take any non-negative integer; JSON clients handle 2**53 safely.
 MAX_SEED = 2**53 - 1
 _SIZE = re.compile(r"^\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*$")
-
-
-class RequestError(Exception):
-    """A request the service refuses: HTTP ``status``, the offending ``param`` (None: the whole request),
-    a message for people, and OpenAI's error ``type``."""
-
-    def __init__(
-        self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"
-    ) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
-
-    def body(self) -> dict[str, Any]:
-        """OpenAI's error body."""
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
 
 @dataclasses.dataclass(frozen=True)
