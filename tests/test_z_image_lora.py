@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 
+import jax.numpy as jnp
 import lora_tiny
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from converters.safetensors_io import SafetensorsFile, write_safetensors
 from jaxdit import load_transformer
 from jaxdit.lora import fuse_loras, unfuse_loras
 from jaxdit.mesh import ParallelConfig
+from jaxdit.models import z_image
 
 SCALE = 0.8
 #: Every block's projections and modulation (a regular expression: the final layer's ``adaLN_modulation.0``
@@ -36,13 +38,23 @@ RANK, ALPHA = 4, 8.0
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
+    """The forward takes diffusers' own timestep sinusoid (as
+    ``test_z_image_transformer.py::test_matches_diffusers_given_its_timestep_features``): its angles reach
+    t x 1000 rad, where one ulp of PyTorch's fp32 frequencies moves the output by ~1e-5 relative, more
+    than a LoRA mapping error needs to show; so the comparison is held to TORCH_FORWARD."""
+    import torch
+    from diffusers.models.transformers.transformer_z_image import TimestepEmbedder
+
     root = tmp_path_factory.mktemp("zimage-lora")
     base = tiny.transformer()
     base.save_pretrained(root / "transformer")
     path = lora_tiny.write_peft(base, root / "peft.safetensors", TARGETS, rank=RANK, alpha=ALPHA)
     x = tiny.inputs([5, 40], 4, 6)
-    fwd = load_transformer(root / "transformer", ParallelConfig(tensor=2, ulysses=2))
-    return root, path, fwd, x, base, tiny.reference(base, *x)
+    feats = TimestepEmbedder.timestep_embedding(torch.from_numpy(x[2]) * 1000.0, 256).numpy()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(z_image, "time_features", lambda timestep, scale: jnp.asarray(feats))
+        fwd = load_transformer(root / "transformer", ParallelConfig(tensor=2, ulysses=2))
+        yield root, path, fwd, x, base, tiny.reference(base, *x)
 
 
 def _diffusers(base, path, x) -> np.ndarray:
@@ -75,8 +87,8 @@ def _check(case, path, layout: str, reference=None):
         unfuse_loras(fwd.params, fused)
     effect = float(np.abs(want - base).max())
     print(f"Z-Image {layout}: the LoRA moves the output by {effect:.3f}")
-    assert effect > 100 * tol.TORCH_FORWARD_GUIDANCE_EMBED.allowed(np.abs(want).max())
-    tol.check(got, want, tol.TORCH_FORWARD_GUIDANCE_EMBED, f"Z-Image LoRA ({layout}) vs diffusers")
+    assert effect > 100 * tol.TORCH_FORWARD.allowed(np.abs(want).max())
+    tol.check(got, want, tol.TORCH_FORWARD, f"Z-Image LoRA ({layout}) vs diffusers")
 
 
 def test_diffusers_peft(case):
