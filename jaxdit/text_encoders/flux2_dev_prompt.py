@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from jaxdit.text_encoders.decoder_lm import DecoderLMRunner
-from jaxdit.text_encoders.flux2_prompt import DEV_HIDDEN_STATES, MAX_SEQUENCE_LENGTH, stacked_features
+from jaxdit.text_encoders.flux2_prompt import DEV_HIDDEN_STATES, Flux2KleinPromptEncoder
 
 __all__ = ["SYSTEM_MESSAGE", "Flux2DevPromptEncoder", "processor_chat_template"]
 
@@ -60,8 +60,9 @@ def processor_chat_template(folder: str | Path, tokenizer: Any = None) -> str | 
     return getattr(tokenizer, "chat_template", None) or None
 
 
-class Flux2DevPromptEncoder:
-    """Tokenizer + processor chat template + the Mistral3 text decoder -> [B, L, 3 E] fp32."""
+class Flux2DevPromptEncoder(Flux2KleinPromptEncoder):
+    """Tokenizer + processor chat template + the Mistral3 text decoder -> [B, L, 3 E] fp32 (klein's call;
+    its own checks, template and tokenization)."""
 
     def __init__(
         self,
@@ -117,15 +118,3 @@ class Flux2DevPromptEncoder:
             return_tensors="np",
         )
         return np.asarray(out.input_ids), np.asarray(out.attention_mask)
-
-    def __call__(
-        self, prompts: str | Sequence[str], *, max_sequence_length: int = MAX_SEQUENCE_LENGTH
-    ) -> np.ndarray:
-        """Prompt(s) -> float32 [B, max_sequence_length, len(layers) * E]."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
-        if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise TypeError("prompts must be a string or a non-empty list of strings")
-        if max_sequence_length < 1:
-            raise ValueError(f"max_sequence_length must be >= 1, got {max_sequence_length}")
-        ids, mask = self.tokenize(prompts, max_sequence_length)
-        return stacked_features(self.encoder, ids, mask, self.layers)
