@@ -261,13 +261,13 @@ def verify(
 
 
 # ----------------------------------------------------------------------------------------------------
-# PipeFusion (FLUX): the runner's two programs against the model evaluated the same way
+# PipeFusion: the runner's two programs against the model evaluated the same way
 
 
 @dataclasses.dataclass(frozen=True)
 class PipeFusionComparison:
     """A PipeFusion configuration: collective bytes sent per device by each compiled program of
-    the PipeFusion runner (``jaxdit.pipelines.pipefusion``, FLUX's or Wan's adapter) beside
+    the PipeFusion runner (``jaxdit.pipelines.pipefusion``, the family's adapter) beside
     :func:`jaxdit.plan.cost.pipefusion_programs` (CPU dtypes).
 
     ``warmup``: one synchronous warm-up step. ``pipelined``: the asynchronous phase, the S-W remaining
