@@ -1,7 +1,7 @@
 """HunyuanVideo 1.5 through ``jaxdit generate``: the tiny ``HunyuanVideo15Pipeline`` folder saved by
 diffusers with its text encoders (``hunyuan_video15_folder.py``) from a prompt with quoted text to an MP4 on
-cfg2 x ulysses2 (4 emulated devices), against diffusers running the reloaded folder with the project's
-noise (numpy ``default_rng(seed).standard_normal`` of [1, 4, F', H/16, W/16]); the CFG scale is the
+cfg2 x ulysses2 and on ulysses2 x ring2 (4 emulated devices), against diffusers running the reloaded folder
+with the project's noise (numpy ``default_rng(seed).standard_normal`` of [1, 4, F', H/16, W/16]); the CFG scale is the
 folder guider's, as diffusers reads it."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import av
 import hunyuan_video15_folder as hf
 import numpy as np
+import pytest
 import tolerance as tol
 import torch
 
@@ -20,10 +21,12 @@ PROMPT = 'a cat walks on grass, sign reading "hello"'
 H, W, FRAMES, STEPS, SEED = 32, 48, 5, 3, 5
 
 
-def test_cli_prompt_to_mp4_matches_diffusers(monkeypatch, tmp_path):
+@pytest.fixture(scope="module")
+def folder_and_reference(tmp_path_factory):
+    """The tiny folder and diffusers' final latents and frames from it, shared by both meshes."""
     import diffusers
 
-    folder = tmp_path / "HunyuanVideo-1.5-tiny"
+    folder = tmp_path_factory.mktemp("hy") / "HunyuanVideo-1.5-tiny"
     hf.save(folder, with_text=True)
     pipe = diffusers.HunyuanVideo15Pipeline.from_pretrained(folder)
     noise = torch.from_numpy(latent_ops.initial_noise(SEED, (1, 4, (FRAMES - 1) // 4 + 1, H // 16, W // 16)))
@@ -31,7 +34,18 @@ def test_cli_prompt_to_mp4_matches_diffusers(monkeypatch, tmp_path):
     with torch.no_grad():
         want_latents = pipe(PROMPT, output_type="latent", **call).frames.numpy()
         want_frames = pipe(PROMPT, output_type="np", **call).frames
+    return folder, want_latents, want_frames
 
+
+MESHES = {
+    "cfg2 x ulysses2": ["--use_cfg_parallel", "--ulysses_degree", "2"],
+    "ulysses2 x ring2": ["--ulysses_degree", "2", "--ring_degree", "2"],
+}
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_cli_prompt_to_mp4_matches_diffusers(folder_and_reference, mesh, monkeypatch, tmp_path):
+    folder, want_latents, want_frames = folder_and_reference
     seen, write = {}, generate_module.write
 
     def capture(r, result):
@@ -42,12 +56,12 @@ def test_cli_prompt_to_mp4_matches_diffusers(monkeypatch, tmp_path):
     out = tmp_path / "hy.mp4"
     argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--height", str(H), "--width", str(W)]
     argv += ["--num_frames", str(FRAMES), "--steps", str(STEPS), "--seed", str(SEED)]
-    assert cli.main([*argv, "--use_cfg_parallel", "--ulysses_degree", "2", "--output", str(out)]) == 0
+    assert cli.main([*argv, *MESHES[mesh], "--output", str(out)]) == 0
     result = seen["result"]
-    tol.check(result.latents, want_latents, tol.TORCH_LOOP, "jaxdit generate cfg2 x ulysses2: final latents")
+    tol.check(result.latents, want_latents, tol.TORCH_LOOP, f"jaxdit generate {mesh}: final latents")
     frames = np.clip((np.asarray(result.images) + 1) / 2, 0, 1)
     assert frames.shape == want_frames.shape == (1, FRAMES, H, W, 3)
-    tol.check(frames, want_frames, tol.PIXELS["hunyuanvideo1.5"], "jaxdit generate cfg2 x ulysses2: frames")
+    tol.check(frames, want_frames, tol.PIXELS["hunyuanvideo1.5"], f"jaxdit generate {mesh}: frames")
     with av.open(str(out)) as container:
         stream = container.streams.video[0]
         rate = float(stream.average_rate)
