@@ -15,8 +15,9 @@ TRANSFORMER = dict(in_channels=9, out_channels=4, patch_size=1, target_size=64)
 SHIFT, GUIDANCE = 5.0, 6.0
 
 
-def pipeline(encoders: dict | None = None):
-    """The tiny pipeline; ``encoders``: its four text components (:func:`text_encoders`), else None."""
+def pipeline(encoders: dict | None = None, **transformer):
+    """The tiny pipeline; ``encoders``: its four text components (:func:`text_encoders`), else None;
+    ``transformer``: overrides of the tiny transformer's config (``num_layers=3``)."""
     from diffusers import (
         AutoencoderKLHunyuanVideo15,
         ClassifierFreeGuidance,
@@ -24,7 +25,7 @@ def pipeline(encoders: dict | None = None):
         HunyuanVideo15Pipeline,
     )
 
-    transformer = tiny.transformer(**TRANSFORMER)
+    transformer = tiny.transformer(**{**TRANSFORMER, **transformer})
     torch.manual_seed(1)
     vae = AutoencoderKLHunyuanVideo15(**VAE).eval()
     gen = torch.Generator().manual_seed(1)
@@ -77,9 +78,10 @@ def save_i2v(folder: Path):
     return pipe
 
 
-def save(folder: Path, with_text: bool = False):
-    """The tiny pipeline saved in ``folder`` (with its text encoders when ``with_text``); returns it."""
-    pipe = pipeline(text_encoders(folder.parent) if with_text else None)
+def save(folder: Path, with_text: bool = False, **transformer):
+    """The tiny pipeline saved in ``folder`` (with its text encoders when ``with_text``, ``transformer``
+    overrides of its config); returns it."""
+    pipe = pipeline(text_encoders(folder.parent) if with_text else None, **transformer)
     pipe.save_pretrained(folder)
     return pipe
 

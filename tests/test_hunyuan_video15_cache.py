@@ -67,7 +67,7 @@ def test_skipping_on_a_mesh_takes_the_one_device_decisions(case):
     tol.check(got.latents, want.latents, tol.SAME_SEED, "First-Block-Cache cfg2 x ulysses2 vs one device")
 
 
-def test_teacache_names_what_it_lacks(case):
+def test_teacache_without_a_calibration_names_it(case):
     pipes, emb = case
-    with pytest.raises(ValueError, match="TeaCache is not available for HunyuanVideo 1.5"):
+    with pytest.raises(ValueError, match="TeaCache has no published coefficients.*--calibrate_teacache"):
         pipes["cfg2 x ulysses2"](**emb, cache=TeaCache(), **CALL)

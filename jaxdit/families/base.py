@@ -31,7 +31,15 @@ from jaxdit.loading import checkpoint_config
 from jaxdit.models.partitioning import logical_axes
 from jaxdit.pipelines.model_folder import FolderClass, ModelFolder
 
-__all__ = ["ModelDimensions", "ModelFamily", "Preset", "Reduction", "StepTerms", "model_dimensions"]
+__all__ = [
+    "ModelDimensions",
+    "ModelFamily",
+    "Preset",
+    "Reduction",
+    "StepTerms",
+    "check_calibrated_caches",
+    "model_dimensions",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +136,22 @@ def _dimensions(name: str, config: Any, abstract_model: Callable[..., Any]) -> M
     name = type(model).__name__  # for messages
     depths = tuple(one(sizes(getattr(model, s)), "layers", f"{name}.{s}") for s in model.STACKS)
     return ModelDimensions(one(everything, "embed", name), one(everything, "mlp", name), depths)
+
+
+def check_calibrated_caches(request: Any, display: str) -> None:
+    """For a family with no published TeaCache coefficients or MagCache ratios (FLUX.2, HunyuanVideo 1.5):
+    either cache without them is refused before any weight loads, naming the calibration that records
+    them."""
+    cache = getattr(request, "cache", None)
+    for title, given, calibrate, needs in (
+        ("TeaCache", "coefficients", "calibrate_teacache", "teacache_coefficients"),
+        ("MagCache", "ratios", "calibrate_magcache", "magcache_ratios"),
+    ):
+        if getattr(cache, "title", None) == title and getattr(cache, given) is None:
+            raise ValueError(
+                f"{title} has no published numbers for {display}: record them once with --{calibrate} "
+                f"FILE, then pass --{needs} FILE"
+            )
 
 
 class ModelFamily:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from converters import flux2 as flux2_converters
 from converters.lora import flux2 as flux2_lora
 from jaxdit.cache.hooks import ALL_CACHES
-from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
+from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms, check_calibrated_caches
 from jaxdit.models import flux2
 from jaxdit.models.flux2_config import Flux2Config
 from jaxdit.parallel.pipefusion import validate_pipefusion
@@ -35,21 +35,6 @@ __all__ = ["FLUX2", "Flux2Family"]
 TEXT_LEN = 512
 #: The VAE's 8x spatial compression x the 2x2 patches the pipelines fold into channels.
 PIXELS_PER_TOKEN = 16
-
-
-def check_calibrated_caches(request: Any, display: str) -> None:
-    """No TeaCache coefficients or MagCache ratios are published for FLUX.2: a cache without them is
-    refused before any weight loads, naming the calibration that records them."""
-    cache = getattr(request, "cache", None)
-    for title, given, calibrate, needs in (
-        ("TeaCache", "coefficients", "calibrate_teacache", "teacache_coefficients"),
-        ("MagCache", "ratios", "calibrate_magcache", "magcache_ratios"),
-    ):
-        if getattr(cache, "title", None) == title and getattr(cache, given) is None:
-            raise ValueError(
-                f"{title} has no published numbers for {display}: record them once with --{calibrate} "
-                f"FILE, then pass --{needs} FILE"
-            )
 
 
 class Flux2Family(ModelFamily):

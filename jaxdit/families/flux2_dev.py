@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jaxdit.families.flux2 import Flux2Family, check_calibrated_caches
+from jaxdit.families.base import check_calibrated_caches
+from jaxdit.families.flux2 import Flux2Family
 from jaxdit.pipelines import flux2_dev
 
 __all__ = ["FLUX2_DEV", "Flux2DevFamily"]

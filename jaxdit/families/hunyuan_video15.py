@@ -5,8 +5,8 @@ checkpoints) and ``pipelines/hunyuan_video15.py`` (text-to-video with the Qwen2.
 the causal VAE) together, and adds the diffusers call surface of the forward
 (:class:`HunyuanVideo15Forward`), the presets (480p and 720p at 121 frames, the model card's) and the cost
 terms ``jaxdit plan`` prices. Image to video is the variant family ``families/hunyuan_video15_i2v.py``;
-First-Block-Cache starts at the first dual-stream block; LoRA files in diffusers' layout
-(``converters/lora/hunyuan_video15.py``). Not yet: PipeFusion, the other feature caches.
+the feature caches start at the first dual-stream block; LoRA files in diffusers' layout
+(``converters/lora/hunyuan_video15.py``). Not yet: PipeFusion.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 
 from converters import hunyuan_video15 as hv_converters
 from converters.lora import hunyuan_video15 as hv_lora
-from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
+from jaxdit.cache.hooks import ALL_CACHES
+from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms, check_calibrated_caches
 from jaxdit.models import hunyuan_video15 as hv
 from jaxdit.models.hunyuan_video15 import TIME_FREQ_DIM
 from jaxdit.models.hunyuan_video15_config import GLYPH_HIDDEN, HunyuanVideo15Config
@@ -99,7 +100,9 @@ class HunyuanVideo15Family(ModelFamily):
     folder_classes = FOLDER_CLASSES
     pipeline_class = HunyuanVideo15Pipeline
     staged_model = None  # no PipeFusion stage layout yet
-    caches = frozenset({"fbcache"})  # the transformer's cache_metric_stream; TeaCache/MagCache not yet
+    # Its transformer has every hook of jaxdit.cache.hooks.CacheHooks (models/hunyuan_video15_cache_hooks.py);
+    # TeaCache and MagCache take their numbers from a calibration (none are published).
+    caches = ALL_CACHES
     makes_video = True
     fps = 24
     cfg_scale_argument = "guidance_scale"
@@ -161,6 +164,7 @@ class HunyuanVideo15Family(ModelFamily):
         return SPATIAL  # the VAE's 16 x the 1 x 1 patches of the released models
 
     def check_generate(self, request: Any, config: HunyuanVideo15Config | None, parallel: Any) -> None:
+        check_calibrated_caches(request, self.display)
         frames = request.num_frames
         if frames is not None and (frames < 1 or (frames - 1) % TEMPORAL):
             raise ValueError(

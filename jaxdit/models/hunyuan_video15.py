@@ -61,6 +61,7 @@ from jaxdit.models.hunyuan_video15_blocks import (
     TimestepEmbedder,
     modulation,
 )
+from jaxdit.models.hunyuan_video15_cache_hooks import HunyuanVideo15CacheHooks
 from jaxdit.models.hunyuan_video15_config import GLYPH, IMAGE, TEXT, VIDEO, HunyuanVideo15Config
 from jaxdit.models.layers import Linear, layer_norm, param, rope_angles, timestep_embedding
 from jaxdit.models.sharded_forward import Arg, ShardedForward, sharded_staged
@@ -119,7 +120,7 @@ class ContextEmbedder(nnx.Module):
         self.proj_in = Linear(cfg.text_embed_dim, e, ("in_features", "embed"), rngs=rngs, dtype=dtype)
 
 
-class HunyuanVideo15Transformer(nnx.Module):
+class HunyuanVideo15Transformer(HunyuanVideo15CacheHooks, nnx.Module):
     """HunyuanVideo 1.5 transformer, a staged forward (``jaxdit.models.staged``): embed -> token-refiner
     blocks (prompt tokens) -> dual-stream blocks (video, condition tokens) -> output layer on the video."""
 
@@ -196,11 +197,6 @@ class HunyuanVideo15Transformer(nnx.Module):
             prompt = block(prompt, cond.refiner_temb, ctx.group_attention(TEXT), ctx)
             return video, prompt, glyph, image
         return block(streams[0], streams[1], cond.temb, cond.angles, ctx)
-
-    def cache_metric_stream(self, streams: Any, ctx: ShardContext) -> tuple[jax.Array, jax.Array]:
-        """First-Block-Cache compares the video stream after the first dual-stream block (what
-        diffusers' block hook would read: the block's ``hidden_states``), and its real tokens."""
-        return streams[0], ctx.layout.split_after(ctx.token_valid(), VIDEO, axis=0)[0]
 
     def output(self, streams: Any, cond: HunyuanVideo15Cond, ctx: ShardContext) -> jax.Array:
         """The video tokens -> the prediction [B, N, out_channels * pt * ph * pw] (features (c, t, h, w))."""

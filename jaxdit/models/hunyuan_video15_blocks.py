@@ -31,6 +31,7 @@ __all__ = [
     "ImageProjection",
     "RefinerBlock",
     "TimestepEmbedder",
+    "modulate_input",
     "modulation",
 ]
 
@@ -59,6 +60,13 @@ def _heads(x: jax.Array, head_dim: int) -> jax.Array:
 def _modulate(x: jax.Array, shift: jax.Array, scale: jax.Array) -> jax.Array:
     """LN(x) * (1 + scale) + shift in fp32; shift/scale [B, E] broadcast over tokens."""
     return layer_norm(x, EPS) * (1.0 + scale[:, None]) + shift[:, None]
+
+
+def modulate_input(block: DualStreamBlock, video: jax.Array, temb: jax.Array) -> jax.Array:
+    """A dual-stream block's modulated video input, LN(video) * (1 + scale1) + shift1 in fp32 (TeaCache's
+    metric input, ``models/hunyuan_video15_cache_hooks.py``)."""
+    shift, scale = jnp.split(modulation(block.norm1, temb), 6, axis=-1)[:2]
+    return _modulate(video, shift, scale)
 
 
 class AffineNorm(nnx.Module):
@@ -199,7 +207,7 @@ class DualStreamBlock(nnx.Module):
         dtype, d = self.to_q.dtype, self.head_dim
         v_mod = jnp.split(modulation(self.norm1, temb), 6, axis=-1)
         c_mod = jnp.split(modulation(self.norm1_context, temb), 6, axis=-1)
-        v_in = _modulate(video, v_mod[0], v_mod[1]).astype(dtype)
+        v_in = _modulate(video, v_mod[0], v_mod[1]).astype(dtype)  # = modulate_input(self, video, temb)
         c_in = _modulate(cond, c_mod[0], c_mod[1]).astype(dtype)
         v_q = apply_rope(rms_norm(_heads(self.to_q(v_in), d), self.norm_q[...], EPS), angles).astype(dtype)
         v_k = apply_rope(rms_norm(_heads(self.to_k(v_in), d), self.norm_k[...], EPS), angles).astype(dtype)
