@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from converters import z_image as z_image_converters
 from converters.lora import z_image as z_image_lora
-from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms
+from jaxdit.families.base import ModelFamily, Preset, Reduction, StepTerms, check_calibrated_caches
 from jaxdit.models import z_image
 from jaxdit.models.z_image_config import TIME_HIDDEN, ZImageConfig
 from jaxdit.models.z_image_tokens import padded, sequence_inputs, unpack
@@ -121,17 +121,7 @@ class ZImageFamily(ModelFamily):
     def check_generate(self, request: Any, config: ZImageConfig | None, parallel: Any) -> None:
         """TeaCache and MagCache come with a calibration's file; an embeddings file: prompt_embeds [B, L,
         cap_feat_dim] (every prompt L tokens), negatives alike."""
-        # No published TeaCache coefficients or MagCache ratios: refused here, before any weight loads.
-        cache = getattr(request, "cache", None)
-        for title, given, calibrate, needs in (
-            ("TeaCache", "coefficients", "calibrate_teacache", "teacache_coefficients"),
-            ("MagCache", "ratios", "calibrate_magcache", "magcache_ratios"),
-        ):
-            if getattr(cache, "title", None) == title and getattr(cache, given) is None:
-                raise ValueError(
-                    f"{title} has no published numbers for Z-Image: record them once with --{calibrate} "
-                    f"FILE, then pass --{needs} FILE"
-                )
+        check_calibrated_caches(request, "Z-Image")
         shapes = request.embeddings
         if config is None or shapes is None:
             return
