@@ -307,6 +307,17 @@ class ModelFamily:
         """The family's own checks of a ``jaxdit generate`` request (before jax starts); ``config`` is
         the transformer's when known (a preset or an embeddings run), else None."""
 
+    def uses_cfg(self, call: Any, folder: ModelFolder | None, negative_embeds: bool = False) -> bool:
+        """Whether the pipeline call ``call`` runs classifier-free guidance (two branches per step), as
+        the family's pipeline decides it: its ``cfg_scale_argument`` above ``cfg_above``, and for a
+        ``true_cfg_scale`` family a negative prompt too (``negative_embeds``: the run's embeddings file
+        holds negative ones). ``folder``: the model's folder, where it is one (a family whose folder can
+        say "one branch whatever the scale" reads it here)."""
+        cfg = getattr(call, self.cfg_scale_argument) > self.cfg_above
+        if self.cfg_scale_argument == "true_cfg_scale":
+            cfg = cfg and (call.negative_prompt is not None or negative_embeds)
+        return cfg
+
     def guidance_scale_ignored(self, config: Any, label: str) -> str | None:
         """Why ``guidance_scale`` would change nothing for the model ``label`` of ``config`` (a message for
         ``jaxdit generate`` to refuse it with; ``jaxdit serve``'s card says the scale is not taken), or

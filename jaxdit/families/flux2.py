@@ -126,6 +126,13 @@ class Flux2Family(ModelFamily):
                 "FLUX.2 klein, which runs without it (use a klein base model)"
             )
 
+    def uses_cfg(self, call: Any, folder: ModelFolder | None, negative_embeds: bool = False) -> bool:
+        """A distilled klein folder (``is_distilled``; dev's always) runs one branch whatever the scale,
+        as its pipeline does; else CFG for a scale above 1."""
+        if folder is not None and self.pipeline_class.one_branch(folder.index):
+            return False
+        return super().uses_cfg(call, folder, negative_embeds)
+
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole rows of packed tokens that ring x ulysses splits, 1 <= warm-up <=
         steps (FLUX.1's rules); reference tokens are chunked over the patches like the text."""
