@@ -389,7 +389,8 @@ def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:
 
 
 def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:
-    return r.family.uses_cfg(call, r.folder, "negative_prompt_embeds" in (r.embeddings or {}))
+    negative = "negative_prompt_embeds" in (r.embeddings or {})
+    return r.family.uses_cfg(call, r.folder, model_config(r), negative)
 
 
 def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) -> None:
