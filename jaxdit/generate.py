@@ -32,7 +32,7 @@ import numpy as np
 
 from jaxdit import distributed, runtime
 from jaxdit import generate_cache as cache_flags
-from jaxdit.generate_checks import check_memory, check_request, check_run
+from jaxdit.generate_checks import check_memory, check_request, check_run, model_config
 from jaxdit.generate_request import GenerateRequest, load_embeddings
 from jaxdit.mesh import DeviceMesh, ParallelConfig
 
@@ -65,6 +65,7 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     elif r.source == "folder":
         pipe = pipeline.from_pretrained(r.folder.root, mesh, dtype, kernel=kernel, **options)
     else:
+        pipeline = r.family.checkpoint_pipeline(model_config(r))
         pipe = pipeline.from_checkpoint(
             r.weights, mesh, dtype, preset=r.preset_name, kernel=kernel, **options
         )

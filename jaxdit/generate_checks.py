@@ -389,11 +389,8 @@ def _check_batch(r: GenerateRequest, parallel: ParallelConfig) -> None:
 
 
 def _uses_cfg(r: GenerateRequest, call: GenerationRequest) -> bool:
-    family = r.family
-    cfg = getattr(call, family.cfg_scale_argument) > family.cfg_above
-    if family.cfg_scale_argument == "true_cfg_scale":
-        cfg = cfg and (call.negative_prompt is not None or "negative_prompt_embeds" in (r.embeddings or {}))
-    return cfg
+    negative = "negative_prompt_embeds" in (r.embeddings or {})
+    return r.family.uses_cfg(call, r.folder, model_config(r), negative)
 
 
 def check_memory(r: GenerateRequest, parallel: ParallelConfig, devices: list) -> None:

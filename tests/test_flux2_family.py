@@ -1,6 +1,6 @@
 """FLUX.2 as a registered family: ``jaxdit plan`` prices its presets with step terms that equal the
 compiled forward's FLOPs and parameter bytes, ``jaxdit.load_transformer`` loads a diffusers folder, and
-``jaxdit generate`` refuses FLUX.2 [dev] by name (no dev pipeline in jaxdit yet)."""
+``jaxdit generate`` prices a FLUX.2 [dev] transformer alone as one branch per step."""
 
 from __future__ import annotations
 
@@ -66,9 +66,10 @@ def test_plan_prices_the_presets(capsys):
     assert "ulysses8" in text and "64.4 GB" in text
 
 
-def test_generate_refuses_flux2_dev(tmp_path, capsys):
-    """A FLUX.2 [dev] transformer alone (guidance embedding) is refused by name before any weight is
-    read: dev runs from its diffusers Flux2Pipeline folder (tests/test_flux2_dev_cli.py)."""
+def test_generate_prices_a_flux2_dev_checkpoint_as_one_branch(tmp_path, capsys):
+    """A FLUX.2 [dev] transformer alone (``--model flux2-dev``, guidance 4 by default) is priced as dev's
+    pipeline runs it, one branch per step, and the full-size model is refused on one CPU device by the
+    memory check before any weight is read (tests/test_flux2_bfl.py runs a tiny one)."""
     (tmp_path / "w").mkdir()
     embeds = tmp_path / "e.npz"
     np.savez(embeds, prompt_embeds=np.zeros((1, TEXT, 15360), np.float32))
@@ -82,9 +83,8 @@ def test_generate_refuses_flux2_dev(tmp_path, capsys):
         str(embeds),
     ]
     assert main(argv) == 2
-    assert "FLUX.2 [dev] (a transformer with a guidance embedding) runs from its diffusers" in (
-        capsys.readouterr().err
-    )
+    err = capsys.readouterr().err
+    assert "1024x1024: 5 + 4096 tokens, no CFG" in err, err
 
 
 def test_load_transformer_reads_a_diffusers_folder(tmp_path):

@@ -307,6 +307,11 @@ class ModelFamily:
         """The diffusers-style callable of a loaded model (``jaxdit.load_transformer``'s result)."""
         raise NotImplementedError
 
+    def checkpoint_pipeline(self, config: Any) -> type:
+        """The pipeline class that runs a transformer checkpoint alone of ``config`` (``jaxdit generate
+        --weights CHECKPOINT --prompt_embeds FILE``): ``pipeline_class`` unless the family has several."""
+        return self.pipeline_class
+
     def bare_pipeline(self, model: Any, mesh: Mesh, **options: Any) -> Any:
         """The family's pipeline around a loaded (or abstract) model, without encoders or VAE: calls take
         prompt embeddings and return latents."""
@@ -330,6 +335,24 @@ class ModelFamily:
     def check_generate(self, request: Any, config: Any | None, parallel: Any) -> None:
         """The family's own checks of a ``jaxdit generate`` request (before jax starts); ``config`` is
         the transformer's when known (a preset or an embeddings run), else None."""
+
+    def uses_cfg(
+        self,
+        call: Any,
+        folder: ModelFolder | None = None,
+        config: Any = None,
+        negative_embeds: bool = False,
+    ) -> bool:
+        """Whether the pipeline call ``call`` runs classifier-free guidance (two branches per step), as
+        the family's pipeline decides it: its ``cfg_scale_argument`` above ``cfg_above``, and for a
+        ``true_cfg_scale`` family a negative prompt too (``negative_embeds``: the run's embeddings file
+        holds negative ones). ``folder``: the model's folder, where it is one; ``config``: the
+        transformer's, where known (a family whose folder or config can say "one branch whatever the
+        scale" reads them here)."""
+        cfg = getattr(call, self.cfg_scale_argument) > self.cfg_above
+        if self.cfg_scale_argument == "true_cfg_scale":
+            cfg = cfg and (call.negative_prompt is not None or negative_embeds)
+        return cfg
 
     def guidance_scale_ignored(self, config: Any, label: str) -> str | None:
         """Why ``guidance_scale`` would change nothing for the model ``label`` of ``config`` (a message for

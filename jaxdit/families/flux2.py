@@ -2,8 +2,9 @@
 (``models/flux2.py``, ``converters/flux2.py``) with presets and the cost terms ``jaxdit plan`` prices, and
 the klein pipeline (``pipelines/flux2.py``: Qwen3 encoder, multi-reference editing; distilled without CFG,
 base with it). FLUX.2 [dev]'s pipeline (Mistral Small 3.1 encoder, embedded guidance) is the variant
-family of ``families/flux2_dev.py``, found by its folder; a dev transformer checkpoint alone is refused
-here (run its diffusers ``Flux2Pipeline`` folder).
+family of ``families/flux2_dev.py``, found by its folder; a dev transformer checkpoint alone (a diffusers
+``transformer/`` folder or BFL's single file, with ``--prompt_embeds``) runs here through dev's pipeline
+(:meth:`Flux2Family.checkpoint_pipeline`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from jaxdit.models.flux2_config import Flux2Config
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines import flux2_references
 from jaxdit.pipelines.flux2 import FOLDER_CLASSES, Flux2KleinPipeline
-from jaxdit.pipelines.flux2_dev import Flux2Pipeline
+from jaxdit.pipelines.flux2_dev import DISTILLED, Flux2Pipeline
 from jaxdit.pipelines.model_folder import ModelFolder, read_json
 from jaxdit.pipelines.pipefusion.flux import default_num_patches, validate_patches
 from jaxdit.pipelines.pipefusion.flux2 import PipeFusionFlux2
@@ -96,20 +97,44 @@ class Flux2Family(ModelFamily):
 
     def check_generate(self, request: Any, config: Any, parallel: Any) -> None:
         """A distilled klein folder runs one branch whatever --guidance_scale says, so --use_cfg_parallel
-        would have nothing to split; a dev transformer runs from its folder (``families/flux2_dev.py``);
-        TeaCache and MagCache come with a calibration's file."""
+        would have nothing to split; a dev transformer checkpoint alone (a guidance embedding: its folder
+        is ``families/flux2_dev.py``'s) runs dev's pipeline, guidance-distilled, so it takes neither
+        --use_cfg_parallel nor negative embeddings; TeaCache and MagCache come with a calibration's file."""
         check_calibrated_caches(request, self.display)
         if config is not None and config.guidance_embeds:
-            raise ValueError(
-                "FLUX.2 [dev] (a transformer with a guidance embedding) runs from its diffusers Flux2Pipeline "
-                "folder (--weights FOLDER); a transformer checkpoint alone runs FLUX.2 [klein]"
-            )
+            given = {
+                "--use_cfg_parallel": parallel.cfg == 2,
+                "negative_prompt_embeds in --prompt_embeds": "negative_prompt_embeds"
+                in (getattr(request, "embeddings", None) or {}),
+            }
+            flags = [flag for flag, on in given.items() if on]
+            if flags:
+                raise ValueError(f"{' / '.join(flags)}: {DISTILLED}")
         folder = getattr(request, "folder", None)
         if folder is not None and folder.kind == "flux2-klein" and parallel.cfg == 2:
             raise ValueError(
                 f"--use_cfg_parallel needs classifier-free guidance: {folder.root.name} is a distilled "
                 "FLUX.2 klein, which runs without it (use a klein base model)"
             )
+
+    def uses_cfg(
+        self,
+        call: Any,
+        folder: ModelFolder | None = None,
+        config: Any = None,
+        negative_embeds: bool = False,
+    ) -> bool:
+        """A distilled klein folder (``is_distilled``; dev's always) and a dev transformer (a guidance
+        embedding) run one branch whatever the scale, as their pipelines do; else CFG above 1."""
+        if folder is not None and self.pipeline_class.one_branch(folder.index):
+            return False
+        if config is not None and config.guidance_embeds:
+            return False
+        return super().uses_cfg(call, folder, config, negative_embeds)
+
+    def checkpoint_pipeline(self, config: Any) -> type:
+        """Dev's pipeline (the guidance input) for a transformer with a guidance embedding, else klein's."""
+        return Flux2Pipeline if config is not None and config.guidance_embeds else Flux2KleinPipeline
 
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
         """M >= P patches of whole rows of packed tokens that ring x ulysses splits, 1 <= warm-up <=

@@ -103,11 +103,14 @@ class Flux2Pipeline(Flux2KleinPipeline):
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
         cache: Any = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
     ) -> GenerationOutput:
         """Generate (or, with ``image``: one picture or a list, edit) as diffusers' ``Flux2Pipeline``.
         ``guidance_scale`` feeds the guidance embedding (one branch per step); ``latents``: initial noise
         [B, 128, H/16, W/16] instead of the seed's; ``prompt_embeds`` [B, L, joint_attention_dim];
-        height / width default to the first reference picture's size, else 1024."""
+        height / width default to the first reference picture's size, else 1024. PipeFusion (a mesh with
+        pipefusion > 1): ``num_pipeline_patch``, ``warmup_steps``."""
         return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     def prepare(self, r: GenerationRequest) -> Prepared:

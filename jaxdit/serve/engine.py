@@ -336,11 +336,7 @@ class Engine:
 
     def uses_cfg(self, g: Generation) -> bool:
         """Whether ``g`` runs classifier-free guidance (as `jaxdit generate` decides it)."""
-        call = self.call(g)
-        cfg = getattr(call, self.family.cfg_scale_argument) > self.family.cfg_above
-        if self.family.cfg_scale_argument == "true_cfg_scale":
-            cfg = cfg and call.negative_prompt is not None
-        return cfg
+        return self.family.uses_cfg(self.call(g), self.template.folder)
 
     @property
     def exact_steps(self) -> bool:
