@@ -1,12 +1,24 @@
 """HunyuanVideo 1.5 transformer checkpoints -> jaxdit parameters (``jaxdit/models/hunyuan_video15.py``).
 
-Layout: diffusers ``HunyuanVideo15Transformer3DModel``, a ``transformer/`` folder (``config.json`` +
-safetensors, sharded with an index as the hunyuanvideo-community folders ship it) or the pipeline folder
-holding it. jaxdit's parameters keep diffusers' names where they are one tensor (the token refiner's
-blocks are stacked as ``refiner_blocks``), so the table is one rule per tensor: torch ``Linear`` weights
-transposed to [in, out] kernels, the patch embedding's Conv3d weight flattened per patch. Every source key
-is consumed; a missing, extra or mis-shaped tensor is a :class:`CheckpointError` naming the key and the
-file (``converters/keymap.py``).
+Layouts:
+
+- diffusers ``HunyuanVideo15Transformer3DModel``: a ``transformer/`` folder (``config.json`` +
+  safetensors, sharded with an index as the hunyuanvideo-community folders ship it) or the pipeline folder
+  holding it;
+- Tencent's original (``tencent/HunyuanVideo-1.5``'s ``transformer/480p_t2v/`` and the like: the folder with
+  its ``config.json``, or the safetensors file alone): ``double_blocks`` with separate ``img_attn_q`` /
+  ``_k`` / ``_v``, the token refiner's fused ``self_attn_qkv``, ``final_layer.adaLN_modulation.1`` in
+  (shift, scale) order, the names diffusers' ``scripts/convert_hunyuan_video1_5_to_diffusers.py`` reads;
+- Comfy-Org's single-file repackage (what ComfyUI loads): the same names with each stream's q, k, v fused
+  into ``img_attn_qkv`` / ``txt_attn_qkv``, bare or under ``model.diffusion_model.`` / ``diffusion_model.``.
+
+jaxdit's parameters keep diffusers' names where they are one tensor (the token refiner's blocks are
+stacked as ``refiner_blocks``), so the diffusers table is one rule per tensor: torch ``Linear`` weights
+transposed to [in, out] kernels, the patch embedding's Conv3d weight flattened per patch; the original
+tables are the same rules on the original names, fused tensors read in thirds. A single file's config
+comes from its shapes (the RoPE split only for the released head width 128), a Tencent folder's from its
+``config.json``. Every source key is consumed; a missing, extra or mis-shaped tensor is a
+:class:`CheckpointError` naming the key and the file (``converters/keymap.py``).
 """
 
 from __future__ import annotations
@@ -22,12 +34,31 @@ import numpy as np
 
 from converters.checkpoints import CheckpointFormat
 from converters.errors import CheckpointError
-from converters.keymap import IDENTITY, TRANSPOSE, Hook, KeyRule, KeyTable, StateDict, resolve
+from converters.keymap import (
+    IDENTITY,
+    TRANSPOSE,
+    Hook,
+    KeyRule,
+    KeyTable,
+    Slice,
+    StateDict,
+    SwapHalves,
+    resolve,
+    where,
+)
 from converters.safetensors_io import CheckpointFiles, LazyTensor, open_checkpoint
 from jaxdit.models.hunyuan_video15 import abstract_model
 from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
 
-__all__ = ["CHECKPOINTS", "HunyuanVideo15Checkpoint", "detect", "diffusers_table", "diffusers_to_params"]
+__all__ = [
+    "CHECKPOINTS",
+    "HunyuanVideo15Checkpoint",
+    "config_from_shapes",
+    "detect",
+    "diffusers_table",
+    "diffusers_to_params",
+    "original_table",
+]
 
 DIFFUSERS_CLASS = "HunyuanVideo15Transformer3DModel"
 BLOCKS, REFINER = "transformer_blocks", "refiner_blocks"
@@ -142,21 +173,217 @@ def diffusers_table(cfg: HunyuanVideo15Config) -> KeyTable:
     return KeyTable("HunyuanVideo 1.5 diffusers", tuple(rules), layers)
 
 
+#: Original module names of the diffusers modules outside the block stacks.
+_ORIGINAL_TOP = {
+    "x_embedder.proj": "img_in.proj",
+    "image_embedder.norm_in": "vision_in.proj.0",
+    "image_embedder.linear_1": "vision_in.proj.1",
+    "image_embedder.linear_2": "vision_in.proj.3",
+    "image_embedder.norm_out": "vision_in.proj.4",
+    "context_embedder.time_text_embed.timestep_embedder.linear_1": "txt_in.t_embedder.mlp.0",
+    "context_embedder.time_text_embed.timestep_embedder.linear_2": "txt_in.t_embedder.mlp.2",
+    "context_embedder.time_text_embed.text_embedder.linear_1": "txt_in.c_embedder.linear_1",
+    "context_embedder.time_text_embed.text_embedder.linear_2": "txt_in.c_embedder.linear_2",
+    "context_embedder.proj_in": "txt_in.input_embedder",
+    "context_embedder_2.norm": "byt5_in.layernorm",
+    "context_embedder_2.linear_1": "byt5_in.fc1",
+    "context_embedder_2.linear_2": "byt5_in.fc2",
+    "context_embedder_2.linear_3": "byt5_in.fc3",
+    "time_embed.timestep_embedder.linear_1": "time_in.mlp.0",
+    "time_embed.timestep_embedder.linear_2": "time_in.mlp.2",
+    "time_embed.timestep_embedder_r.linear_1": "time_r_in.mlp.0",
+    "time_embed.timestep_embedder_r.linear_2": "time_r_in.mlp.2",
+    "cond_type_embed": "cond_type_embedding",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",
+    "proj_out": "final_layer.linear",
+}
+_ORIGINAL_REFINER = {
+    "norm1": "norm1",
+    "norm2": "norm2",
+    "attn.to_out.0": "self_attn_proj",
+    "ff.net.0.proj": "mlp.fc1",
+    "ff.net.2": "mlp.fc2",
+    "norm_out.linear": "adaLN_modulation.1",
+}
+_ORIGINAL_BLOCK = {
+    "norm1.linear": "img_mod.linear",
+    "norm1_context.linear": "txt_mod.linear",
+    "attn.norm_q": "img_attn_q_norm",
+    "attn.norm_k": "img_attn_k_norm",
+    "attn.norm_added_q": "txt_attn_q_norm",
+    "attn.norm_added_k": "txt_attn_k_norm",
+    "attn.to_out.0": "img_attn_proj",
+    "attn.to_add_out": "txt_attn_proj",
+    "ff.net.0.proj": "img_mlp.fc1",
+    "ff.net.2": "img_mlp.fc2",
+    "ff_context.net.0.proj": "txt_mlp.fc1",
+    "ff_context.net.2": "txt_mlp.fc2",
+}
+#: q, k, v of each attention: diffusers module -> (original stream, part).
+_QKV = {
+    "attn.to_q": ("img", 0),
+    "attn.to_k": ("img", 1),
+    "attn.to_v": ("img", 2),
+    "attn.add_q_proj": ("txt", 0),
+    "attn.add_k_proj": ("txt", 1),
+    "attn.add_v_proj": ("txt", 2),
+}
+_REFINER_SRC = "context_embedder.token_refiner.refiner_blocks.{i}."
+_BLOCK_SRC = f"{BLOCKS}.{{i}}."
+ORIGINAL_REFINER, ORIGINAL_BLOCKS = "txt_in.individual_token_refiner.blocks.{i}.", "double_blocks.{i}."
+#: Key prefixes of single files: ComfyUI's, or none (Tencent's).
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")
+#: Keys only a HunyuanVideo 1.5 original file has together (how a single file is recognised): the token
+#: refiner and SigLIP projection (HunyuanImage 2.1 has no ``vision_in``, HunyuanVideo 1.0 no ``byt5_in``).
+MARKERS = (
+    "txt_in.individual_token_refiner.blocks.0.norm1.weight",
+    "vision_in.proj.0.weight",
+    "byt5_in.fc1.weight",
+)
+#: The Tencent class a folder's ``config.json`` names.
+ORIGINAL_CLASS = "HunyuanVideo_1_5_DiffusionTransformer"
+
+
+def _qkv_hook(hook: Hook, part: int, width: int) -> Slice:
+    """A third of a fused qkv (rows ``part``): the weight's transposed, the bias as it is."""
+    return Slice(
+        0, part * width, (part + 1) * width, transpose=hook is TRANSPOSE, label=f"split_qkv {'qkv'[part]}"
+    )
+
+
+def original_table(cfg: HunyuanVideo15Config, *, fused_qkv: bool = False) -> KeyTable:
+    """The original checkpoint -> jaxdit parameters: diffusers' rules on Tencent's names.
+
+    ``fused_qkv``: the double blocks' q, k, v as one ``img_attn_qkv`` / ``txt_attn_qkv`` (Comfy-Org's
+    repackage) instead of Tencent's separate ``img_attn_q`` / ``_k`` / ``_v``. The token refiner's
+    ``self_attn_qkv`` is fused in both; the final modulation is (shift, scale) where diffusers' is
+    (scale, shift)."""
+    diffusers = diffusers_table(cfg)
+    e = cfg.hidden_size
+    rules = []
+    for rule in diffusers.rules:
+        (source,) = rule.sources
+        module, param = source.rsplit(".", 1)
+        hook = rule.hook
+        if module.startswith(_REFINER_SRC):
+            inner = module[len(_REFINER_SRC) :]
+            if inner in ("attn.to_q", "attn.to_k", "attn.to_v"):
+                name, hook = "self_attn_qkv", _qkv_hook(hook, "qkv".index(inner[-1]), e)
+            else:
+                name = _ORIGINAL_REFINER[inner]
+            module = ORIGINAL_REFINER + name
+        elif module.startswith(_BLOCK_SRC):
+            inner = module[len(_BLOCK_SRC) :]
+            if inner in _QKV:
+                stream, part = _QKV[inner]
+                if fused_qkv:
+                    name, hook = f"{stream}_attn_qkv", _qkv_hook(hook, part, e)
+                else:
+                    name = f"{stream}_attn_{'qkv'[part]}"
+            else:
+                name = _ORIGINAL_BLOCK[inner]
+            module = ORIGINAL_BLOCKS + name
+        else:
+            if module == "norm_out.linear":
+                hook = SwapHalves(transpose=hook is TRANSPOSE)
+            module = _ORIGINAL_TOP[module]
+        rules.append(KeyRule(rule.target, f"{module}.{param}", hook, rule.stack))
+    name = "HunyuanVideo 1.5 " + ("ComfyUI (fused qkv)" if fused_qkv else "original")
+    return KeyTable(name, tuple(rules), diffusers.layers)
+
+
+def _depth(shapes: Mapping[str, tuple[int, ...]], template: str) -> int:
+    head = template.split("{i}")[0]
+    found = {int(k[len(head) :].split(".")[0]) for k in shapes if k.startswith(head)}
+    return max(found) + 1 if found else 0
+
+
+def config_from_shapes(shapes: Mapping[str, tuple[int, ...]], **known: Any) -> HunyuanVideo15Config:
+    """An original file's config from its tensors' shapes (original keys, no prefix). ``known``: fields
+    the shapes do not hold (a Tencent ``config.json``'s RoPE split, target size); without them the head
+    width must be the released 128 (RoPE split (16, 56, 56))."""
+    hidden, in_channels, *patch = shapes["img_in.proj.weight"]
+    if len(patch) != 3 or patch[1] != patch[2]:
+        raise CheckpointError(f"img_in.proj.weight {shapes['img_in.proj.weight']}: not a square 3-D patch")
+    head_dim = shapes["double_blocks.0.img_attn_q_norm.weight"][0]
+    if "rope_axes_dim" not in known and head_dim != 128:
+        raise CheckpointError(
+            f"head_dim {head_dim}: pass the config (the RoPE split is not in the weights; 128 means (16, 56, 56))"
+        )
+    pt, p = patch[0], patch[1]
+    fc1 = "double_blocks.0.img_mlp.fc1.weight"
+    return HunyuanVideo15Config(
+        **{
+            "in_channels": in_channels,
+            "out_channels": shapes["final_layer.linear.weight"][0] // (pt * p * p),
+            "num_attention_heads": hidden // head_dim,
+            "attention_head_dim": head_dim,
+            "num_layers": _depth(shapes, ORIGINAL_BLOCKS),
+            "num_refiner_layers": _depth(shapes, ORIGINAL_REFINER),
+            "mlp_ratio": shapes[fc1][0] / hidden,
+            "patch_size": p,
+            "patch_size_t": pt,
+            "text_embed_dim": shapes["txt_in.input_embedder.weight"][1],
+            "text_embed_2_dim": shapes["byt5_in.fc1.weight"][1],
+            "image_embed_dim": shapes["vision_in.proj.0.weight"][0],
+            "use_meanflow": "time_r_in.mlp.0.weight" in shapes,
+            **known,
+        }
+    )
+
+
+#: Tencent's ``ideal_resolution`` -> the target size diffusers' conversion script gives it.
+_TARGET_SIZES = {"480p": 640, "720p": 960}
+
+
+def _original_config(path: Path) -> tuple[dict[str, Any], bool]:
+    """(config fields the weights do not hold, whether it is a Tencent config) of a Tencent folder's
+    ``config.json``; ({}, False) when there is none."""
+    file = path / "config.json"
+    if not file.is_file():
+        return {}, False
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{file}: cannot read the config: {e}") from e
+    if data.get("_class_name") != ORIGINAL_CLASS:
+        return {}, False
+    for name, ok in (("mm_single_blocks_depth", 0), ("guidance_embed", False), ("text_pool_type", None)):
+        if data.get(name, ok) != ok:
+            raise CheckpointError(f"{file}: {name} {data[name]!r}: not a HunyuanVideo 1.5 layout jaxdit runs")
+    if data.get("qk_norm_type", "rms") != "rms":
+        raise CheckpointError(f"{file}: qk_norm_type {data['qk_norm_type']!r}: only 'rms' is supported")
+    known: dict[str, Any] = {}
+    if data.get("rope_dim_list") is not None:
+        known["rope_axes_dim"] = tuple(data["rope_dim_list"])
+    if data.get("rope_theta") is not None:
+        known["rope_theta"] = float(data["rope_theta"])
+    if data.get("ideal_resolution") in _TARGET_SIZES:
+        known["target_size"] = _TARGET_SIZES[data["ideal_resolution"]]
+    if data.get("ideal_task") in ("t2v", "i2v"):
+        known["task_type"] = data["ideal_task"]
+    return known, True
+
+
 @dataclasses.dataclass
 class HunyuanVideo15Checkpoint:
-    """An opened HunyuanVideo 1.5 transformer checkpoint: its files and config."""
+    """An opened HunyuanVideo 1.5 transformer checkpoint: its files, key prefix, config and layout."""
 
     files: CheckpointFiles
     prefix: str
     config: HunyuanVideo15Config
+    layout: str = "diffusers"  # or "original" (Tencent's) or "comfyui" (fused qkv)
 
     @property
     def table(self) -> KeyTable:
-        return diffusers_table(self.config)
+        if self.layout == "diffusers":
+            return diffusers_table(self.config)
+        return original_table(self.config, fused_qkv=self.layout == "comfyui")
 
     @property
     def dtype(self) -> np.dtype:
-        return self.files.dtype(self.prefix + "x_embedder.proj.weight")
+        key = "x_embedder.proj.weight" if self.layout == "diffusers" else "img_in.proj.weight"
+        return self.files.dtype(self.prefix + key)
 
     def resolve(self, expected: Mapping[str, tuple[int, ...]]):
         return resolve(self.table, self.files, expected, prefix=self.prefix)
@@ -177,33 +404,75 @@ def _diffusers_folder(path: Path) -> Path | None:
     return None
 
 
+def _prefix(keys: set[str]) -> str | None:
+    return next((p for p in PREFIXES if all(p + m in keys for m in MARKERS)), None)
+
+
 def is_hunyuan_video15_checkpoint(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a diffusers HunyuanVideo 1.5 transformer folder (cheap: its config only)."""
+    """Whether ``path`` is a HunyuanVideo 1.5 transformer: a diffusers folder, a Tencent folder, or an
+    original / ComfyUI single file (cheap: config or header keys only)."""
     path = Path(path)
-    return path.is_dir() and _diffusers_folder(path) is not None
+    if path.is_dir():
+        if _diffusers_folder(path) is not None:
+            return True
+        if (path / "config.json").is_file() and not _original_config(path)[1]:
+            return False
+    try:
+        keys = set(open_checkpoint(path).keys())
+    except CheckpointError:
+        return False
+    return _prefix(keys) is not None
 
 
 def detect(
     path: str | os.PathLike[str], config: HunyuanVideo15Config | Mapping[str, Any] | None = None
 ) -> HunyuanVideo15Checkpoint:
-    """Open a diffusers HunyuanVideo 1.5 transformer folder and read its config (``config``, a
-    ``HunyuanVideo15Config`` or a diffusers config dict, overrides it; shapes are still checked)."""
+    """Open a HunyuanVideo 1.5 transformer checkpoint of any supported layout and work out its config
+    (``config``, a ``HunyuanVideo15Config`` or a diffusers config dict, overrides it; shapes are still
+    checked)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or folder")
     if isinstance(config, Mapping):
         config = HunyuanVideo15Config.from_diffusers(config)
     folder = _diffusers_folder(path) if path.is_dir() else None
-    if folder is None:
+    if folder is not None:
+        try:
+            cfg = config or HunyuanVideo15Config.from_diffusers(folder / "config.json")
+        except ValueError as e:
+            raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
+        return HunyuanVideo15Checkpoint(open_checkpoint(folder), "", cfg)
+    known, tencent = _original_config(path) if path.is_dir() else ({}, False)
+    if path.is_dir() and (path / "config.json").is_file() and not tencent:
         raise CheckpointError(
-            f"{path}: not a HunyuanVideo 1.5 transformer (expected a diffusers {DIFFUSERS_CLASS} folder with "
-            "its config.json, or the pipeline folder holding it)"
+            f"{path}: not a HunyuanVideo 1.5 transformer (its config.json names neither {DIFFUSERS_CLASS} "
+            f"nor Tencent's {ORIGINAL_CLASS})"
         )
-    try:
-        cfg = config or HunyuanVideo15Config.from_diffusers(folder / "config.json")
-    except ValueError as e:
-        raise CheckpointError(f"{folder / 'config.json'}: {e}") from None
-    return HunyuanVideo15Checkpoint(open_checkpoint(folder), "", cfg)
+    files = open_checkpoint(path)
+    keys = set(files.keys())
+    prefix = _prefix(keys)
+    if prefix is None:
+        raise CheckpointError(
+            f"{where(files)}: not a HunyuanVideo 1.5 transformer (no {' / '.join(MARKERS)}, bare or under "
+            f"{' / '.join(p for p in PREFIXES if p)}; expected a diffusers {DIFFUSERS_CLASS} folder, Tencent's "
+            "original checkpoint or ComfyUI's file)"
+        )
+    if any(k.startswith(prefix + "single_blocks.") for k in keys):
+        raise CheckpointError(f"{where(files)}: has single-stream blocks; HunyuanVideo 1.5 has none")
+    fused = prefix + "double_blocks.0.img_attn_qkv.weight" in keys
+    if config is None:
+        n = len(prefix)
+        try:
+            config = config_from_shapes(
+                {k[n:]: files.shape(k) for k in keys if k.startswith(prefix)}, **known
+            )
+        except KeyError as e:
+            raise CheckpointError(
+                f"{where(files)}: cannot infer the HunyuanVideo 1.5 config, no tensor {e}"
+            ) from None
+        except ValueError as e:
+            raise CheckpointError(f"{where(files)}: {e}") from None
+    return HunyuanVideo15Checkpoint(files, prefix, config, "comfyui" if fused else "original")
 
 
 def diffusers_to_params(cfg: HunyuanVideo15Config, state_dict: Mapping[str, Any]) -> dict[str, np.ndarray]:
