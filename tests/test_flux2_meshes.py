@@ -1,9 +1,10 @@
 """FLUX.2 [klein]'s whole generation (prompt, reference pictures, the denoising loop, decoding) on the
-meshes the other FLUX.2 files leave out, against the same pipeline on one device (latents: ``SAME_SEED``; the mesh's VAE decode of the
-one-device latents against diffusers' decode of them: ``TORCH_FORWARD``), on the
-tiny distilled folder (``tests/flux2_klein_tiny.py``): ulysses2 x tensor2 (heads and MLP units split, one
-reference picture) and data2 x ulysses2 (two prompts, one per data group, with two reference pictures the
-same for both rows). The two prompts give different pictures, so a data split that mixed rows up fails.
+meshes the other FLUX.2 files leave out, on the tiny distilled folder (``tests/flux2_klein_tiny.py``):
+ulysses2 x tensor2 (heads and MLP units split, one reference picture) and data2 x ulysses2 (two prompts,
+one per data group, with two reference pictures the same for both rows). The latents are compared with
+the same pipeline on one device (``SAME_SEED``); the mesh's VAE decode of the one-device latents with
+diffusers' decode of them (``TORCH_FORWARD``). The two prompts give different pictures, so a data split
+that mixed rows up fails.
 """
 
 from __future__ import annotations
