@@ -230,6 +230,14 @@ def _add_generate(sub) -> None:
     )
     _flag(
         gen,
+        "encoder_on_mesh",
+        action="store_true",
+        help="pipeline folders whose builder takes it (FLUX.2): shard the text encoder over the transformer's "
+        "mesh (heads and MLP over --tensor_parallel_degree, the prompt's tokens over the sequence axes) "
+        "instead of running it on the first device",
+    )
+    _flag(
+        gen,
         "lora",
         action="append",
         default=None,

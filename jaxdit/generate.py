@@ -54,6 +54,8 @@ def build(r: GenerateRequest, mesh: Any) -> Any:
     options = {"offload_idle_expert": True} if r.offload_idle_expert else {}
     if r.offload_encoders:  # checked: a pipeline folder
         options["offload_encoders"] = True
+    if r.encoder_on_mesh:  # checked: a pipeline folder whose builder takes it
+        options["encoder_on_mesh"] = True
     if r.quantize == "fp8":  # checked: the builder takes it
         from jaxdit.models.fp8 import choose_mode
         from jaxdit.models.quantize import FP8

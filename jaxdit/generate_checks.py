@@ -274,8 +274,9 @@ def check_run(r: GenerateRequest) -> None:
 
 
 def check_load_options(r: GenerateRequest, parallel: Any) -> None:
-    """How the weights are held (``--quantize``, ``--fp8_mode``, ``--offload_encoders``): what cannot run
-    or would change nothing, refused before anything loads (generate and serve)."""
+    """How the weights are held (``--quantize``, ``--fp8_mode``, ``--offload_encoders``,
+    ``--encoder_on_mesh``): what cannot run or would change nothing, refused before anything loads
+    (generate and serve)."""
     _check_fp8(r, parallel)
     if r.offload_encoders:
         if r.source != "folder":
@@ -285,6 +286,19 @@ def check_load_options(r: GenerateRequest, parallel: Any) -> None:
             )
         if not _builder_takes(r, "offload_encoders"):
             raise ValueError(f"--offload_encoders is not available for {r.label} yet")
+    if r.encoder_on_mesh:
+        if r.offload_encoders:
+            raise ValueError(
+                "--offload_encoders keeps the text encoder on one device; --encoder_on_mesh shards it over "
+                "the mesh: give one of them"
+            )
+        if r.source != "folder":
+            raise ValueError(
+                "--encoder_on_mesh shards a pipeline folder's text encoder over the mesh; "
+                f"{r.label} runs no text encoder here, so it would change nothing"
+            )
+        if not _builder_takes(r, "encoder_on_mesh"):
+            raise ValueError(f"--encoder_on_mesh is not available for {r.label} yet")
 
 
 def _check_fp8(r: GenerateRequest, parallel: Any) -> None:

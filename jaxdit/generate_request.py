@@ -81,6 +81,7 @@ class GenerateRequest:
     #: Block layers left in --dtype (dotted path parts, comma-separated; "none": none); None: the family's
     fp8_keep: str | None = None
     offload_encoders: bool = False  # pipeline folders: encoder weights wait in host memory between prompts
+    encoder_on_mesh: bool = False  # pipeline folders (FLUX.2): the text encoder sharded over the mesh
     fsdp: bool = False  # the block stacks' weights sharded over the mesh, gathered per layer (parallel.fsdp)
     # Several processes (hosts): jaxdit.distributed; None falls back to JAXDIT_* / a launcher's variables.
     coordinator: str | None = None

@@ -138,3 +138,40 @@ def test_cli_refuses_in_one_line(folders, tmp_path, capsys, which, flags, messag
     err = capsys.readouterr().err.strip().splitlines()
     assert err and message in err[-1], err
     assert not out.exists()
+
+
+class _Reached(Exception):
+    """Raised by the stand-in builder once it has the CLI's options (nothing loads)."""
+
+
+@pytest.mark.parametrize("flag", [True, False], ids=["encoder-on-mesh", "default"])
+def test_cli_encoder_on_mesh_reaches_the_builder(folders, tmp_path, monkeypatch, flag):
+    """``--encoder_on_mesh`` is handed to the folder's builder as ``encoder_on_mesh=True`` (the
+    placement itself: tests/test_flux2_dev_cli.py's on-mesh run); without it the builder gets none."""
+    import functools
+
+    from jaxdit.pipelines.flux2 import Flux2KleinPipeline
+
+    got = {}
+    loads = Flux2KleinPipeline.from_pretrained.__func__
+
+    @functools.wraps(loads)  # the builder's own signature: the CLI checks it takes the option
+    def record(cls, *args, **kwargs):
+        got.update(kwargs)
+        raise _Reached
+
+    monkeypatch.setattr(Flux2KleinPipeline, "from_pretrained", classmethod(record))
+    argv = [*_argv(folders[0], 1.0, "--ulysses_degree", "2", "--tensor_parallel_degree", "2")]
+    with pytest.raises(_Reached):
+        cli.main([*argv, *(["--encoder_on_mesh"] if flag else []), "--output", str(tmp_path / "x.png")])
+    assert got.get("encoder_on_mesh", False) is flag
+    assert "offload_encoders" not in got
+
+
+def test_cli_encoder_on_mesh_with_offload_is_refused(folders, tmp_path, capsys):
+    out = tmp_path / "never.png"
+    argv = [*_argv(folders[0], 1.0, "--encoder_on_mesh", "--offload_encoders"), "--output", str(out)]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err and "--encoder_on_mesh shards it over the mesh: give one of them" in err[-1], err
+    assert not out.exists()

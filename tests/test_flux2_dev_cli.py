@@ -128,7 +128,7 @@ def _argv(path, *extra: str) -> list[str]:
 def test_cli_dev_matches_diffusers(
     folder, diffusers_runs, tmp_path, monkeypatch, references, placement, mesh
 ):
-    """The text encoder's three placements: sharded over the mesh (given to the builder), on one device
+    """The text encoder's three placements: sharded over the mesh (--encoder_on_mesh), on one device
     with its weights in host memory between prompts (--offload_encoders), and on one device (default)."""
     path, pictures = folder
     images = pictures[:references]
@@ -137,15 +137,17 @@ def test_cli_dev_matches_diffusers(
     monkeypatch.setattr(generate_module, "generate", lambda p, r: results.append(real(p, r)) or results[-1])
     loads = Flux2Pipeline.from_pretrained.__func__
 
-    @functools.wraps(loads)  # the builder's own signature: the CLI checks it takes --offload_encoders
+    @functools.wraps(loads)  # the builder's own signature: the CLI checks it takes the placement flags
     def quick(cls, *args, **kwargs):  # XLA's backend optimisations off: compiles in a fraction of the time
-        on_mesh = {"encoder_on_mesh": True} if placement == "on-mesh" else {}
-        return loads(cls, *args, **{**kwargs, "compiler_options": FAST, **on_mesh})
+        assert kwargs.get("encoder_on_mesh", False) is (placement == "on-mesh")
+        return loads(cls, *args, **{**kwargs, "compiler_options": FAST})
 
     monkeypatch.setattr(Flux2Pipeline, "from_pretrained", classmethod(quick))
     extra = [a for p in images for a in ("--image", str(p))]
     if placement == "offloaded":
         extra.append("--offload_encoders")
+    if placement == "on-mesh":
+        extra.append("--encoder_on_mesh")
     assert cli.main([*_argv(path, *mesh, *extra), "--output", str(tmp_path / "x.png")]) == 0
     latents, png = results[0].latents, np.asarray(Image.open(tmp_path / "x.png"), np.float32)
     want_latents, want_pixels = _reference(diffusers_runs, path, images)
