@@ -53,6 +53,7 @@ from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
 __all__ = [
     "CHECKPOINTS",
     "HunyuanVideo15Checkpoint",
+    "comfy_table",
     "config_from_shapes",
     "detect",
     "diffusers_table",
@@ -290,6 +291,38 @@ def original_table(cfg: HunyuanVideo15Config, *, fused_qkv: bool = False) -> Key
         rules.append(KeyRule(rule.target, f"{module}.{param}", hook, rule.stack))
     name = "HunyuanVideo 1.5 " + ("ComfyUI (fused qkv)" if fused_qkv else "original")
     return KeyTable(name, tuple(rules), diffusers.layers)
+
+
+#: ComfyUI's module names for the original file's (its ``process_unet_state_dict`` for HunyuanVideo
+#: models, in ``comfy/supported_models.py``): key fragments, applied in order.
+_COMFY_NAMES = (
+    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."),
+    ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
+    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."),
+    ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
+    ("_mod.linear.", "_mod.lin."),
+    ("_attn_qkv.", "_attn.qkv."),
+    ("mlp.fc1.", "mlp.0."),
+    ("mlp.fc2.", "mlp.2."),
+    ("_attn_q_norm.weight", "_attn.norm.query_norm.weight"),
+    ("_attn_k_norm.weight", "_attn.norm.key_norm.weight"),
+    ("_attn_proj.", "_attn.proj."),
+    ("_in.mlp.2.", "_in.out_layer."),
+    ("_in.mlp.0.", "_in.in_layer."),
+)
+
+
+def comfy_table(cfg: HunyuanVideo15Config) -> KeyTable:
+    """ComfyUI's own module tree (what its LoRA loader names ``diffusion_model.double_blocks.0.img_attn.qkv``
+    and the like) -> jaxdit parameters: the fused original table under ComfyUI's names."""
+    fused = original_table(cfg, fused_qkv=True)
+    rules = []
+    for rule in fused.rules:
+        (source,) = rule.sources
+        for old, new in _COMFY_NAMES:
+            source = source.replace(old, new)
+        rules.append(KeyRule(rule.target, source, rule.hook, rule.stack))
+    return KeyTable("HunyuanVideo 1.5 ComfyUI modules", tuple(rules), fused.layers)
 
 
 def _depth(shapes: Mapping[str, tuple[int, ...]], template: str) -> int:
