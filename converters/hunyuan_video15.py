@@ -371,7 +371,8 @@ _TARGET_SIZES = {"480p": 640, "720p": 960}
 
 def _original_config(path: Path) -> tuple[dict[str, Any], bool]:
     """(config fields the weights do not hold, whether it is a Tencent config) of a Tencent folder's
-    ``config.json``; ({}, False) when there is none."""
+    ``config.json`` (naming Tencent's class, or with its ``mm_double_blocks_depth``); ({}, False) when
+    there is none."""
     file = path / "config.json"
     if not file.is_file():
         return {}, False
@@ -379,7 +380,7 @@ def _original_config(path: Path) -> tuple[dict[str, Any], bool]:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file}: cannot read the config: {e}") from e
-    if data.get("_class_name") != ORIGINAL_CLASS:
+    if data.get("_class_name") != ORIGINAL_CLASS and "mm_double_blocks_depth" not in data:
         return {}, False
     for name, ok in (("mm_single_blocks_depth", 0), ("guidance_embed", False), ("text_pool_type", None)):
         if data.get(name, ok) != ok:

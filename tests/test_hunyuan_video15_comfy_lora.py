@@ -104,6 +104,8 @@ LAYOUTS = {
     "comfyui-original": (True, lambda m, r: f"transformer.{m}.{PEFT[r]}"),
     # musubi-tuner: Tencent's module names with underscores.
     "kohya-original": (False, lambda m, r: f"lora_unet_{m.replace('.', '_')}.{KOHYA[r]}"),
+    # ComfyUI's module tree with underscores (its loader's ``lora_unet_`` keys).
+    "kohya": (True, lambda m, r: f"lora_unet_{names.comfy_module(m).replace('.', '_')}.{KOHYA[r]}"),
 }
 
 
