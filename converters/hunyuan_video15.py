@@ -53,6 +53,7 @@ from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
 __all__ = [
     "CHECKPOINTS",
     "HunyuanVideo15Checkpoint",
+    "comfy_table",
     "config_from_shapes",
     "detect",
     "diffusers_table",
@@ -292,6 +293,38 @@ def original_table(cfg: HunyuanVideo15Config, *, fused_qkv: bool = False) -> Key
     return KeyTable(name, tuple(rules), diffusers.layers)
 
 
+#: ComfyUI's module names for the original file's (its ``process_unet_state_dict`` for HunyuanVideo
+#: models, in ``comfy/supported_models.py``): key fragments, applied in order.
+_COMFY_NAMES = (
+    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."),
+    ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
+    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."),
+    ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
+    ("_mod.linear.", "_mod.lin."),
+    ("_attn_qkv.", "_attn.qkv."),
+    ("mlp.fc1.", "mlp.0."),
+    ("mlp.fc2.", "mlp.2."),
+    ("_attn_q_norm.weight", "_attn.norm.query_norm.weight"),
+    ("_attn_k_norm.weight", "_attn.norm.key_norm.weight"),
+    ("_attn_proj.", "_attn.proj."),
+    ("_in.mlp.2.", "_in.out_layer."),
+    ("_in.mlp.0.", "_in.in_layer."),
+)
+
+
+def comfy_table(cfg: HunyuanVideo15Config) -> KeyTable:
+    """ComfyUI's own module tree (what its LoRA loader names ``diffusion_model.double_blocks.0.img_attn.qkv``
+    and the like) -> jaxdit parameters: the fused original table under ComfyUI's names."""
+    fused = original_table(cfg, fused_qkv=True)
+    rules = []
+    for rule in fused.rules:
+        (source,) = rule.sources
+        for old, new in _COMFY_NAMES:
+            source = source.replace(old, new)
+        rules.append(KeyRule(rule.target, source, rule.hook, rule.stack))
+    return KeyTable("HunyuanVideo 1.5 ComfyUI modules", tuple(rules), fused.layers)
+
+
 def _depth(shapes: Mapping[str, tuple[int, ...]], template: str) -> int:
     head = template.split("{i}")[0]
     found = {int(k[len(head) :].split(".")[0]) for k in shapes if k.startswith(head)}
@@ -338,7 +371,8 @@ _TARGET_SIZES = {"480p": 640, "720p": 960}
 
 def _original_config(path: Path) -> tuple[dict[str, Any], bool]:
     """(config fields the weights do not hold, whether it is a Tencent config) of a Tencent folder's
-    ``config.json``; ({}, False) when there is none."""
+    ``config.json`` (naming Tencent's class, or with its ``mm_double_blocks_depth``); ({}, False) when
+    there is none."""
     file = path / "config.json"
     if not file.is_file():
         return {}, False
@@ -346,7 +380,7 @@ def _original_config(path: Path) -> tuple[dict[str, Any], bool]:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{file}: cannot read the config: {e}") from e
-    if data.get("_class_name") != ORIGINAL_CLASS:
+    if data.get("_class_name") != ORIGINAL_CLASS and "mm_double_blocks_depth" not in data:
         return {}, False
     for name, ok in (("mm_single_blocks_depth", 0), ("guidance_embed", False), ("text_pool_type", None)):
         if data.get(name, ok) != ok:

@@ -1,8 +1,8 @@
 """HunyuanVideo 1.5 checkpoints as Tencent publishes them and as ComfyUI repackages them, read through
 ``converters/hunyuan_video15.py``'s original tables, against the diffusers folder of the same weights.
 
-The original files are written from a tiny random diffusers model by this file's own inverse of diffusers'
-``scripts/convert_hunyuan_video1_5_to_diffusers.py`` (the installed package does not ship the script):
+The original files are written from a tiny random diffusers model by the tests' own inverse of diffusers'
+``scripts/convert_hunyuan_video1_5_to_diffusers.py`` (``hunyuan_video15_original_names.py``):
 Tencent's names, the refiner's fused ``self_attn_qkv``, the final modulation in (shift, scale) order, and
 for ComfyUI's file the double blocks' q, k, v fused into ``img_attn_qkv`` / ``txt_attn_qkv`` under
 ``model.diffusion_model.``. Parameters must be bit-identical to the diffusers folder's; one forward per
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 
+import hunyuan_video15_original_names as names
 import hunyuan_video15_tiny as tiny
 import jax
 import numpy as np
@@ -29,94 +30,6 @@ from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
 
 FRAMES, HEIGHT, WIDTH = 3, 4, 6
 CONFIG = HunyuanVideo15Config(**tiny.CONFIG)
-
-
-def _split_rows(x: np.ndarray, parts: int = 2) -> list[np.ndarray]:
-    return np.split(x, parts, axis=0)
-
-
-def original_state_dict(sd: dict[str, np.ndarray], *, fused_qkv: bool) -> dict[str, np.ndarray]:
-    """A diffusers state dict in the original layout (this test's inverse of diffusers' script)."""
-    out: dict[str, np.ndarray] = {}
-    sd = dict(sd)
-
-    def move(src: str, dst: str, fn=lambda x: x) -> None:
-        for param in ("weight", "bias"):
-            if f"{src}.{param}" in sd:
-                out[f"{dst}.{param}"] = fn(sd.pop(f"{src}.{param}"))
-
-    def fuse(srcs: list[str], dst: str) -> None:
-        for param in ("weight", "bias"):
-            out[f"{dst}.{param}"] = np.concatenate([sd.pop(f"{s}.{param}") for s in srcs], axis=0)
-
-    tte = "context_embedder.time_text_embed"
-    top = [
-        ("x_embedder.proj", "img_in.proj"),
-        ("cond_type_embed", "cond_type_embedding"),
-        ("time_embed.timestep_embedder.linear_1", "time_in.mlp.0"),
-        ("time_embed.timestep_embedder.linear_2", "time_in.mlp.2"),
-        (f"{tte}.timestep_embedder.linear_1", "txt_in.t_embedder.mlp.0"),
-        (f"{tte}.timestep_embedder.linear_2", "txt_in.t_embedder.mlp.2"),
-        (f"{tte}.text_embedder.linear_1", "txt_in.c_embedder.linear_1"),
-        (f"{tte}.text_embedder.linear_2", "txt_in.c_embedder.linear_2"),
-        ("context_embedder.proj_in", "txt_in.input_embedder"),
-        ("context_embedder_2.norm", "byt5_in.layernorm"),
-        ("context_embedder_2.linear_1", "byt5_in.fc1"),
-        ("context_embedder_2.linear_2", "byt5_in.fc2"),
-        ("context_embedder_2.linear_3", "byt5_in.fc3"),
-        ("image_embedder.norm_in", "vision_in.proj.0"),
-        ("image_embedder.linear_1", "vision_in.proj.1"),
-        ("image_embedder.linear_2", "vision_in.proj.3"),
-        ("image_embedder.norm_out", "vision_in.proj.4"),
-        ("proj_out", "final_layer.linear"),
-    ]
-    for src, dst in top:
-        move(src, dst)
-    # diffusers' norm_out is (scale, shift); the original final layer (shift, scale).
-    move("norm_out.linear", "final_layer.adaLN_modulation.1", lambda x: np.concatenate(_split_rows(x)[::-1]))
-    for i in range(CONFIG.num_refiner_layers):
-        src, dst = (
-            f"context_embedder.token_refiner.refiner_blocks.{i}",
-            f"txt_in.individual_token_refiner.blocks.{i}",
-        )
-        fuse([f"{src}.attn.to_{p}" for p in "qkv"], f"{dst}.self_attn_qkv")
-        for a, b in (
-            ("norm1", "norm1"),
-            ("norm2", "norm2"),
-            ("attn.to_out.0", "self_attn_proj"),
-            ("ff.net.0.proj", "mlp.fc1"),
-            ("ff.net.2", "mlp.fc2"),
-            ("norm_out.linear", "adaLN_modulation.1"),
-        ):
-            move(f"{src}.{a}", f"{dst}.{b}")
-    for i in range(CONFIG.num_layers):
-        src, dst = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        img = [f"{src}.attn.to_{p}" for p in "qkv"]
-        txt = [f"{src}.attn.add_{p}_proj" for p in "qkv"]
-        if fused_qkv:
-            fuse(img, f"{dst}.img_attn_qkv")
-            fuse(txt, f"{dst}.txt_attn_qkv")
-        else:
-            for p, a, b in zip("qkv", img, txt, strict=True):
-                move(a, f"{dst}.img_attn_{p}")
-                move(b, f"{dst}.txt_attn_{p}")
-        for a, b in (
-            ("norm1.linear", "img_mod.linear"),
-            ("norm1_context.linear", "txt_mod.linear"),
-            ("attn.norm_q", "img_attn_q_norm"),
-            ("attn.norm_k", "img_attn_k_norm"),
-            ("attn.norm_added_q", "txt_attn_q_norm"),
-            ("attn.norm_added_k", "txt_attn_k_norm"),
-            ("attn.to_out.0", "img_attn_proj"),
-            ("attn.to_add_out", "txt_attn_proj"),
-            ("ff.net.0.proj", "img_mlp.fc1"),
-            ("ff.net.2", "img_mlp.fc2"),
-            ("ff_context.net.0.proj", "txt_mlp.fc1"),
-            ("ff_context.net.2", "txt_mlp.fc2"),
-        ):
-            move(f"{src}.{a}", f"{dst}.{b}")
-    assert not sd, f"keys this inverse left out: {sorted(sd)}"
-    return out
 
 
 def tencent_config() -> dict:
@@ -155,9 +68,14 @@ def case(tmp_path_factory):
     tencent = root / "480p_i2v"
     tencent.mkdir()
     (tencent / "config.json").write_text(json.dumps(tencent_config()))
-    original = original_state_dict(sd, fused_qkv=False)
+    original = names.original_state_dict(sd, CONFIG.num_layers, CONFIG.num_refiner_layers, fused_qkv=False)
     write_safetensors(tencent / "diffusion_pytorch_model.safetensors", original)
-    comfy = {f"model.diffusion_model.{k}": v for k, v in original_state_dict(sd, fused_qkv=True).items()}
+    comfy = {
+        f"model.diffusion_model.{k}": v
+        for k, v in names.original_state_dict(
+            sd, CONFIG.num_layers, CONFIG.num_refiner_layers, fused_qkv=True
+        ).items()
+    }
     paths = {
         "tencent": tencent,
         "comfyui": write_safetensors(root / "hunyuanvideo1.5_tiny_comfy.safetensors", comfy),
