@@ -1,4 +1,5 @@
-"""HunyuanVideo 1.5 LoRAs in diffusers' (PEFT) layout, fused by jaxdit on a tensor2 x ulysses2 mesh,
+"""HunyuanVideo 1.5 LoRAs in diffusers' (PEFT) layout and in the layouts of ComfyUI, Tencent's checkpoint
+and kohya (``hunyuan_video15_lora_layouts.py``), fused by jaxdit on a tensor2 x ulysses2 mesh,
 against diffusers' ``HunyuanVideo15Transformer3DModel`` with the same file loaded by its own
 ``load_lora_adapter`` (the transformer is a ``PeftAdapterMixin``; diffusers 0.42 has no LoRA loader for
 the HunyuanVideo 1.5 pipelines). The tiny model of ``hunyuan_video15_tiny.py``, image-to-video inputs (so
@@ -15,6 +16,7 @@ from __future__ import annotations
 import copy
 import json
 
+import hunyuan_video15_lora_layouts as layouts
 import hunyuan_video15_tiny as tiny
 import lora_tiny
 import numpy as np
@@ -89,6 +91,16 @@ def test_prefixed_with_alpha_keys(case):
         if k.endswith(".lora_A.weight"):
             out[f"transformer.{k[: -len('.lora_A.weight')]}.alpha"] = np.float32(ALPHA)
     _check(case, write_safetensors(root / "alpha.safetensors", out), "diffusers")
+
+
+@pytest.mark.parametrize("layout", list(layouts.LAYOUTS))
+def test_layout_matches_diffusers(case, layout):
+    root, path, *_ = case
+    with SafetensorsFile(path) as f:
+        peft = {k: f.read(k) for k in f}
+    fused_qkv, key = layouts.LAYOUTS[layout]
+    rewritten = layouts.rewrite(peft, ALPHA, fused_qkv=fused_qkv, key=key)
+    _check(case, write_safetensors(root / f"{layout}.safetensors", rewritten), layout)
 
 
 def test_a_lora_for_another_model_size_is_refused(case):
