@@ -278,27 +278,27 @@ def check_load_options(r: GenerateRequest, parallel: Any) -> None:
     ``--encoder_on_mesh``): what cannot run or would change nothing, refused before anything loads
     (generate and serve)."""
     _check_fp8(r, parallel)
+    if r.offload_encoders and r.encoder_on_mesh:
+        raise ValueError(
+            "--offload_encoders keeps the text encoder on one device; --encoder_on_mesh shards it over "
+            "the mesh: give one of them"
+        )
     if r.offload_encoders:
-        if r.source != "folder":
-            raise ValueError(
-                "--offload_encoders moves a pipeline folder's text encoders to host memory between prompts; "
-                f"{r.label} runs no text encoder here, so it would change nothing"
-            )
-        if not _builder_takes(r, "offload_encoders"):
-            raise ValueError(f"--offload_encoders is not available for {r.label} yet")
+        _check_encoder_option(
+            r, "offload_encoders", "moves a pipeline folder's text encoders to host memory between prompts"
+        )
     if r.encoder_on_mesh:
-        if r.offload_encoders:
-            raise ValueError(
-                "--offload_encoders keeps the text encoder on one device; --encoder_on_mesh shards it over "
-                "the mesh: give one of them"
-            )
-        if r.source != "folder":
-            raise ValueError(
-                "--encoder_on_mesh shards a pipeline folder's text encoder over the mesh; "
-                f"{r.label} runs no text encoder here, so it would change nothing"
-            )
-        if not _builder_takes(r, "encoder_on_mesh"):
-            raise ValueError(f"--encoder_on_mesh is not available for {r.label} yet")
+        _check_encoder_option(r, "encoder_on_mesh", "shards a pipeline folder's text encoder over the mesh")
+
+
+def _check_encoder_option(r: GenerateRequest, option: str, what: str) -> None:
+    """A text-encoder placement option needs a folder's encoder and a builder that takes it."""
+    if r.source != "folder":
+        raise ValueError(
+            f"--{option} {what}; {r.label} runs no text encoder here, so it would change nothing"
+        )
+    if not _builder_takes(r, option):
+        raise ValueError(f"--{option} is not available for {r.label} yet")
 
 
 def _check_fp8(r: GenerateRequest, parallel: Any) -> None:
