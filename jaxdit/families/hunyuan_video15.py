@@ -197,6 +197,19 @@ class HunyuanVideo15Family(ModelFamily):
         hv_pipefusion.validate_patches(grid, patches, parallel.sequence_degree)
 
     # ------------------------------------------------------------------ jaxdit plan
+    def pipefusion_max_stages(self, workload: Any) -> int:
+        """As many stages as dual-stream blocks: the refiner's 2 blocks leave the stages beyond them
+        padded slots, exact identities (tests/test_hunyuan_video15_pipefusion.py)."""
+        return workload.stack_depths[-1]
+
+    def pipefusion_patches(self, workload: Any, parallel: Any) -> int:
+        """The runner's default count (``pipelines/pipefusion/hunyuan_video15.py``): the fewest M >= 2P
+        that divide the latent rows (480p: 30 rows, so 5 on 2 stages), else the fewest M >= P."""
+        height, width, frames = workload.size
+        p, pt = workload.model.patch_size, workload.model.patch_size_t
+        grid = (((frames - 1) // TEMPORAL + 1) // pt, height // SPATIAL // p, width // SPATIAL // p)
+        return hv_pipefusion.default_num_patches(parallel.pipefusion, grid, parallel.sequence_degree)
+
     def workload_shape(self, config, height, width, frames, text_tokens):
         """(video, prompt, glyph) tokens: the text-to-video joint sequence's groups (no image tokens)."""
         if frames < 1 or (frames - 1) % TEMPORAL:
@@ -218,7 +231,9 @@ class HunyuanVideo15Family(ModelFamily):
         """The blocks of ``models/hunyuan_video15_blocks.py``: the token refiner (q/k/v/out and a SiLU MLP
         on the prompt tokens, attending over them alone, a replicated 2E gate vector), the dual-stream
         blocks (q/k/v/out and a 4E MLP on every token, two replicated 6E modulations). The embedders and
-        the output layer are replicated. Parameter bytes are read off the abstract model's logical axes
+        the output layer are replicated. Under PipeFusion the refiner's attention runs over the whole
+        patch with the other groups' keys masked (``PatchContext.group_attention``): its q/k/v, Ulysses'
+        exchanges and ring's hops cover every token of the patch. Parameter bytes are read off the abstract model's logical axes
         (a "heads" or "mlp" axis is split over tensor)."""
         m, e, b = w.model, w.hidden, sh.b
         n_vid, n_txt, n_gly = sh.local[:3]
@@ -226,6 +241,9 @@ class HunyuanVideo15Family(ModelFamily):
         e_t, f_t, a = sh.e_t, sh.f_t, w.itemsize
         g = n_txt * parallel.ulysses
         refiner_attention = parallel.ring * attention_flops(b, sh.h_t // parallel.ulysses, g, g, w.head_dim)
+        staged = parallel.pipefusion > 1
+        if staged:  # the refiner attends over the whole patch, the other groups' keys masked
+            refiner_attention = sh.self_attention_flops
         refiner = (
             2 * b * e * 2 * e + 2 * b * n_txt * e * e_t * 4 + 2 * b * n_txt * e * f_t * 2 + refiner_attention
         )
@@ -266,7 +284,7 @@ class HunyuanVideo15Family(ModelFamily):
             param_nonblock_bytes=nonblock_params * a,
             param_block_bytes=(block_params["refiner_blocks"] * a, block_params["transformer_blocks"] * a),
             reductions=reductions,
-            attention_tokens=(n_txt, sh.n),
+            attention_tokens=() if staged else (n_txt, sh.n),
             masked_keys=True,
         )
 
