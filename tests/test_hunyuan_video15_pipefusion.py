@@ -8,7 +8,7 @@ are a 2 x 4 x 3 latent grid: 4 patches of one latent row per frame (6 video toke
 shard), the full pipeline of 2 passes x 2 stages; the prompt (7 tokens, 5 real in the conditional branch
 and 3 in the unconditional one) and the glyph (5 tokens, 2 and 0 real) are cut into 4 chunks of 2 (the
 last padded), each padded to the 2 sequence shards. One warm-up step, then three pipelined steps with
-CFG (scale 6, cfg=1: both branches on each device). Image to video adds the first frame's condition
+CFG (scale 6; cfg=1: both branches on each device, and cfg2 x pipefusion2). Image to video adds the first frame's condition
 channels and 9 image tokens (4 chunks of 3, padded to 4).
 """
 
@@ -36,6 +36,7 @@ FAST = {"xla_backend_optimization_level": 0}
 PATCHES = 4
 CALL = dict(height=64, width=48, num_frames=5, num_inference_steps=4, seed=3, guidance_scale=6.0)
 IMAGE_TOKENS = 9
+PIPEFUSION2_ULYSSES2 = ParallelConfig(pipefusion=2, ulysses=2)
 
 
 @pytest.fixture(scope="module")
@@ -65,24 +66,27 @@ def _first_frame(pictures, frames, height, width):
     return embeds, condition
 
 
-def _pipelines(path, cls, **options):
+def _pipelines(path, cls, parallel=PIPEFUSION2_ULYSSES2, **options):
+    """(the pipeline on ``parallel``'s 4 devices, the plain one on one device) from the saved folder."""
+
     def make(parallel, devices):
         where = DeviceMesh.of(parallel.make_mesh(devices))
         model = load_model(path, where, jnp.float32, CHECKPOINTS, staged=PipeFusionHunyuanVideo15)
         return cls(model, where, compiler_options=FAST, **options)
 
-    return make(ParallelConfig(pipefusion=2, ulysses=2), jax.devices()[:4]), make(
-        ParallelConfig(), jax.devices()[:1]
-    )
+    return make(parallel, jax.devices()[:4]), make(ParallelConfig(), jax.devices()[:1])
 
 
-CASES = {
-    "t2v": (HunyuanVideo15Pipeline, {}, {}),
-    "i2v": (
-        HunyuanVideo15ImageToVideoPipeline,
-        {"first_frame": _first_frame},
-        {"image": np.zeros((64, 48, 3), np.uint8)},  # its bucket: 64 x 48
-    ),
+I2V = (
+    HunyuanVideo15ImageToVideoPipeline,
+    {"first_frame": _first_frame},
+    {"image": np.zeros((64, 48, 3), np.uint8)},
+)
+CASES = {  # the picture's bucket is 64 x 48
+    "t2v pipefusion2 x ulysses2": (HunyuanVideo15Pipeline, {}, {}),
+    "i2v pipefusion2 x ulysses2": I2V,
+    # The branches on two devices: each holds one branch's rows of the per-row prompt and glyph masks.
+    "t2v cfg2 x pipefusion2": (HunyuanVideo15Pipeline, {"parallel": ParallelConfig(cfg=2, pipefusion=2)}, {}),
 }
 
 
@@ -95,7 +99,7 @@ def test_pipelined_pipefusion_matches_the_serial_reference(transformer, embeds, 
     prepared = one.prepare(one.with_defaults(GenerationRequest.of(**call)))
     assert prepared.inputs.grid == (2, 4, 3)
     image = prepared.inputs.context.get("image_embeds")
-    assert (None if image is None else image.shape[1]) == (IMAGE_TOKENS if case == "i2v" else None)
+    assert (None if image is None else image.shape[1]) == (IMAGE_TOKENS if "i2v" in case else None)
     want = prepared.to_latents(serial_stale_kv(one, prepared.inputs, PATCHES))
     exact = prepared.to_latents(
         serial_stale_kv(one, prepared.inputs, PATCHES, warmup=CALL["num_inference_steps"])
