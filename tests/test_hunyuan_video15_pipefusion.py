@@ -126,6 +126,29 @@ def test_default_patches_and_refusals(transformer, embeds):
     assert default_num_patches(2, (2, 4, 3), 2) == 4  # the full pipeline: 2 passes x 2 stages
     assert default_num_patches(2, (2, 2, 3), 2) == 2  # too few rows for 4: P
     assert default_num_patches(2, (31, 30, 53), 2) == 5  # 480p: 30 rows, 4 does not divide them
+    # jaxdit generate's check before any weight loads (the family's), and the runner's own.
+    from types import SimpleNamespace
+
+    from jaxdit.families.hunyuan_video15 import HUNYUAN_VIDEO15
+    from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
+
+    config = HunyuanVideo15Config(num_layers=2, num_refiner_layers=2, num_attention_heads=4)
+    request = dict(height=64, width=48, num_frames=5, num_inference_steps=4, warmup_steps=None)
+    check = lambda pc, **r: HUNYUAN_VIDEO15.check_pipefusion(  # noqa: E731
+        SimpleNamespace(**{**request, "num_pipeline_patch": None, **r}), config, pc, 16
+    )
+    check(PIPEFUSION2_ULYSSES2)
+    with pytest.raises(ValueError, match="does not divide the 4 latent rows"):
+        check(PIPEFUSION2_ULYSSES2, num_pipeline_patch=3)
+    with pytest.raises(ValueError, match="exceeds the model's 2 dual-stream blocks"):
+        check(ParallelConfig(pipefusion=4))
+    with pytest.raises(ValueError, match="MeanFlow"):
+        HUNYUAN_VIDEO15.check_pipefusion(
+            SimpleNamespace(**request, num_pipeline_patch=None),
+            HunyuanVideo15Config(num_layers=2, num_attention_heads=4, use_meanflow=True),
+            PIPEFUSION2_ULYSSES2,
+            16,
+        )
     pipe, _ = _pipelines(transformer, HunyuanVideo15Pipeline)
     with pytest.raises(ValueError, match="num_pipeline_patch=3 does not divide the 4 latent rows"):
         pipe(num_pipeline_patch=3, output_type="latent", progress=False, **CALL, **embeds)
