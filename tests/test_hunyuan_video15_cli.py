@@ -1,8 +1,11 @@
 """HunyuanVideo 1.5 through ``jaxdit generate``: the tiny ``HunyuanVideo15Pipeline`` folder saved by
 diffusers with its text encoders (``hunyuan_video15_folder.py``) from a prompt with quoted text to an MP4 on
-cfg2 x ulysses2 and on ulysses2 x ring2 (4 emulated devices), against diffusers running the reloaded folder
+cfg2 x ulysses2, on ulysses2 x ring2 and on pipefusion2 x ulysses2 (4 emulated devices), against diffusers running the reloaded folder
 with the project's noise (numpy ``default_rng(seed).standard_normal`` of [1, 4, F', H/16, W/16]); the CFG scale is the
-folder guider's, as diffusers reads it."""
+folder guider's, as diffusers reads it. PipeFusion runs its default 2 patches (one latent row of each
+frame) with every step a warm-up step (``--warmup_steps 3``): the whole sequence each step, which is
+diffusers' computation; the pipelined steps (stale K/V) are compared with a serial reference of their own
+semantics in ``test_hunyuan_video15_pipefusion.py``."""
 
 from __future__ import annotations
 
@@ -40,6 +43,8 @@ def folder_and_reference(tmp_path_factory):
 MESHES = {
     "cfg2 x ulysses2": ["--use_cfg_parallel", "--ulysses_degree", "2"],
     "ulysses2 x ring2": ["--ulysses_degree", "2", "--ring_degree", "2"],
+    "pipefusion2 x ulysses2": ["--pipefusion_parallel_degree", "2", "--ulysses_degree", "2"]
+    + ["--warmup_steps", str(STEPS)],
 }
 
 

@@ -1,8 +1,9 @@
 """HunyuanVideo 1.5 image-to-video: the SigLIP image encoder against transformers' ``SiglipVisionModel``,
 the picture arithmetic (size bucket, crop, SigLIP processor) against diffusers' and transformers', and the
 tiny ``HunyuanVideo15ImageToVideoPipeline`` folder saved by diffusers (``hunyuan_video15_folder.py``) from
-a prompt and a first frame to an MP4 through ``jaxdit generate`` on ulysses2 x ring2 and cfg2 x ulysses2
-(4 emulated devices), against diffusers running the reloaded folder with the project's noise (numpy
+a prompt and a first frame to an MP4 through ``jaxdit generate`` on ulysses2 x ring2, cfg2 x ulysses2 and
+pipefusion2 x ulysses2 (4 emulated devices; PipeFusion's default 3 patches, one latent row of each frame,
+every step a warm-up step: diffusers' computation), against diffusers running the reloaded folder with the project's noise (numpy
 ``default_rng(seed).standard_normal`` of [1, 4, F', H/16, W/16]); diffusers' reference is computed once."""
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ def i2v(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    "mesh", [("--ulysses_degree", "2", "--ring_degree", "2"), ("--use_cfg_parallel", "--ulysses_degree", "2")]
+    "mesh",
+    [
+        ("--ulysses_degree", "2", "--ring_degree", "2"),
+        ("--use_cfg_parallel", "--ulysses_degree", "2"),
+        ("--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", str(STEPS)),
+    ],
 )
 def test_cli_image_to_mp4_matches_diffusers(i2v, mesh, monkeypatch, tmp_path):
     folder, picture, want_latents, want_frames, (h, w) = i2v

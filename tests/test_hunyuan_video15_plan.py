@@ -1,7 +1,12 @@
 """``jaxdit plan`` for HunyuanVideo 1.5 text to video: the compiled step of a small HunyuanVideo 1.5 (four
 heads, two dual-stream and two refiner blocks, a 5-frame 64 x 96 video) against the cost model, byte for
-byte and FLOP for FLOP, on meshes splitting the sequence, the heads and the CFG branches; and PipeFusion
-rows reported "not compiled" (no stage layout yet) rather than failing ``--verify``.
+byte and FLOP for FLOP, on meshes splitting the sequence, the heads and the CFG branches; and the
+PipeFusion runner's warm-up step and pipelined phase, compiled from abstract shapes, send exactly the
+bytes the plan's model says (``cost.pipefusion_programs``): the video's 4 latent rows split into the
+runner's default 4 patches (2 passes x 2 stages), the 40 prompt and 256 glyph tokens into 4 chunks each.
+What the plan had to learn (``families/hunyuan_video15.py``): under PipeFusion the token refiner attends
+over the whole patch (the other groups' keys masked), so its Ulysses exchanges and ring hops cover every
+token.
 (Full size: ``jaxdit plan --model hunyuanvideo1.5-480p --devices 8 --verify`` prints 1.0000 for every
 configuration it compiles; docs/hunyuan-video15.md.)"""
 
@@ -11,7 +16,9 @@ import pytest
 
 from jaxdit.mesh import ParallelConfig as P
 from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
-from jaxdit.plan.verify import pipefusion_not_compilable, verify_many
+from jaxdit.parallel.pipefusion import PipeSchedule
+from jaxdit.plan.cost import pipefusion_programs
+from jaxdit.plan.verify import pipefusion_not_compilable, verify_many, verify_pipefusion
 from jaxdit.plan.workload import Workload
 
 SMALL = HunyuanVideo15Config(
@@ -44,6 +51,23 @@ def test_compiled_step_matches_the_model(comparisons, config):
     assert m.flops == model.flops
 
 
-def test_pipefusion_rows_are_not_compiled_with_the_reason():
-    why = pipefusion_not_compilable(_workload(), P(pipefusion=2, ulysses=2))
-    assert why == "no PipeFusion stage layout for HunyuanVideo 1.5 yet"
+PIPEFUSION = [P(pipefusion=2, ulysses=2), P(cfg=2, pipefusion=2), P(pipefusion=2, ring=2)]
+
+
+@pytest.fixture(scope="module")
+def pipefusion_comparisons():
+    return verify_pipefusion(_workload(), PIPEFUSION)
+
+
+@pytest.mark.parametrize("config", PIPEFUSION, ids=lambda c: c.describe())
+def test_pipefusion_programs_send_the_modelled_bytes(pipefusion_comparisons, config):
+    w = _workload()
+    assert pipefusion_not_compilable(w, config) is None
+    (cmp,) = [c for c in pipefusion_comparisons if c.model.config == config]
+    modelled = pipefusion_programs(w, config, cpu=True)
+    print(f"\n{config.describe()}: warm-up {cmp.warmup_measured:.0f} / {modelled['warmup']:.0f} B, "
+          f"pipelined {cmp.pipelined_measured:.0f} / {modelled['pipelined']:.0f} B")  # fmt: skip
+    assert modelled["patches"] == 4 and modelled["ticks"] == PipeSchedule(2, 4, 2, w.steps - 1).ticks
+    assert not cmp.unexpected_kinds
+    assert cmp.warmup_measured == modelled["warmup"] > 0
+    assert cmp.pipelined_measured == modelled["pipelined"] > 0

@@ -6,7 +6,8 @@ the causal VAE) together, and adds the diffusers call surface of the forward
 (:class:`HunyuanVideo15Forward`), the presets (480p and 720p at 121 frames, the model card's) and the cost
 terms ``jaxdit plan`` prices. Image to video is the variant family ``families/hunyuan_video15_i2v.py``;
 the feature caches start at the first dual-stream block; LoRA files in diffusers' layout
-(``converters/lora/hunyuan_video15.py``). Not yet: PipeFusion.
+(``converters/lora/hunyuan_video15.py``); PipeFusion's stage layout and patches in
+``pipelines/pipefusion/hunyuan_video15.py``.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from jaxdit.models.hunyuan_video15 import TIME_FREQ_DIM
 from jaxdit.models.hunyuan_video15_config import GLYPH_HIDDEN, HunyuanVideo15Config
 from jaxdit.models.partitioning import logical_axes
 from jaxdit.parallel.flops import attention_flops
+from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines.hunyuan_video15 import FOLDER_CLASSES, HunyuanVideo15Pipeline, read_guider
 from jaxdit.pipelines.model_folder import ModelFolder
+from jaxdit.pipelines.pipefusion import hunyuan_video15 as hv_pipefusion
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.text_encoders.hunyuan_video15_prompt import GLYPH_TOKENS, PROMPT_TOKENS
 
@@ -99,7 +102,7 @@ class HunyuanVideo15Family(ModelFamily):
     }
     folder_classes = FOLDER_CLASSES
     pipeline_class = HunyuanVideo15Pipeline
-    staged_model = None  # no PipeFusion stage layout yet
+    staged_model = hv_pipefusion.PipeFusionHunyuanVideo15
     # Its transformer has every hook of jaxdit.cache.hooks.CacheHooks (models/hunyuan_video15_cache_hooks.py);
     # TeaCache and MagCache take their numbers from a calibration (none are published).
     caches = ALL_CACHES
@@ -173,9 +176,40 @@ class HunyuanVideo15Family(ModelFamily):
             )
 
     def check_pipefusion(self, request: Any, config: Any, parallel: Any, multiple: int) -> None:
-        raise ValueError("HunyuanVideo 1.5 has no PipeFusion stage layout yet")
+        """M >= P patches of whole latent rows (of every frame) that ring x ulysses splits, a dual-stream
+        block per stage, 1 <= warmup_steps <= steps (the refiner's 2 blocks may leave stages with padded
+        slots only: an identity)."""
+        if config is not None:
+            hv_pipefusion.check_model(config, parallel)
+            if config.num_layers < parallel.pipefusion:
+                raise ValueError(
+                    f"--pipefusion_parallel_degree {parallel.pipefusion} exceeds the model's "
+                    f"{config.num_layers} dual-stream blocks: every stage needs at least one"
+                )
+        p, pt = (1, 1) if config is None else (config.patch_size, config.patch_size_t)
+        frames = (request.num_frames - 1) // TEMPORAL + 1
+        grid = (frames // pt, request.height // SPATIAL // p, request.width // SPATIAL // p)
+        patches = request.num_pipeline_patch
+        if patches is None:
+            patches = hv_pipefusion.default_num_patches(parallel.pipefusion, grid, parallel.sequence_degree)
+        warmup = 1 if request.warmup_steps is None else request.warmup_steps
+        validate_pipefusion(parallel.pipefusion, patches, warmup, request.num_inference_steps)
+        hv_pipefusion.validate_patches(grid, patches, parallel.sequence_degree)
 
     # ------------------------------------------------------------------ jaxdit plan
+    def pipefusion_max_stages(self, workload: Any) -> int:
+        """As many stages as dual-stream blocks: the refiner's 2 blocks leave the stages beyond them
+        padded slots, exact identities (tests/test_hunyuan_video15_pipefusion.py)."""
+        return workload.stack_depths[-1]
+
+    def pipefusion_patches(self, workload: Any, parallel: Any) -> int:
+        """The runner's default count (``pipelines/pipefusion/hunyuan_video15.py``): the fewest M >= 2P
+        that divide the latent rows (480p: 30 rows, so 5 on 2 stages), else the fewest M >= P."""
+        height, width, frames = workload.size
+        p, pt = workload.model.patch_size, workload.model.patch_size_t
+        grid = (((frames - 1) // TEMPORAL + 1) // pt, height // SPATIAL // p, width // SPATIAL // p)
+        return hv_pipefusion.default_num_patches(parallel.pipefusion, grid, parallel.sequence_degree)
+
     def workload_shape(self, config, height, width, frames, text_tokens):
         """(video, prompt, glyph) tokens: the text-to-video joint sequence's groups (no image tokens)."""
         if frames < 1 or (frames - 1) % TEMPORAL:
@@ -197,7 +231,9 @@ class HunyuanVideo15Family(ModelFamily):
         """The blocks of ``models/hunyuan_video15_blocks.py``: the token refiner (q/k/v/out and a SiLU MLP
         on the prompt tokens, attending over them alone, a replicated 2E gate vector), the dual-stream
         blocks (q/k/v/out and a 4E MLP on every token, two replicated 6E modulations). The embedders and
-        the output layer are replicated. Parameter bytes are read off the abstract model's logical axes
+        the output layer are replicated. Under PipeFusion the refiner's attention runs over the whole
+        patch with the other groups' keys masked (``PatchContext.group_attention``): its q/k/v, Ulysses'
+        exchanges and ring's hops cover every token of the patch. Parameter bytes are read off the abstract model's logical axes
         (a "heads" or "mlp" axis is split over tensor)."""
         m, e, b = w.model, w.hidden, sh.b
         n_vid, n_txt, n_gly = sh.local[:3]
@@ -205,6 +241,9 @@ class HunyuanVideo15Family(ModelFamily):
         e_t, f_t, a = sh.e_t, sh.f_t, w.itemsize
         g = n_txt * parallel.ulysses
         refiner_attention = parallel.ring * attention_flops(b, sh.h_t // parallel.ulysses, g, g, w.head_dim)
+        staged = parallel.pipefusion > 1
+        if staged:  # the refiner attends over the whole patch, the other groups' keys masked
+            refiner_attention = sh.self_attention_flops
         refiner = (
             2 * b * e * 2 * e + 2 * b * n_txt * e * e_t * 4 + 2 * b * n_txt * e * f_t * 2 + refiner_attention
         )
@@ -245,7 +284,7 @@ class HunyuanVideo15Family(ModelFamily):
             param_nonblock_bytes=nonblock_params * a,
             param_block_bytes=(block_params["refiner_blocks"] * a, block_params["transformer_blocks"] * a),
             reductions=reductions,
-            attention_tokens=(n_txt, sh.n),
+            attention_tokens=() if staged else (n_txt, sh.n),
             masked_keys=True,
         )
 

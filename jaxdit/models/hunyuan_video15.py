@@ -162,24 +162,45 @@ class HunyuanVideo15Transformer(HunyuanVideo15CacheHooks, nnx.Module):
     def _time(self, embedder: TimestepEmbedder, t: jax.Array) -> jax.Array:
         return embedder(timestep_embedding(t, TIME_FREQ_DIM).astype(self.dtype))
 
+    def step_conditioning(
+        self, t: jax.Array, pooled: jax.Array, t_r: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array]:
+        """(the blocks' and output layer's AdaLN vector, the token refiner's) of timesteps ``t`` [B] (and
+        ``t_r`` for MeanFlow models) and the pooled prompt [B, C]: fp32 [B, E] each."""
+        temb = self._time(self.time_embed, t)
+        if self.time_embed_r is not None:
+            if t_r is None:
+                raise ValueError("a MeanFlow model (use_meanflow) needs timestep_r")
+            temb = temb + self._time(self.time_embed_r, t_r)
+        ce = self.context_embedder
+        return temb, self._time(ce.timestep_embedder, t) + ce.text_embedder(pooled)
+
+    def embed_tokens(
+        self, hidden_states: jax.Array, prompt: jax.Array, glyph: jax.Array, image: jax.Array | None
+    ) -> tuple[Any, ...]:
+        """The fp32 (video, prompt, glyph, image) streams of the model-input tokens (image None:
+        text-to-video): each token embedded alone, so any subset of tokens (a PipeFusion patch) embeds
+        the same."""
+        types = self.cond_type_embed[...].astype(jnp.float32)
+        return (
+            self.x_embedder(hidden_states).astype(jnp.float32),
+            self.context_embedder.proj_in(prompt).astype(jnp.float32),
+            self.context_embedder_2(glyph) + types[GLYPH - TEXT],
+            None if image is None else self.image_embedder(image) + types[IMAGE - TEXT],
+        )
+
     def embed(self, inputs: Mapping[str, jax.Array], ctx: ShardContext) -> tuple[Any, HunyuanVideo15Cond]:
         """The inputs of :data:`FORWARD_INPUTS` (the masks already in ``ctx``) -> the fp32 (video, prompt,
         glyph, image) streams and the conditioning every block reads."""
-        cfg, t = self.config, inputs["timestep"]
-        temb = self._time(self.time_embed, t)
-        if self.time_embed_r is not None:
-            if inputs.get("timestep_r") is None:
-                raise ValueError("a MeanFlow model (use_meanflow) needs timestep_r")
-            temb = temb + self._time(self.time_embed_r, inputs["timestep_r"])
-        ce = self.context_embedder
-        refiner_temb = self._time(ce.timestep_embedder, t) + ce.text_embedder(inputs["pooled_projections"])
-        types = self.cond_type_embed[...].astype(jnp.float32)
-        image = inputs.get("image_embeds")  # None: text-to-video, no image tokens at all
-        streams = (
-            self.x_embedder(inputs["hidden_states"]).astype(jnp.float32),
-            ce.proj_in(inputs["encoder_hidden_states"]).astype(jnp.float32),
-            self.context_embedder_2(inputs["encoder_hidden_states_2"]) + types[GLYPH - TEXT],
-            None if image is None else self.image_embedder(image) + types[IMAGE - TEXT],
+        cfg = self.config
+        temb, refiner_temb = self.step_conditioning(
+            inputs["timestep"], inputs["pooled_projections"], inputs.get("timestep_r")
+        )
+        streams = self.embed_tokens(
+            inputs["hidden_states"],
+            inputs["encoder_hidden_states"],
+            inputs["encoder_hidden_states_2"],
+            inputs.get("image_embeds"),  # None: text-to-video, no image tokens at all
         )
         angles = rope_angles(inputs["video_ids"], cfg.rope_axes_dim, cfg.rope_theta)[None]
         return streams, HunyuanVideo15Cond(temb, refiner_temb, angles)

@@ -21,8 +21,8 @@ The initial noise comes from the seed alone (host, fp32 ``default_rng(seed).stan
 [B, 32, (F - 1) / 4 + 1, H / 16, W / 16]), so the same seed gives the same video on every mesh.
 
 The text encoders (``text_encoders/hunyuan_video15_prompt``) run when the folder has them; otherwise
-calls take embeddings. Image to video: ``pipelines/hunyuan_video15_i2v.py``. Not here yet: PipeFusion,
-the feature caches but First-Block-Cache.
+calls take embeddings. Image to video: ``pipelines/hunyuan_video15_i2v.py``. On a mesh with
+``pipefusion > 1`` the denoiser is PipeFusion's runner (``pipelines/pipefusion/hunyuan_video15.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from jaxdit.pipelines.assemble import as_dtype, check_transformer, load_model
 from jaxdit.pipelines.base import DiffusionPipeline, GenerationOutput, Prepared
 from jaxdit.pipelines.denoiser import DenoiseInputs, TokenHooks
 from jaxdit.pipelines.model_folder import FolderClass, is_listed, open_diffusers_folder
+from jaxdit.pipelines.pipefusion.hunyuan_video15 import HunyuanVideo15Patches, PipeFusionHunyuanVideo15
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
@@ -130,8 +131,9 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
     """A HunyuanVideo 1.5 transformer on a mesh plus a sampler and optional decoder.
 
     Args:
-      model: a ``HunyuanVideo15Transformer`` placed for ``mesh`` (``jaxdit.loading.load_params``).
-      mesh: from ``ParallelConfig.make_mesh`` (no pipefusion yet).
+      model: a ``HunyuanVideo15Transformer`` placed for ``mesh`` (``jaxdit.loading.load_params``); on a
+        mesh with ``pipefusion > 1``, its stage layout (``PipeFusionHunyuanVideo15``).
+      mesh: from ``ParallelConfig.make_mesh``.
       scheduler: flow-matching Euler settings (the folder's ``scheduler_config.json``).
       guidance_scale: the folder guider's CFG scale (a call may override it).
       encode: prompts -> (prompt embeds [B, T, C], mask [B, T], glyph embeds [B, G, C2], glyph mask [B, G])
@@ -143,7 +145,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
 
     cfg_hint = "pass negative prompt embeddings with a guider scale > 1"
     checkpoints = CHECKPOINTS
-    staged_model = None
+    staged_model = PipeFusionHunyuanVideo15
 
     def __init__(
         self,
@@ -181,7 +183,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         self.denoiser = self.denoiser_for(
             model,
             self.sampler,
-            patches=None,
+            patches=HunyuanVideo15Patches,
             kernel=kernel,
             compiler_options=compiler_options,
             token_hooks=self.hooks,
@@ -228,8 +230,6 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         check_transformer(folder["transformer"], where, CHECKPOINTS)
         scale = read_guider(folder.root)
         dtype = as_dtype(dtype)
-        if where.parallel.pipefusion > 1:
-            raise ValueError("HunyuanVideo 1.5 does not run PipeFusion yet: use ulysses/ring/tensor/cfg")
         vae_dtype = jnp.dtype(dtype or jnp.float32)
         vae = load_hunyuan_video15_vae(folder["vae"], vae_dtype)
         graphdef, state = nnx.split(vae)
@@ -239,7 +239,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             video = np.asarray(decode_fn(state, jnp.asarray(z, vae_dtype)), np.float32)
             return video.transpose(0, 2, 3, 4, 1)  # [B, F, H, W, 3]
 
-        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS)
+        model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionHunyuanVideo15)
         encode = None
         if all(
             is_listed(folder.index, c) for c in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
@@ -287,13 +287,16 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
         cache: Any = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
     ) -> GenerationOutput:
         """Generate videos, as diffusers' ``HunyuanVideo15Pipeline``: from prompts (the empty one as the
         negative by default) or embeddings; CFG runs when the scale (the folder guider's unless
         ``guidance_scale``) is not 1;
         ``sigmas``: the unshifted schedule (default ``linspace(1, 0, N + 1)[:-1]``); ``latents``: initial
         noise [B, 32, F', H/16, W/16] instead of the seed's. ``output_type``: np (frames [B, F, H, W, 3] in
-        [-1, 1]) or latent. ``cache``: a feature cache (``jaxdit.cache.FirstBlockCache``). The masks, glyph embeddings and ``sigmas`` are this family's own arguments."""
+        [-1, 1]) or latent. ``cache``: a feature cache (``jaxdit.cache.FirstBlockCache``). PipeFusion (a mesh with pipefusion >
+        1): ``num_pipeline_patch``, ``warmup_steps``. The masks, glyph embeddings and ``sigmas`` are this family's own arguments."""
         return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     # ------------------------------------------------------------------ family hook

@@ -124,6 +124,8 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
         progress: bool = True,
         callback: Callable[[int, int], bool | None] | None = None,
         cache: Any = None,
+        num_pipeline_patch: int | None = None,
+        warmup_steps: int | None = None,
     ) -> GenerationOutput:
         """As :meth:`HunyuanVideo15Pipeline.__call__` with the first frame ``image`` (a PIL image or an RGB
         array [H, W, 3], uint8 or floats in [0, 1]; one for every video, or one per video). The size is
