@@ -17,6 +17,7 @@ from flax import nnx
 
 from converters.errors import CheckpointError
 from converters.safetensors_io import write_safetensors
+from jaxdit import hlo_stats
 from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_vae
 from jaxdit.mesh import ParallelConfig
 from jaxdit.vae import spatial
@@ -119,6 +120,39 @@ def test_mesh_decode_equals_one_device(on_mesh, one_device, devices, height):
     assert "collective-permute" in hlo
     for op in ("all-gather(", "all-reduce(", "all-to-all(", "reduce-scatter("):
         assert op not in hlo, op
+
+
+def _decoder_conv3_inputs(
+    cfg: HunyuanVideo15VAEConfig, frames: int, width: int
+) -> list[tuple[int, int, int]]:
+    """(frames, columns, channels) of the input of every 3x3x3 convolution of the decoder, in order."""
+    boc = tuple(reversed(cfg.block_out_channels))
+    t, w, c = frames, width, boc[0]
+    out = [(t, w, cfg.latent_channels)] + [(t, w, c)] * 4  # conv_in, the mid block's two ResNets
+    for i, level in enumerate(boc):
+        for j in range(cfg.layers_per_block + 1):
+            out += [(t, w, c if j == 0 else level), (t, w, level)]
+        c = level
+        if i < cfg.spatial_levels:
+            out.append((t, w, level))  # the upsampler's convolution, then 2x rows and columns
+            w, c = 2 * w, boc[i + 1]
+            t = 1 + 2 * (t - 1) if i < cfg.temporal_levels else t  # the first frame stays one frame
+    return out + [(t, w, boc[-1])]  # conv_out
+
+
+def test_mesh_decode_collectives(on_mesh, one_device):
+    """Exactly: one halo row each way per 3x3x3 convolution (2 permutes), and 2(P-1) permutes of the
+    mid-block attention's K/V band; nothing else (no norm statistics cross a tile)."""
+    z, _ = one_device[5]
+    devices = 4
+    stats = hlo_stats.summarize(on_mesh.compiled_decode(z.shape, _mesh(devices)))
+    assert {k for k, v in stats.items() if v["count"] and k != "total"} == {"collective-permute"}
+    convs = _decoder_conv3_inputs(HunyuanVideo15VAEConfig(**CONFIG), z.shape[2], z.shape[4])
+    rows = spatial.Rows.split(z.shape[3], devices)
+    halo = sum(2 * t * w * c * 4 for t, w, c in convs)  # batch 1, fp32, one row up and one down
+    band = z.shape[2] * rows.local * z.shape[4] * CONFIG["block_out_channels"][-1] * 4
+    assert stats["collective-permute"]["count"] == 2 * len(convs) + 2 * (devices - 1)
+    assert stats["collective-permute"]["bytes"] == halo + 2 * (devices - 1) * band
 
 
 def test_zero_edges_would_be_caught(case, one_device, monkeypatch):

@@ -50,7 +50,9 @@ class HunyuanVideo15MeshVAE:
         """The 1-D tile mesh: all devices of ``mesh``, or the first device."""
         return spatial.tile_mesh(mesh if mesh is not None else jax.devices()[:1])
 
-    def _program(self, tiles: Mesh, rows: Rows, out_rows: Rows, method: str, state: Any, x: jax.Array):
+    def _program(self, tiles: Mesh, rows: Rows, method: str, state: Any, x: jax.Array):
+        """Replicated input -> the tiles' output bands, padding rows included (dropping them inside the
+        program would make XLA re-balance the bands with permutes of the whole output)."""
         graphdef = self.graphdef
         local = jax.shard_map(
             lambda s, xl: getattr(nnx.merge(graphdef, s), method)(xl, rows),
@@ -60,39 +62,43 @@ class HunyuanVideo15MeshVAE:
             check_vma=False,
         )
         x = jnp.moveaxis(spatial.pad_rows(jnp.moveaxis(x.astype(self.dtype), 1, -1), rows), -1, 1)
-        y = local(state, x)
-        return jnp.moveaxis(spatial.unpad_rows(jnp.moveaxis(y, 1, -1), out_rows), -1, 1)
+        return local(state, x)
+
+    def _out_rows(self, method: str, height: int, mesh: Mesh | None) -> Rows:
+        """Real output rows of ``height`` input rows (what :meth:`decode` / :meth:`encode` keep)."""
+        s, n = self.config.spatial_compression_ratio, self.tiles(mesh).size
+        if method == "decode":
+            return Rows.split(height, n).upsampled(s)
+        rows = Rows.split(height, n, multiple=s)
+        return Rows(rows.rows // s, rows.local // s, rows.tiles)
 
     def _compiled_program(self, method: str, shape: Sequence[int], mesh: Mesh | None, dtype: Any):
         tiles = self.tiles(mesh)
         key = (method, tuple(d.id for d in tiles.devices.flat), tuple(shape), jnp.dtype(dtype))
         if key not in self._compiled:
-            s = self.config.spatial_compression_ratio
-            if method == "decode":
-                rows = Rows.split(shape[3], tiles.size)
-                out_rows = rows.upsampled(s)
-            else:
-                rows = Rows.split(shape[3], tiles.size, multiple=s)
-                out_rows = Rows(rows.rows // s, rows.local // s, rows.tiles)
+            multiple = 1 if method == "decode" else self.config.spatial_compression_ratio
+            rows = Rows.split(shape[3], tiles.size, multiple=multiple)
             replicated = NamedSharding(tiles, PartitionSpec())
             state = jax.tree.map(
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), self.state
             )
             x = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=replicated)
             fn = jax.jit(
-                functools.partial(self._program, tiles, rows, out_rows, method),
+                functools.partial(self._program, tiles, rows, method),
                 compiler_options=self.compiler_options,
             )
             self._compiled[key] = fn.lower(state, x).compile()
         return self._compiled[key]
 
     def compiled_decode(self, shape: Sequence[int], mesh: Mesh | None = None, dtype: Any = jnp.float32):
-        """The compiled decode of latents of ``shape`` (called with ``(state, z)``; cached)."""
+        """The compiled decode of latents of ``shape`` (called with ``(state, z)``; cached): returns the
+        tiles' bands of frames, padding rows included (:meth:`decode` drops them)."""
         self.vae._check(jax.ShapeDtypeStruct(tuple(shape), dtype), self.config.latent_channels, "latents")
         return self._compiled_program("decode", shape, mesh, dtype)
 
     def compiled_encode(self, shape: Sequence[int], mesh: Mesh | None = None, dtype: Any = jnp.float32):
-        """The compiled encode of pixels of ``shape`` (called with ``(state, x)``; cached)."""
+        """The compiled encode of pixels of ``shape`` (called with ``(state, x)``; cached): returns the
+        tiles' bands of latents, padding rows included (:meth:`encode` drops them)."""
         cfg = self.config
         self.vae._check(jax.ShapeDtypeStruct(tuple(shape), dtype), cfg.in_channels, "pixels")
         cfg.latent_frames(shape[2])
@@ -107,16 +113,17 @@ class HunyuanVideo15MeshVAE:
             self._states[key] = jax.device_put(self.state, NamedSharding(tiles, PartitionSpec()))
         return self._states[key]
 
-    def _run(self, compiled: Any, x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    def _run(self, method: str, compiled: Any, x: jax.Array, mesh: Mesh | None) -> jax.Array:
         tiles = self.tiles(mesh)
-        return compiled(self._state_on(tiles), jax.device_put(x, NamedSharding(tiles, PartitionSpec())))
+        y = compiled(self._state_on(tiles), jax.device_put(x, NamedSharding(tiles, PartitionSpec())))
+        return y[:, :, :, : self._out_rows(method, x.shape[3], mesh).rows]
 
     def decode(self, z: Any, mesh: Mesh | None = None) -> jax.Array:
         """Unscaled latents [B, 32, F', h, w] -> frames [B, 3, 4(F'-1)+1, 16h, 16w] (the VAE's dtype)."""
         z = jnp.asarray(z)
-        return self._run(self.compiled_decode(z.shape, mesh, z.dtype), z, mesh)
+        return self._run("decode", self.compiled_decode(z.shape, mesh, z.dtype), z, mesh)
 
     def encode(self, x: Any, mesh: Mesh | None = None) -> jax.Array:
         """Pixels [B, 3, F, H, W] in [-1, 1] -> mean latents [B, 32, F', H/16, W/16] (unscaled)."""
         x = jnp.asarray(x)
-        return self._run(self.compiled_encode(x.shape, mesh, x.dtype), x, mesh)
+        return self._run("encode", self.compiled_encode(x.shape, mesh, x.dtype), x, mesh)
