@@ -1,4 +1,5 @@
-"""HunyuanVideo 1.5's VAE against diffusers' ``AutoencoderKLHunyuanVideo15`` on one device.
+"""HunyuanVideo 1.5's VAE against diffusers' ``AutoencoderKLHunyuanVideo15`` on one device, and its
+row-parallel decode / encode on 2 and 4 emulated devices against the one-device run.
 
 A tiny random diffusers VAE (4 latent channels, widths 8-16, the real 16x spatial / 4x temporal
 compression, so every kind of level runs: spatial-only and spatio-temporal down/up samplers, the
