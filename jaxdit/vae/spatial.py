@@ -24,13 +24,17 @@ The rules that make padding exact:
   row that 'same' padding puts below the image, and a halo that comes from beyond the global edge is
   zero too (non-cyclic ``ppermute``: the first tile receives nothing from above, the last nothing from
   below, and a ``ppermute`` target that no pair feeds receives zeros).
+- A convolution that pads with the edge values instead of zeros (replicate) takes its halo with
+  ``halo(..., mode="edge")``: the rows beyond the image are then copies of its first and last real rows,
+  wherever the last real row falls in its band (:func:`edge_rows`), and the padding rows need no mask.
 - GroupNorm sums only real rows, and divides by the real count.
 - Attention masks padded keys (and zeroes their values; a masked key's probability is 0, but 0 * NaN of
   garbage would not be).
 
 Communication per op (P tiles; all of it shrinks with the band, none of it is a full activation):
 
-- 'same' k x k conv: :func:`halo` sends ``k//2`` rows to each neighbour: two collective-permutes.
+- 'same' k x k conv: :func:`halo` sends ``k//2`` rows to each neighbour: two collective-permutes (the
+  edge mode adds none).
 - FLUX's down-sampling conv (pad right/bottom by 1, 3x3 stride 2, no other padding): output row i
   reads input rows 2i..2i+2, so a tile with an even number of local rows needs exactly ONE extra row,
   the first row of the tile below (zero at the bottom edge: that is the pad row). No row goes upwards.
