@@ -143,3 +143,50 @@ def test_rows_layout_rules():
         spatial.Rows.split(9, 3).downsampled()
     with pytest.raises(ValueError, match="halo"):
         spatial.halo(jnp.zeros((1, 1, 2, 1)), spatial.Rows.split(2, 2), 2, 2)
+
+
+def _tiled(fn, rows: spatial.Rows, *arrays):
+    """Run ``fn(*local bands)`` over the tiles of ``rows`` (arrays given in the global, padded view)."""
+    mesh = spatial.tile_mesh(jax.devices()[: rows.tiles])
+    spec = spatial.row_spec(arrays[0].ndim)
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=(spec,) * len(arrays), out_specs=spec, check_vma=False)
+    )(*(spatial.pad_rows(a, rows) for a in arrays))
+
+
+@pytest.mark.parametrize(
+    ("height", "tiles", "reach"),
+    # no padding; padding inside the last real tile; the last real row ends a tile and the next tile is
+    # all padding (its halo must not be read); two tiles of padding only; a two-row halo
+    [(8, 2, 1), (7, 2, 1), (6, 4, 1), (5, 8, 1), (9, 3, 2)],
+)
+def test_edge_halo_replicates_the_image_edge(height, tiles, reach):
+    """halo(mode="edge"): every real row's window equals the window of the edge-padded global image."""
+    rows = spatial.Rows.split(height, tiles)
+    x = jax.random.normal(jax.random.key(height), (2, height, 3, 4))
+    band = rows.local + 2 * reach
+    # Each tile returns its band with the halo: the global result is the tiles' bands one after another.
+    got = _tiled(lambda xl: spatial.halo(xl, rows, reach, reach, mode="edge"), rows, x)
+    got = np.asarray(got).reshape(2, tiles, band, 3, 4)
+    padded = np.pad(np.asarray(x), ((0, 0), (reach, reach), (0, 0), (0, 0)), mode="edge")
+    for t in range(tiles):
+        for i in range(rows.valid_rows_of(t)):
+            g = t * rows.local + i  # global row; its window is padded rows g .. g + 2 * reach
+            np.testing.assert_array_equal(got[:, t, i : i + 2 * reach + 1], padded[:, g : g + 2 * reach + 1])
+    with pytest.raises(ValueError, match="'zero' or 'edge'"):
+        spatial.halo(x, spatial.Rows.split(height, 1), 1, 1, mode="reflect")
+
+
+def test_frame_causal_attention_over_tiles():
+    """Frame-causal attention on 4 tiles (5 rows: the last tiles partly or wholly padding) against the
+    full masked softmax on one device: a query of frame i sees every real pixel of frames 0..i."""
+    b, t, h, w, c = 1, 3, 5, 2, 8
+    q, k, v = (jax.random.normal(jax.random.key(i), (b, t, h, w, c)) for i in range(3))
+    frame = np.repeat(np.arange(t), h * w)
+    s = jnp.einsum("bqc,bkc->bqk", q.reshape(b, -1, c), k.reshape(b, -1, c)) / np.sqrt(c)
+    s = jnp.where(frame[:, None] >= frame[None, :], s, -jnp.inf)
+    want = (jax.nn.softmax(s, -1) @ v.reshape(b, -1, c)).reshape(q.shape)
+    for tiles in (1, 4):
+        rows = spatial.Rows.split(h, tiles)
+        got = _tiled(lambda *a, rows=rows: spatial.frame_causal_attention(*a, rows), rows, q, k, v)
+        tol.check(spatial.unpad_rows(got, rows), want, tol.KERNEL, f"frame-causal attention, {tiles} tiles")

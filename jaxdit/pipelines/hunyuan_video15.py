@@ -15,7 +15,7 @@ What is HunyuanVideo 1.5's own (the loop, decoding and output types are
   (33 channels) for text-to-video;
 - flow-matching Euler over ``linspace(1, 0, N + 1)[:-1]`` with the folder scheduler's shift; the model is
   called with the timestep (sigma x 1000), unscaled inside;
-- decoding: the latents divided by the VAE's ``scaling_factor``, then the causal VAE on one device.
+- decoding: the latents divided by the VAE's ``scaling_factor``, then the causal VAE patch-parallel over every device of the mesh (``vae/hunyuan_video15_vae_mesh.py``).
 
 The initial noise comes from the seed alone (host, fp32 ``default_rng(seed).standard_normal`` of
 [B, 32, (F - 1) / 4 + 1, H / 16, W / 16]), so the same seed gives the same video on every mesh.
@@ -38,7 +38,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh
 
 from converters.hunyuan_video15 import CHECKPOINTS
@@ -57,6 +56,7 @@ from jaxdit.pipelines.pipefusion.hunyuan_video15 import HunyuanVideo15Patches, P
 from jaxdit.pipelines.request import GenerationRequest
 from jaxdit.samplers import flow_match_euler as euler
 from jaxdit.samplers.sampler import EulerSampler
+from jaxdit.vae.hunyuan_video15_vae_mesh import HunyuanVideo15MeshVAE
 
 __all__ = ["FOLDER_CLASSES", "HunyuanVideo15Pipeline", "default_size", "read_guider"]
 
@@ -221,8 +221,9 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
     ) -> HunyuanVideo15Pipeline:
         """A diffusers ``HunyuanVideo15Pipeline`` folder (``transformer/``, ``vae/``, ``scheduler/``,
         ``guider/``, and the text encoders where the folder has them) on the mesh of ``parallel``: the
-        transformer sharded over the mesh, the VAE and the text encoders on one device (``encoder_device``,
-        default the first). Its heads, key table and guider are checked before any weight is read."""
+        transformer sharded over the mesh, the VAE decoding patch-parallel over all its devices, the text
+        encoders (and an image-to-video folder's VAE encoder) on one device (``encoder_device``, default
+        the first). Its heads, key table and guider are checked before any weight is read."""
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), cls.folder_classes)
@@ -232,11 +233,11 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         dtype = as_dtype(dtype)
         vae_dtype = jnp.dtype(dtype or jnp.float32)
         vae = load_hunyuan_video15_vae(folder["vae"], vae_dtype)
-        graphdef, state = nnx.split(vae)
-        decode_fn = jax.jit(lambda s, z: nnx.merge(graphdef, s).decode(z))
+        # The decode runs patch-parallel over every device of the mesh (rows split, halo rows exchanged).
+        on_mesh = HunyuanVideo15MeshVAE(vae, compiler_options=compiler_options)
 
         def decode(z: np.ndarray) -> np.ndarray:
-            video = np.asarray(decode_fn(state, jnp.asarray(z, vae_dtype)), np.float32)
+            video = np.asarray(on_mesh.decode(jnp.asarray(z, vae_dtype), where.mesh), np.float32)
             return video.transpose(0, 2, 3, 4, 1)  # [B, F, H, W, 3]
 
         model = load_model(folder["transformer"], where, dtype, CHECKPOINTS, staged=PipeFusionHunyuanVideo15)

@@ -14,8 +14,17 @@ Shape letters: B batch, T frames, H rows, W columns, C channels; activations ``[
 Precision: convolutions in the parameters' dtype with fp32 accumulation; norms and attention in fp32.
 Parameters keep diffusers' module names (``converters/vae_hunyuan_video15.py`` maps the keys).
 
-Not here yet: patch-parallel decoding over a mesh (the edge padding needs the halo rows of the global
-edge replicated rather than zero) and diffusers' optional tiled decoding.
+Row parallel: every layer takes ``rows``, the :class:`~jaxdit.vae.spatial.Rows` layout of its input's
+rows over a ``tiles`` mesh axis (None: one tile holding every row, the one-device model), and runs
+inside ``shard_map`` as :mod:`jaxdit.vae.hunyuan_video15_vae_mesh` sets it up. What a layer needs from
+the other tiles: a 3x3x3 convolution one halo row above and below, the global image edge replicated
+(``spatial.halo(..., mode="edge")``: the first tile copies its first row above, the tile with the last
+real row copies it below and over the padding rows); the causal mid-block attention the K/V band of
+every tile (``spatial.frame_causal_attention``). The RMS norms are per voxel over channels, the pixel
+(un)shuffles and their shortcuts stay inside aligned row pairs of a band, and every frame lives on every
+tile (the causal time padding is local): nothing. There is no GroupNorm, so no statistic crosses a tile.
+
+Not here: diffusers' optional tiled decoding.
 """
 
 from __future__ import annotations
@@ -29,11 +38,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxdit.models import partitioning
 from jaxdit.models.layers import param
+from jaxdit.vae import spatial
+from jaxdit.vae.spatial import Rows
 
 __all__ = ["HunyuanVideo15VAE", "HunyuanVideo15VAEConfig", "abstract_vae", "parameter_shapes"]
 
@@ -108,14 +118,17 @@ class Conv(nnx.Module):
         self.kernel = param(rngs, (k, k, k, c_in, c_out), axes, dtype)
         self.bias = param(rngs, (c_out,), ("conv_out",), dtype, init="zeros")
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: Rows) -> jax.Array:
         kernel = self.kernel[...]
         k = kernel.shape[0]
         x = x.astype(kernel.dtype)
         if k == 1:
             y = jnp.einsum("bthwi,io->bthwo", x, kernel[0, 0, 0], preferred_element_type=jnp.float32)
         else:
-            pad = ((0, 0), (k - 1, 0), (k // 2, k // 2), (k // 2, k // 2), (0, 0))
+            # Rows: the halo of the neighbouring tiles, the image's edge rows replicated; frames and
+            # columns are whole on every tile and are edge-padded here.
+            x = spatial.halo(x, rows, k // 2, k // 2, mode="edge")
+            pad = ((0, 0), (k - 1, 0), (0, 0), (k // 2, k // 2), (0, 0))
             y = jax.lax.conv_general_dilated(
                 jnp.pad(x, pad, mode="edge"),
                 kernel,
@@ -147,15 +160,16 @@ class ResnetBlock(nnx.Module):
         self.conv2 = Conv(c_out, c_out, 3, dtype=dtype, rngs=rngs)
         self.conv_shortcut = Conv(c_in, c_out, 1, dtype=dtype, rngs=rngs) if c_in != c_out else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.conv1(jax.nn.silu(self.norm1(x)))
-        h = self.conv2(jax.nn.silu(self.norm2(h)))
-        return h + (x.astype(jnp.float32) if self.conv_shortcut is None else self.conv_shortcut(x))
+    def __call__(self, x: jax.Array, rows: Rows) -> jax.Array:
+        h = self.conv1(jax.nn.silu(self.norm1(x)), rows)
+        h = self.conv2(jax.nn.silu(self.norm2(h)), rows)
+        return h + (x.astype(jnp.float32) if self.conv_shortcut is None else self.conv_shortcut(x, rows))
 
 
 class AttnBlock(nnx.Module):
     """One-head self-attention over every voxel, causal over frames (diffusers' causal mask: a query of
-    frame i sees the keys of frames 0..i), with a residual."""
+    frame i sees the keys of frames 0..i), with a residual; over the tiles by
+    ``spatial.frame_causal_attention`` (the K/V band passed round the tiles, padded keys masked)."""
 
     def __init__(self, c: int, *, dtype: Any, rngs: nnx.Rngs) -> None:
         self.norm = RMSNorm(c, dtype=dtype, rngs=rngs)
@@ -163,17 +177,11 @@ class AttnBlock(nnx.Module):
             Conv(c, c, 1, dtype=dtype, rngs=rngs) for _ in range(4)
         )
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        b, t, h, w, c = x.shape
+    def __call__(self, x: jax.Array, rows: Rows) -> jax.Array:
         n = self.norm(x)
-        q, k, v = (f(n).reshape(b, t * h * w, c) for f in (self.to_q, self.to_k, self.to_v))
-        scores = jnp.einsum("bqc,bkc->bqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(c)
-        frame = np.repeat(np.arange(t), h * w)
-        scores = jnp.where(frame[None, :, None] >= frame[None, None, :], scores, -jnp.inf)
-        out = jnp.einsum(
-            "bqk,bkc->bqc", jax.nn.softmax(scores, axis=-1), v, preferred_element_type=jnp.float32
-        )
-        return self.proj_out(out.reshape(b, t, h, w, c)) + x.astype(jnp.float32)
+        q, k, v = (f(n, rows) for f in (self.to_q, self.to_k, self.to_v))
+        out = spatial.frame_causal_attention(q, k, v, rows)
+        return self.proj_out(out, rows) + x.astype(jnp.float32)
 
 
 class MidBlock(nnx.Module):
@@ -181,8 +189,8 @@ class MidBlock(nnx.Module):
         self.resnets = nnx.List([ResnetBlock(c, c, dtype=dtype, rngs=rngs) for _ in range(2)])
         self.attentions = nnx.List([AttnBlock(c, dtype=dtype, rngs=rngs)])
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.resnets[1](self.attentions[0](self.resnets[0](x)))
+    def __call__(self, x: jax.Array, rows: Rows) -> jax.Array:
+        return self.resnets[1](self.attentions[0](self.resnets[0](x, rows), rows), rows)
 
 
 def _unshuffle(x: jax.Array, r: tuple[int, int, int]) -> jax.Array:
@@ -219,11 +227,13 @@ class Downsample(nnx.Module):
         self.temporal = temporal
         self.group = factor * c_in // c_out
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.conv(x)
+    def __call__(self, x: jax.Array, rows: Rows) -> tuple[jax.Array, Rows]:
+        """Returns the output and its rows (half the band: bands hold whole row pairs)."""
+        down = rows.downsampled()
+        h = self.conv(x, rows)
         x = x.astype(jnp.float32)
         if not self.temporal:
-            return _unshuffle(h, (1, 2, 2)) + _group_mean(_unshuffle(x, (1, 2, 2)), self.group)
+            return _unshuffle(h, (1, 2, 2)) + _group_mean(_unshuffle(x, (1, 2, 2)), self.group), down
         first = _unshuffle(h[:, :1], (1, 2, 2))
         first = jnp.concatenate([first, first], axis=-1)  # diffusers duplicates the first frame's channels
         h = jnp.concatenate([first, _unshuffle(h[:, 1:], (2, 2, 2))], axis=1)
@@ -234,7 +244,7 @@ class Downsample(nnx.Module):
             ],
             axis=1,
         )
-        return h + shortcut
+        return h + shortcut, down
 
 
 class Upsample(nnx.Module):
@@ -248,11 +258,13 @@ class Upsample(nnx.Module):
         self.temporal = temporal
         self.repeats = factor * c_out // c_in
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        h = self.conv(x)
+    def __call__(self, x: jax.Array, rows: Rows) -> tuple[jax.Array, Rows]:
+        """Returns the output and its rows (every band doubles in place)."""
+        up = rows.upsampled(2)
+        h = self.conv(x, rows)
         x = x.astype(jnp.float32)
         if not self.temporal:
-            return _shuffle(h, (1, 2, 2)) + _shuffle(jnp.repeat(x, self.repeats, axis=-1), (1, 2, 2))
+            return _shuffle(h, (1, 2, 2)) + _shuffle(jnp.repeat(x, self.repeats, axis=-1), (1, 2, 2)), up
         first = _shuffle(h[:, :1], (1, 2, 2))
         h = jnp.concatenate([first[..., : first.shape[-1] // 2], _shuffle(h[:, 1:], (2, 2, 2))], axis=1)
         shortcut = jnp.concatenate(
@@ -262,7 +274,7 @@ class Upsample(nnx.Module):
             ],
             axis=1,
         )
-        return h + shortcut
+        return h + shortcut, up
 
 
 class Level(nnx.Module):
@@ -274,10 +286,10 @@ class Level(nnx.Module):
         )
         self.resample = nnx.data(resample)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, rows: Rows) -> tuple[jax.Array, Rows]:
         for resnet in self.resnets:
-            x = resnet(x)
-        return x if self.resample is None else self.resample(x)
+            x = resnet(x, rows)
+        return (x, rows) if self.resample is None else self.resample(x, rows)
 
 
 class Encoder(nnx.Module):
@@ -300,12 +312,12 @@ class Encoder(nnx.Module):
         self.conv_out = Conv(boc[-1], out, 3, dtype=dtype, rngs=rngs)
         self.group = boc[-1] // out
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        x = self.conv_in(x)
+    def __call__(self, x: jax.Array, rows: Rows) -> jax.Array:
+        x = self.conv_in(x, rows)
         for block in self.down_blocks:
-            x = block(x)
-        x = self.mid_block(x)
-        return self.conv_out(jax.nn.silu(self.norm_out(x))) + _group_mean(x, self.group)
+            x, rows = block(x, rows)
+        x = self.mid_block(x, rows)
+        return self.conv_out(jax.nn.silu(self.norm_out(x)), rows) + _group_mean(x, self.group)
 
 
 class Decoder(nnx.Module):
@@ -326,12 +338,12 @@ class Decoder(nnx.Module):
         self.norm_out = RMSNorm(boc[-1], dtype=dtype, rngs=rngs)
         self.conv_out = Conv(boc[-1], cfg.out_channels, 3, dtype=dtype, rngs=rngs)
 
-    def __call__(self, z: jax.Array) -> jax.Array:
-        x = self.conv_in(z) + jnp.repeat(z.astype(jnp.float32), self.repeat, axis=-1)
-        x = self.mid_block(x)
+    def __call__(self, z: jax.Array, rows: Rows) -> jax.Array:
+        x = self.conv_in(z, rows) + jnp.repeat(z.astype(jnp.float32), self.repeat, axis=-1)
+        x = self.mid_block(x, rows)
         for block in self.up_blocks:
-            x = block(x)
-        return self.conv_out(jax.nn.silu(self.norm_out(x)))
+            x, rows = block(x, rows)
+        return self.conv_out(jax.nn.silu(self.norm_out(x)), rows)
 
 
 class HunyuanVideo15VAE(nnx.Module):
@@ -351,7 +363,9 @@ class HunyuanVideo15VAE(nnx.Module):
         if x.ndim != 5 or x.shape[1] != channels:
             raise ValueError(f"{what} has shape {tuple(x.shape)}; expected [B, {channels}, F, H, W]")
 
-    def encode(self, pixels: jax.Array) -> jax.Array:
+    def encode(self, pixels: jax.Array, rows: Rows | None = None) -> jax.Array:
+        """Pixels [B, C, F, H, W] -> mean latents [B, 32, F', H/16, W/16]. ``rows``: inside ``shard_map``,
+        the layout of the pixel rows this tile holds (bands a multiple of 16 rows); None: one device."""
         cfg = self.config
         self._check(pixels, cfg.in_channels, "pixels")
         cfg.latent_frames(pixels.shape[2])
@@ -360,12 +374,16 @@ class HunyuanVideo15VAE(nnx.Module):
             raise ValueError(
                 f"pixels of {pixels.shape[3]}x{pixels.shape[4]}: height and width must be multiples of {s}"
             )
-        moments = self.encoder(jnp.moveaxis(jnp.asarray(pixels), 1, -1))
+        rows = rows or Rows(pixels.shape[3], pixels.shape[3], 1)
+        moments = self.encoder(jnp.moveaxis(jnp.asarray(pixels), 1, -1), rows)
         return jnp.moveaxis(moments[..., : cfg.latent_channels], -1, 1)
 
-    def decode(self, latents: jax.Array) -> jax.Array:
+    def decode(self, latents: jax.Array, rows: Rows | None = None) -> jax.Array:
+        """Latents [B, 32, F', h, w] -> pixels [B, 3, F, 16h, 16w]. ``rows``: inside ``shard_map``, the
+        layout of the latent rows this tile holds; None: one device."""
         self._check(latents, self.config.latent_channels, "latents")
-        return jnp.moveaxis(self.decoder(jnp.moveaxis(jnp.asarray(latents), 1, -1)), -1, 1)
+        rows = rows or Rows(latents.shape[3], latents.shape[3], 1)
+        return jnp.moveaxis(self.decoder(jnp.moveaxis(jnp.asarray(latents), 1, -1), rows), -1, 1)
 
 
 def abstract_vae(config: HunyuanVideo15VAEConfig, dtype: Any = jnp.float32) -> HunyuanVideo15VAE:

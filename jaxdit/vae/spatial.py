@@ -24,13 +24,17 @@ The rules that make padding exact:
   row that 'same' padding puts below the image, and a halo that comes from beyond the global edge is
   zero too (non-cyclic ``ppermute``: the first tile receives nothing from above, the last nothing from
   below, and a ``ppermute`` target that no pair feeds receives zeros).
+- A convolution that pads with the edge values instead of zeros (replicate) takes its halo with
+  ``halo(..., mode="edge")``: the rows beyond the image are then copies of its first and last real rows,
+  wherever the last real row falls in its band (:func:`edge_rows`), and the padding rows need no mask.
 - GroupNorm sums only real rows, and divides by the real count.
 - Attention masks padded keys (and zeroes their values; a masked key's probability is 0, but 0 * NaN of
   garbage would not be).
 
 Communication per op (P tiles; all of it shrinks with the band, none of it is a full activation):
 
-- 'same' k x k conv: :func:`halo` sends ``k//2`` rows to each neighbour: two collective-permutes.
+- 'same' k x k conv: :func:`halo` sends ``k//2`` rows to each neighbour: two collective-permutes (the
+  edge mode adds none).
 - FLUX's down-sampling conv (pad right/bottom by 1, 3x3 stride 2, no other padding): output row i
   reads input rows 2i..2i+2, so a tile with an even number of local rows needs exactly ONE extra row,
   the first row of the tile below (zero at the bottom edge: that is the pad row). No row goes upwards.
@@ -63,6 +67,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec
 
+from jaxdit.parallel.local_attention import local_attention, merge_partials
 from jaxdit.parallel.ring import ring_attention
 
 __all__ = [
@@ -71,6 +76,8 @@ __all__ = [
     "attention",
     "conv2d",
     "downsample_conv",
+    "edge_rows",
+    "frame_causal_attention",
     "group_norm",
     "halo",
     "mask_rows",
@@ -224,12 +231,17 @@ def _shift(x: jax.Array, rows: Rows, step: int) -> jax.Array:
     return lax.ppermute(x, rows.axis_name, pairs)
 
 
-def halo(x: jax.Array, rows: Rows, before: int, after: int) -> jax.Array:
+def halo(x: jax.Array, rows: Rows, before: int, after: int, mode: str = "zero") -> jax.Array:
     """The band with ``before`` rows of the tile above and ``after`` rows of the tile below attached.
 
-    [..., local, W, C] -> [..., before + local + after, W, C]. Rows from beyond the image edge are zero.
-    Mask first (:func:`mask_rows`) so that padding rows a neighbour sends are zero as well.
+    [..., local, W, C] -> [..., before + local + after, W, C]. ``mode`` says what stands beyond the
+    image's edges: ``"zero"``, zero rows (mask first, :func:`mask_rows`, so that padding rows a neighbour
+    sends are zero as well); ``"edge"``, copies of the nearest real row (the first row above the image,
+    the last real row below it and in place of the padding rows), as a replicate-padded convolution
+    reads them (:func:`edge_rows`).
     """
+    if mode not in ("zero", "edge"):
+        raise ValueError(f"halo mode must be 'zero' or 'edge', got {mode!r}")
     if before > rows.local or after > rows.local:
         raise ValueError(
             f"a halo of {before} above / {after} below needs at least that many rows per tile, "
@@ -242,7 +254,38 @@ def halo(x: jax.Array, rows: Rows, before: int, after: int) -> jax.Array:
     parts.append(x)
     if after:
         parts.append(_shift(lax.slice_in_dim(x, 0, after, axis=axis), rows, -1))
-    return jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
+    band = jnp.concatenate(parts, axis=axis) if len(parts) > 1 else x
+    return edge_rows(band, rows, before) if mode == "edge" else band
+
+
+def edge_rows(band: jax.Array, rows: Rows, before: int) -> jax.Array:
+    """Rows of ``band`` (a tile's rows with ``before`` halo rows above) that lie beyond the image -> the
+    nearest real row: row 0 above the image, row ``rows.rows - 1`` below it (padding rows included).
+
+    Local, no communication: the tile that holds the last real row holds every row that must copy it,
+    or receives them in its halo. Without padding only the halo rows of the first and last tile change
+    (two ``where``s on the halo rows); with padding the band is re-read through a row index (a gather),
+    since the last real row may sit anywhere in its tile. Tiles past the last real row keep garbage,
+    which no real row reads.
+    """
+    axis = band.ndim + ROW_AXIS
+    n = band.shape[axis]
+    after = n - before - rows.local
+    tile = tile_index(rows)
+    if rows.padding == 0:
+        pieces = [lax.slice_in_dim(band, before, before + rows.local, axis=axis)]
+        if before:
+            top = lax.slice_in_dim(band, before, before + 1, axis=axis)
+            received = lax.slice_in_dim(band, 0, before, axis=axis)
+            pieces.insert(0, jnp.where(tile == 0, jnp.repeat(top, before, axis=axis), received))
+        if after:
+            last = lax.slice_in_dim(band, before + rows.local - 1, before + rows.local, axis=axis)
+            received = lax.slice_in_dim(band, n - after, n, axis=axis)
+            pieces.append(jnp.where(tile == rows.tiles - 1, jnp.repeat(last, after, axis=axis), received))
+        return jnp.concatenate(pieces, axis=axis) if len(pieces) > 1 else band
+    start = tile * rows.local - before  # the global row of the band's first row
+    source = jnp.clip(start + jnp.arange(n), 0, rows.rows - 1) - start
+    return jnp.take(band, jnp.clip(source, 0, n - 1), axis=axis)
 
 
 def _conv_valid(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, stride: int) -> jax.Array:
@@ -382,3 +425,53 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, rows: Rows, **kernel_kwa
         **kernel_kwargs,
     )
     return out.reshape(shape)
+
+
+def frame_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, rows: Rows, **kernel_kwargs
+) -> jax.Array:
+    """Single-head attention over every real pixel of the whole clip, causal over frames: a query of
+    frame i sees the keys of frames 0..i on every tile.
+
+    q/k/v [B, T, local, W, C]; scale 1/sqrt(C). The K/V band of all frames goes round the tiles as in
+    Ring attention (P-1 hops, the next hop's permute issued before the local work); on each band a scan
+    over its key frames j attends every query to frame j's keys with the local kernel (blockwise,
+    ``kernel_kwargs`` as for :func:`attention`), drops the partial of the queries of frames before j, and
+    merges the rest by log-sum-exp in fp32. The local work is every (query frame, key frame) pair, twice
+    the causal half; in exchange no mask depends on the query inside the kernel and memory stays one
+    frame's keys against the tile's queries. Returns [B, T, local, W, C] in q's dtype.
+    """
+    b, t, local, w, c = q.shape
+    if rows.padding:
+        k = mask_rows(k, rows)
+        v = mask_rows(v, rows)
+    queries = q.reshape(b, t * local * w, 1, c)
+    query_frame = jnp.repeat(jnp.arange(t), local * w)[None, :, None]  # [1, Tq, 1]
+
+    def band(carry, kb, vb, source):
+        key_valid = None
+        if rows.padding:
+            key_valid = jnp.broadcast_to(jnp.repeat(rows.valid_for(source), w)[None], (b, local * w))
+
+        def frame(state, j):
+            kj = lax.dynamic_index_in_dim(kb, j, 1, keepdims=False).reshape(b, local * w, 1, c)
+            vj = lax.dynamic_index_in_dim(vb, j, 1, keepdims=False).reshape(b, local * w, 1, c)
+            o, lse = local_attention(queries, kj, vj, key_valid, out_dtype=jnp.float32, **kernel_kwargs)
+            seen = query_frame >= j
+            o = jnp.where(seen[..., None], o, 0.0)
+            lse = jnp.where(seen, lse, -jnp.inf)
+            return merge_partials(*state, o, lse), None
+
+        return lax.scan(frame, carry, jnp.arange(t))[0]
+
+    carry = (jnp.zeros(queries.shape, jnp.float32), jnp.full(queries.shape[:3], -jnp.inf, jnp.float32))
+    me = tile_index(rows)
+    forward = [(i, (i + 1) % rows.tiles) for i in range(rows.tiles)]
+    for hop in range(rows.tiles):  # static; the last hop sends nothing
+        if hop < rows.tiles - 1:
+            k_next = lax.ppermute(k, rows.axis_name, forward)
+            v_next = lax.ppermute(v, rows.axis_name, forward)
+        carry = band(carry, k, v, (me - hop) % rows.tiles)
+        if hop < rows.tiles - 1:
+            k, v = k_next, v_next
+    return carry[0].astype(q.dtype).reshape(q.shape)
