@@ -180,8 +180,8 @@ def test_mesh_encode_equals_one_device(on_mesh):
 
 
 def test_decode_memory_falls_with_devices(on_mesh):
-    """Per-device temporary bytes of the compiled decode (what scripts/hunyuan_video15_vae_memory.py
-    reports at full size), 8 latent rows."""
+    """Per-device temporary bytes of the compiled decode (what ``scripts/video_vae_memory.py --vae
+    hunyuanvideo1.5`` reports at full size), 8 latent rows."""
     shape = (1, 4, 2, 8, 2)
     temps = {
         n: on_mesh.compiled_decode(shape, None if n == 1 else _mesh(n)).memory_analysis().temp_size_in_bytes

@@ -6,8 +6,8 @@ Wan's VAE does: the latent rows split into bands (heights the device count does 
 the end), halo rows by permutes with the image's edge replicated, the causal mid-block attention with
 the K/V band passed round the tiles. Without a mesh the same program runs on one tile. Compiled
 programs are cached per (devices, shape, dtype); :meth:`HunyuanVideo15MeshVAE.compiled_decode` exposes
-them (``memory_analysis()``: ``scripts/hunyuan_video15_vae_memory.py``). The model may be abstract
-(:func:`~jaxdit.vae.hunyuan_video15_vae.abstract_vae`) for compiling without weights.
+them (``memory_analysis()``: ``scripts/video_vae_memory.py --vae hunyuanvideo1.5``). The model may be
+abstract (:func:`~jaxdit.vae.hunyuan_video15_vae.abstract_vae`) for compiling without weights.
 """
 
 from __future__ import annotations
