@@ -50,8 +50,10 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models import hunyuan_video15 as hv
 from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
 from jaxdit.models.layers import rope_angles
+from jaxdit.pipelines.pipefusion import video_patches
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.stages import StagedModel
+from jaxdit.pipelines.pipefusion.video_patches import validate_patches
 
 __all__ = [
     "PASSES",
@@ -78,34 +80,9 @@ GROUPS = (
 
 
 def default_num_patches(stages: int, grid: tuple[int, int, int], sequence_degree: int = 1) -> int:
-    """A full pipeline: the fewest patches M >= 2P (a patch is back at stage 0 after 2P ticks) that are
-    whole latent rows whose video tokens ring x ulysses split; where none does, the fewest M >= P that
-    are; else P (the checks then say why)."""
-    rows, tokens = grid[1], math.prod(grid)
-    for low in (PASSES * stages, stages):
-        for m in range(low, rows + 1):
-            if rows % m == 0 and (tokens // m) % sequence_degree == 0:
-                return m
-    return stages
-
-
-def validate_patches(grid: tuple[int, int, int], patches: int, sequence_degree: int) -> None:
-    """Patches are whole latent rows (of every frame) after patchify, and ring x ulysses splits each."""
-    f, h, w = grid
-    if patches < 1 or h % patches:
-        valid = [m for m in range(1, h + 1) if h % m == 0]
-        raise ValueError(
-            f"num_pipeline_patch={patches} does not divide the {h} latent rows after patchify (token grid "
-            f"{f} frames x {h} rows x {w} columns); patches are whole rows: use one of "
-            f"{', '.join(map(str, valid))}"
-        )
-    per_patch = f * h * w // patches
-    if per_patch % sequence_degree:
-        raise ValueError(
-            f"each of the {patches} patches has {per_patch} video tokens, which ring x ulysses = "
-            f"{sequence_degree} does not divide (PipeFusion does not pad the video tokens); use fewer "
-            "patches or another sequence degree"
-        )
+    """Whole latent rows, as few as keep both passes (refiner up, dual-stream blocks down) full: M >= 2P
+    where the rows and the sequence degree allow (:func:`video_patches.default_num_patches`)."""
+    return video_patches.default_num_patches(stages, grid, sequence_degree, "rows", PASSES)
 
 
 def check_model(config: HunyuanVideo15Config, parallel: ParallelConfig) -> None:

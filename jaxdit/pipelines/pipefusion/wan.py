@@ -70,6 +70,7 @@ from jaxdit.pipelines.pipefusion import runner
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
 from jaxdit.pipelines.pipefusion.stages import StagedModel
+from jaxdit.pipelines.pipefusion.video_patches import default_num_patches, validate_patches
 from jaxdit.samplers import unipc
 from jaxdit.samplers.sampler import UniPCSampler
 
@@ -91,51 +92,11 @@ PASSES = len(wan.WanTransformer.STACKS)
 #: Per-token context entries [B, N, k] beside the latent tokens: I2V's condition channels (mask + image
 #: latent), TI2V's first-frame tokens and the 0/1 marks of the tokens it replaces.
 PER_TOKEN = ("condition", "first_frame", "in_first_frame")
-PATCH_AXES = {"frames": 0, "rows": 1}
 
 
 # --------------------------------------------------------------------------------------------------------
 # Checks that need no devices
 # --------------------------------------------------------------------------------------------------------
-
-
-def _split_size(grid: tuple[int, int, int], patch_by: str) -> int:
-    if patch_by not in PATCH_AXES:
-        raise ValueError(f"patch_by must be 'rows' or 'frames', got {patch_by!r}")
-    return grid[PATCH_AXES[patch_by]]
-
-
-def default_num_patches(stages: int, grid: tuple[int, int, int], sequence_degree: int = 1, patch_by="rows"):
-    """The smallest M >= P (a full pipeline: V = 1) that splits the rows (frames) into whole patches whose
-    tokens the sequence degree divides; P when none does (the checks then say why)."""
-    size = _split_size(grid, patch_by)
-    for m in range(stages, size + 1):
-        if size % m == 0 and (math.prod(grid) // m) % sequence_degree == 0:
-            return m
-    return stages
-
-
-def validate_patches(
-    grid: tuple[int, int, int], patches: int, sequence_degree: int, patch_by: str = "rows"
-) -> None:
-    """Patches are whole latent rows (or frames) after patchify, and ring x ulysses splits each."""
-    size = _split_size(grid, patch_by)
-    what = "rows" if patch_by == "rows" else "frames"
-    f, h, w = grid
-    if patches < 1 or size % patches:
-        valid = [m for m in range(1, size + 1) if size % m == 0]
-        raise ValueError(
-            f"num_pipeline_patch={patches} does not divide the {size} latent {what} after patchify "
-            f"(token grid {f} frames x {h} rows x {w} columns); patches are whole {what}: use one of "
-            f"{', '.join(map(str, valid))}"
-        )
-    per_patch = math.prod(grid) // patches
-    if per_patch % sequence_degree:
-        raise ValueError(
-            f"each of the {patches} patches has {per_patch} video tokens, which ring x ulysses = "
-            f"{sequence_degree} does not divide (PipeFusion for Wan does not pad patches); use fewer "
-            "patches or another sequence degree"
-        )
 
 
 def check_model(config: wan.WanConfig, parallel: ParallelConfig) -> None:
