@@ -6,6 +6,10 @@ The text-to-video pipeline's loop, prompts, guidance and decoding (``pipelines/h
 with the first frame as conditioning (``pipelines/hunyuan_video15_image.py``): its latents and mask as
 the transformer's condition channels beside every noisy token (per-token extras of the loop, so they are
 sharded with the tokens), its SigLIP tokens as the image token group (the same for both CFG branches).
+The first frame is encoded by the VAE row-parallel over every device of the mesh, as the decode
+(``vae/hunyuan_video15_vae_mesh.py``); SigLIP runs on the encoders' device. A MeanFlow transformer
+(``use_meanflow``) gets the next step's timestep as ``timestep_r`` (0 at the last step), as diffusers'
+image-to-video pipeline passes it (its text-to-video pipeline passes none).
 As diffusers, the video's size is the picture's size bucket, not a call argument: a call that gives
 another height or width is refused.
 """
