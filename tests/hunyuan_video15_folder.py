@@ -68,11 +68,12 @@ def image_components() -> dict:
     return dict(image_encoder=encoder, feature_extractor=SiglipImageProcessor(size=size))
 
 
-def save_i2v(folder: Path):
-    """The tiny ``HunyuanVideo15ImageToVideoPipeline`` (text encoders included) saved in ``folder``."""
+def save_i2v(folder: Path, **transformer):
+    """The tiny ``HunyuanVideo15ImageToVideoPipeline`` (text encoders included) saved in ``folder``;
+    ``transformer``: overrides of the tiny transformer's config (``use_meanflow=True``)."""
     from diffusers import HunyuanVideo15ImageToVideoPipeline
 
-    t2v = pipeline(text_encoders(folder.parent))
+    t2v = pipeline(text_encoders(folder.parent), **transformer)
     pipe = HunyuanVideo15ImageToVideoPipeline(**t2v.components, **image_components())
     pipe.save_pretrained(folder)
     return pipe

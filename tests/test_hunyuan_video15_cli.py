@@ -24,20 +24,31 @@ PROMPT = 'a cat walks on grass, sign reading "hello"'
 H, W, FRAMES, STEPS, SEED = 32, 48, 5, 3, 5
 
 
-@pytest.fixture(scope="module")
-def folder_and_reference(tmp_path_factory):
-    """The tiny folder and diffusers' final latents and frames from it, shared by both meshes."""
+def _folder_and_reference(root, **transformer):
+    """The tiny folder (``transformer``: overrides of its transformer's config), diffusers' final latents
+    and frames from it, and the ``timestep_r`` of its transformer calls."""
     import diffusers
 
-    folder = tmp_path_factory.mktemp("hy") / "HunyuanVideo-1.5-tiny"
-    hf.save(folder, with_text=True)
+    folder = root / "HunyuanVideo-1.5-tiny"
+    hf.save(folder, with_text=True, **transformer)
     pipe = diffusers.HunyuanVideo15Pipeline.from_pretrained(folder)
+    seen_r = []
+    pipe.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen_r.append(kwargs.get("timestep_r")), with_kwargs=True
+    )
     noise = torch.from_numpy(latent_ops.initial_noise(SEED, (1, 4, (FRAMES - 1) // 4 + 1, H // 16, W // 16)))
     call = dict(height=H, width=W, num_frames=FRAMES, num_inference_steps=STEPS, latents=noise)
     with torch.no_grad():
-        want_latents = pipe(PROMPT, output_type="latent", **call).frames.numpy()
-        want_frames = pipe(PROMPT, output_type="np", **call).frames
-    return folder, want_latents, want_frames
+        latents = pipe(PROMPT, output_type="latent", **call).frames
+        video = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
+        want_frames = pipe.video_processor.postprocess_video(video, output_type="np")
+    return (folder, latents.numpy(), want_frames), seen_r
+
+
+@pytest.fixture(scope="module")
+def folder_and_reference(tmp_path_factory):
+    """The tiny folder and diffusers' final latents and frames from it, shared by the meshes."""
+    return _folder_and_reference(tmp_path_factory.mktemp("hy"))[0]
 
 
 MESHES = {
@@ -50,7 +61,20 @@ MESHES = {
 
 @pytest.mark.parametrize("mesh", list(MESHES))
 def test_cli_prompt_to_mp4_matches_diffusers(folder_and_reference, mesh, monkeypatch, tmp_path):
-    folder, want_latents, want_frames = folder_and_reference
+    _generate(folder_and_reference, mesh, monkeypatch, tmp_path)
+
+
+def test_cli_meanflow_prompt_to_mp4_matches_diffusers(tmp_path_factory, monkeypatch, tmp_path):
+    """A MeanFlow (``use_meanflow``) folder on cfg2 x ulysses2: diffusers' text-to-video pipeline passes
+    no ``timestep_r``, so its transformer leaves the second timestep's term out; jaxdit's does the same
+    (the term moves the model's output by far more than the bound: ``test_hunyuan_video15_transformer.py``)."""
+    case, seen_r = _folder_and_reference(tmp_path_factory.mktemp("hy-mf"), use_meanflow=True)
+    assert seen_r == [None] * (2 * STEPS)  # both CFG branches, every step
+    _generate(case, "cfg2 x ulysses2", monkeypatch, tmp_path)
+
+
+def _generate(case, mesh, monkeypatch, tmp_path):
+    folder, want_latents, want_frames = case
     seen, write = {}, generate_module.write
 
     def capture(r, result):

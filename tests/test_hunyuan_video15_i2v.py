@@ -22,8 +22,11 @@ from jaxdit import generate as generate_module
 from jaxdit.loading.hunyuan_video15 import load_hunyuan_video15_image_encoder
 from jaxdit.pipelines import hunyuan_video15_i2v as i2v_pipeline
 from jaxdit.pipelines import latents as latent_ops
+from jaxdit.pipelines.hunyuan_video15 import TimestepEuler
 from jaxdit.pipelines.hunyuan_video15_i2v import picture_size
 from jaxdit.pipelines.hunyuan_video15_image import SiglipProcessor, crop_to, rgb_pictures
+from jaxdit.samplers import flow_match_euler as euler
+from jaxdit.vae.hunyuan_video15_vae_mesh import HunyuanVideo15MeshVAE as HunyuanMeshVAE
 
 PROMPT = 'a cat walks on grass, sign reading "hello"'
 FRAMES, STEPS, SEED = 5, 3, 5
@@ -66,17 +69,24 @@ def test_picture_arithmetic_matches_diffusers(shape):
     tol.check(got, want["pixel_values"], tol.ROUNDING, "SigLIP processor pixel values vs transformers")
 
 
-@pytest.fixture(scope="module")
-def i2v(tmp_path_factory):
-    """The folder, the first frame's file, and diffusers' final latents and frames."""
+def _folder_and_reference(root, **transformer):
+    """The folder (``transformer``: overrides of its transformer's config), the first frame's file, and
+    diffusers' final latents and frames; and diffusers' pipeline (``seen_r``: the ``timestep_r`` of
+    its transformer calls) and the noise."""
     import diffusers
 
-    root = tmp_path_factory.mktemp("hy-i2v")
     folder = root / "HunyuanVideo-1.5-i2v-tiny"
-    hf.save_i2v(folder)
+    hf.save_i2v(folder, **transformer)
     picture = root / "first.png"
     Image.fromarray(_picture()).save(picture)
     pipe = diffusers.HunyuanVideo15ImageToVideoPipeline.from_pretrained(folder)
+    pipe.seen_r = []  # the timestep_r of every transformer call
+
+    def record(module, args, kwargs):
+        r = kwargs.get("timestep_r")
+        pipe.seen_r.extend([None] if r is None else r.tolist())
+
+    pipe.transformer.register_forward_pre_hook(record, with_kwargs=True)
     h, w = picture_size(PICTURE, hf.TRANSFORMER["target_size"])
     noise = latent_ops.initial_noise(SEED, (1, 4, (FRAMES - 1) // 4 + 1, h // 16, w // 16))
     with torch.no_grad():
@@ -90,19 +100,19 @@ def i2v(tmp_path_factory):
         ).frames
         video = pipe.vae.decode(latents / pipe.vae.config.scaling_factor, return_dict=False)[0]
         frames = pipe.video_processor.postprocess_video(video, output_type="np")
-    return folder, picture, latents.numpy(), frames, (h, w)
+    return (folder, picture, latents.numpy(), frames, (h, w)), (pipe, noise)
 
 
-@pytest.mark.parametrize(
-    "mesh",
-    [
-        ("--ulysses_degree", "2", "--ring_degree", "2"),
-        ("--use_cfg_parallel", "--ulysses_degree", "2"),
-        ("--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", str(STEPS)),
-    ],
-)
-def test_cli_image_to_mp4_matches_diffusers(i2v, mesh, monkeypatch, tmp_path):
-    folder, picture, want_latents, want_frames, (h, w) = i2v
+@pytest.fixture(scope="module")
+def i2v(tmp_path_factory):
+    """The folder, the first frame's file, and diffusers' final latents and frames."""
+    return _folder_and_reference(tmp_path_factory.mktemp("hy-i2v"))[0]
+
+
+def _generate(case, mesh, monkeypatch, tmp_path):
+    """``jaxdit generate`` of the folder and picture of ``case`` on ``mesh``, compared with diffusers'
+    latents and frames; returns the latents."""
+    folder, picture, want_latents, want_frames, (h, w) = case
     seen, write = {}, generate_module.write
 
     def capture(r, result):
@@ -117,11 +127,19 @@ def test_cli_image_to_mp4_matches_diffusers(i2v, mesh, monkeypatch, tmp_path):
         return loads(cls, *args, **{**kwargs, "compiler_options": FAST})
 
     monkeypatch.setattr(pipeline, "from_pretrained", classmethod(quick))
+    encodes, encode = [], HunyuanMeshVAE.encode
+
+    def spy(self, x, mesh=None):  # the first frame's encode: over how many devices
+        encodes.append(self.tiles(mesh).size)
+        return encode(self, x, mesh)
+
+    monkeypatch.setattr(HunyuanMeshVAE, "encode", spy)
     out = tmp_path / "hy.mp4"
     argv = ["generate", "--weights", str(folder), "--prompt", PROMPT, "--image", str(picture)]
     argv += ["--num_frames", str(FRAMES), "--steps", str(STEPS), "--seed", str(SEED), *mesh]
     assert cli.main([*argv, "--output", str(out)]) == 0
     result, label = seen["result"], " ".join(mesh)
+    assert encodes == [4]  # the first frame encoded row-parallel over the 4 devices, as the decode
     tol.check(result.latents, want_latents, tol.TORCH_LOOP, f"jaxdit generate i2v {label}: final latents")
     frames = np.clip((np.asarray(result.images) + 1) / 2, 0, 1)
     assert frames.shape == want_frames.shape == (1, FRAMES, h, w, 3)
@@ -129,6 +147,35 @@ def test_cli_image_to_mp4_matches_diffusers(i2v, mesh, monkeypatch, tmp_path):
     with av.open(str(out)) as container:
         decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert (len(decoded), *decoded[0].shape) == (FRAMES, h, w, 3)
+    return result.latents
+
+
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        ("--ulysses_degree", "2", "--ring_degree", "2"),
+        ("--use_cfg_parallel", "--ulysses_degree", "2"),
+        ("--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", str(STEPS)),
+    ],
+)
+def test_cli_image_to_mp4_matches_diffusers(i2v, mesh, monkeypatch, tmp_path):
+    _generate(i2v, mesh, monkeypatch, tmp_path)
+
+
+def test_cli_meanflow_image_to_mp4_matches_diffusers(tmp_path_factory, monkeypatch, tmp_path):
+    """A MeanFlow (``use_meanflow``) folder on cfg2 x ulysses2: diffusers' image-to-video pipeline passes
+    the next step's timestep as ``timestep_r`` (0 at the last step), and so does jaxdit's loop
+    (``TimestepEuler.next_time``). That the term moves the output by far more than the bound is checked
+    on the model (``test_hunyuan_video15_transformer.py``)."""
+    case, (pipe, _) = _folder_and_reference(tmp_path_factory.mktemp("hy-i2v-mf"), use_meanflow=True)
+    _generate(case, ("--use_cfg_parallel", "--ulysses_degree", "2"), monkeypatch, tmp_path)
+    timesteps = pipe.scheduler.timesteps.numpy()  # the schedule of the reference run
+    want_r = [*timesteps[1:], 0.0]
+    assert [float(r) for r in pipe.seen_r] == [float(r) for r in want_r for _ in range(2)]  # 2 branches
+    config = euler.FlowMatchEulerConfig(shift=hf.SHIFT)
+    schedule = euler.set_timesteps(config, sigmas=np.linspace(1.0, 0.0, STEPS + 1)[:-1], mu=None)
+    got_r = [float(TimestepEuler(config).next_time(schedule, i)) for i in range(STEPS)]
+    np.testing.assert_array_equal(got_r, np.asarray(want_r, np.float32))
 
 
 def test_cli_refuses_another_size(i2v, tmp_path, capsys):

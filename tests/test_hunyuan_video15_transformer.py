@@ -123,19 +123,27 @@ def test_jaxdit_convert_to_orbax_loads_the_same_model(case, tmp_path):
 
 def test_meanflow_second_timestep_matches_diffusers(tmp_path):
     """``use_meanflow`` (the step-distilled / super-resolution variants): a second timestep embedder
-    added to the AdaLN vector; on ring2, image-to-video inputs."""
+    added to the AdaLN vector; on ring2, image-to-video inputs. Without ``timestep_r`` (what diffusers'
+    text-to-video pipeline passes) the term is left out, as diffusers does; the term moves the output by
+    far more than the bound, so leaving it out (or adding it unasked) would be seen."""
     model = tiny.transformer(use_meanflow=True)
     model.save_pretrained(tmp_path / "transformer")
     x = tiny.inputs(FRAMES, HEIGHT, WIDTH, LENGTHS, GLYPH_LENGTHS, image=3)
     x["timestep_r"] = np.array([300.0, 20.0], np.float32)
     want = tiny.reference(model, x)
+    want_without = tiny.reference(model, {k: v for k, v in x.items() if k != "timestep_r"})
     pc = ParallelConfig(ring=2)
     mesh = pc.make_mesh(jax.devices()[:2])
     params = load_params(tmp_path / "transformer", mesh, checkpoints=CHECKPOINTS)
     cfg = params.config
     args = {k: v for k, v in x.items() if k not in ("timestep", "timestep_r")}
-    out = hv.sharded(params, mesh)(
-        **hv.forward_inputs(**args, config=cfg), timestep=x["timestep"], timestep_r=x["timestep_r"]
-    )
-    got = hv.unpatchify(np.asarray(out, np.float32), hv.latent_grid(x["hidden_states"].shape, cfg), cfg)
+    forward, inputs = hv.sharded(params, mesh), hv.forward_inputs(**args, config=cfg)
+    grid = hv.latent_grid(x["hidden_states"].shape, cfg)
+    run = lambda **t: hv.unpatchify(np.asarray(forward(**inputs, **t), np.float32), grid, cfg)
+    got = run(timestep=x["timestep"], timestep_r=x["timestep_r"])
     tol.check(got, want, tol.TORCH_FORWARD, "HunyuanVideo 1.5 MeanFlow (ring2) vs diffusers")
+    got_without = run(timestep=x["timestep"])
+    tol.check(got_without, want_without, tol.TORCH_FORWARD, "MeanFlow without timestep_r vs diffusers")
+    moved = float(np.abs(want - want_without).max())
+    print(f"the r term moves the output by {moved:.3g}")
+    assert moved > 100 * tol.TORCH_FORWARD.allowed(float(np.abs(want).max()))

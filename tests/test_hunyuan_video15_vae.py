@@ -179,6 +179,16 @@ def test_mesh_encode_equals_one_device(on_mesh):
     tol.check(got, want, tol.VAE_TILES, "encode, 48 pixel rows on 2 devices vs one device")
 
 
+def test_mesh_encode_of_a_first_frame_equals_one_device(on_mesh):
+    """The image-to-video first frame (one frame, the tiny i2v bucket 48 x 64) on 4 devices: bands of 16
+    pixel rows, the last tile all padding (what the i2v pipeline runs)."""
+    x = np.random.default_rng(3).uniform(-1, 1, (1, 3, 1, 48, 64)).astype(np.float32)
+    want = np.asarray(on_mesh.encode(x))
+    got = np.asarray(on_mesh.encode(x, _mesh(4)))
+    assert got.shape == want.shape == (1, 4, 1, 3, 4)
+    tol.check(got, want, tol.VAE_TILES, "encode, a first frame of 48 pixel rows on 4 devices vs one device")
+
+
 def test_decode_memory_falls_with_devices(on_mesh):
     """Per-device temporary bytes of the compiled decode (what ``scripts/video_vae_memory.py --vae
     hunyuanvideo1.5`` reports at full size), 8 latent rows."""

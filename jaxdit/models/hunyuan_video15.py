@@ -9,8 +9,8 @@ encoder's tokens pass their own small MLPs; each kind of condition token gets it
 ``num_layers`` dual-stream blocks then attend jointly over [video; condition tokens] with the condition
 tokens' key mask, RoPE on the video tokens only (three axes, base 256), and the video tokens leave through
 an AdaLN (scale first) and a linear layer. The AdaLN vector is the timestep's embedding (plus a second
-timestep's for the MeanFlow variants); the timestep enters unscaled (diffusers' pipeline passes
-t in [0, 1000]). Parameters keep diffusers' names where they are one tensor; ``converters/
+timestep's for the MeanFlow variants, when one is passed); the timestep enters unscaled (diffusers'
+pipeline passes t in [0, 1000]). Parameters keep diffusers' names where they are one tensor; ``converters/
 hunyuan_video15.py`` maps the keys.
 
 diffusers moves every sample's real condition tokens in front of its padding (image, glyph, prompt) and
@@ -166,11 +166,11 @@ class HunyuanVideo15Transformer(HunyuanVideo15CacheHooks, nnx.Module):
         self, t: jax.Array, pooled: jax.Array, t_r: jax.Array | None = None
     ) -> tuple[jax.Array, jax.Array]:
         """(the blocks' and output layer's AdaLN vector, the token refiner's) of timesteps ``t`` [B] (and
-        ``t_r`` for MeanFlow models) and the pooled prompt [B, C]: fp32 [B, E] each."""
+        ``t_r`` for MeanFlow models) and the pooled prompt [B, C]: fp32 [B, E] each. A MeanFlow model
+        called without ``t_r`` leaves its second term out, as diffusers' time embedding does (its
+        text-to-video pipeline passes none; the image-to-video one passes the next timestep)."""
         temb = self._time(self.time_embed, t)
-        if self.time_embed_r is not None:
-            if t_r is None:
-                raise ValueError("a MeanFlow model (use_meanflow) needs timestep_r")
+        if self.time_embed_r is not None and t_r is not None:
             temb = temb + self._time(self.time_embed_r, t_r)
         ce = self.context_embedder
         return temb, self._time(ce.timestep_embedder, t) + ce.text_embedder(pooled)

@@ -104,13 +104,16 @@ class TokenHooks:
     and the per-token extras (default: ``x`` itself). ``prediction(v)``: the model's output as an update
     of ``x``'s features (default: as is). ``extra_features``: features ``model_input`` adds per token.
     ``guidance(uncond, cond, scale)``: how the two CFG branches' predictions combine, per token (default:
-    plain classifier-free guidance, ``jaxdit.parallel.cfg.guidance``).
+    plain classifier-free guidance, ``jaxdit.parallel.cfg.guidance``). ``step_inputs``: forward inputs
+    computed per step, by name: ``fn(schedule, i)`` -> a scalar given to every batch row as fp32 [B]
+    (HunyuanVideo 1.5 MeanFlow's second timestep); default none.
     """
 
     model_input: Callable[[jax.Array, Mapping[str, jax.Array]], jax.Array] = lambda x, extras: x
     prediction: Callable[[jax.Array], jax.Array] = lambda v: v
     extra_features: int = 0
     guidance: Callable[[jax.Array, jax.Array, jax.Array], jax.Array] = cfg_guidance
+    step_inputs: Mapping[str, Callable[[Any, jax.Array], jax.Array]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,6 +246,8 @@ class Denoiser:
         shapes = {name: tuple(np.shape(v)) for name, v in inputs.context.items()}
         shapes["hidden_states"] = (rows, n, k + self.hooks.extra_features)
         shapes["timestep"] = (rows,)
+        for name in self.hooks.step_inputs:
+            shapes[name] = (rows,)
         layout = self.forward.layout(shapes)
         return layout, tuple(name for name in self.forward.inputs if name in shapes)
 
@@ -264,6 +269,8 @@ class Denoiser:
                 hidden_states=model_x.astype(dtype),
                 timestep=jnp.full((model_x.shape[0],), t, jnp.float32),
             )
+            for name, fn in hooks.step_inputs.items():
+                inputs[name] = jnp.full((model_x.shape[0],), fn(schedule, i), jnp.float32)
             return tuple(inputs[n] for n in names)
 
         prediction_spec = self.forward.spec(self.forward.output)
@@ -497,6 +504,8 @@ class Denoiser:
             (rows, layout.padded_lengths[self.group], k + self.hooks.extra_features), self.dtype
         )
         abstract["timestep"] = jax.ShapeDtypeStruct((rows,), jnp.float32)
+        for name in self.hooks.step_inputs:
+            abstract[name] = jax.ShapeDtypeStruct((rows,), jnp.float32)
         shapes = cached.state_shapes(layout, names, [abstract[name] for name in names], steps)
         # Where the parameters change (Wan 2.2's experts) a stored residual belongs to the other model:
         # those steps run in full. ``params(i)`` returns the same object for the same weights.

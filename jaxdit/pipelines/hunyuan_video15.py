@@ -84,6 +84,13 @@ class TimestepEuler(EulerSampler):
     def model_time(self, schedule: euler.FlowMatchEulerSchedule, i: jax.Array) -> jax.Array:
         return jnp.asarray(schedule.timesteps)[i]
 
+    def next_time(self, schedule: euler.FlowMatchEulerSchedule, i: jax.Array) -> jax.Array:
+        """The timestep of step ``i + 1``, 0 after the last step (the terminal sigma): MeanFlow's second
+        timestep as diffusers' image-to-video pipeline passes it. ``timesteps`` is ``sigmas[:-1]`` times
+        the train steps in fp32, so this is the same number."""
+        sigmas = jnp.asarray(schedule.sigmas)
+        return sigmas[i + 1] * jnp.float32(self.config.num_train_timesteps)
+
 
 def default_size(
     target_size: int, spatial: int = 16, aspect: tuple[int, int] = DEFAULT_ASPECT
@@ -190,7 +197,9 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
         )
 
     def token_hooks(self, extra: int) -> TokenHooks:
-        """Text-to-video: zero condition latents and a zero mask (``extra`` features) beside each token."""
+        """Text-to-video: zero condition latents and a zero mask (``extra`` features) beside each token.
+        No second timestep for a MeanFlow model: diffusers' text-to-video pipeline passes none, so its
+        transformer leaves the term out (the image-to-video pipeline passes one)."""
         return TokenHooks(
             model_input=lambda x, extras: jnp.concatenate(
                 [x, jnp.zeros((*x.shape[:-1], extra), x.dtype)], -1
@@ -203,8 +212,11 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
     folder_classes: Mapping[str, FolderClass] = FOLDER_CLASSES
 
     @classmethod
-    def folder_extras(cls, folder: Any, vae: Any, device: Any, dtype: Any) -> dict[str, Any]:
-        """Builder arguments a subclass reads from the folder beside the shared ones (none here)."""
+    def folder_extras(
+        cls, folder: Any, vae: Any, device: Any, dtype: Any, on_mesh: Any = None, mesh: Mesh | None = None
+    ) -> dict[str, Any]:
+        """Builder arguments a subclass reads from the folder beside the shared ones (none here);
+        ``on_mesh``: the VAE row-parallel over the devices of ``mesh``."""
         return {}
 
     @classmethod
@@ -221,9 +233,9 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
     ) -> HunyuanVideo15Pipeline:
         """A diffusers ``HunyuanVideo15Pipeline`` folder (``transformer/``, ``vae/``, ``scheduler/``,
         ``guider/``, and the text encoders where the folder has them) on the mesh of ``parallel``: the
-        transformer sharded over the mesh, the VAE decoding patch-parallel over all its devices, the text
-        encoders (and an image-to-video folder's VAE encoder) on one device (``encoder_device``, default
-        the first). Its heads, key table and guider are checked before any weight is read."""
+        transformer sharded over the mesh, the VAE decoding (and an image-to-video folder's first frame
+        encoding) patch-parallel over all its devices, the text encoders (and the image encoder) on one
+        device (``encoder_device``, default the first). Its heads, key table and guider are checked before any weight is read."""
         kernel = with_backend(kernel, attention_backend)
         check_kernel_options(kernel)
         folder = open_diffusers_folder(Path(path), cls.folder_classes)
@@ -258,7 +270,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
             temporal_factor=vae.config.temporal_compression_ratio,
             kernel=kernel,
             compiler_options=compiler_options,
-            **cls.folder_extras(folder, vae, encoder_device, dtype),
+            **cls.folder_extras(folder, vae, encoder_device, dtype, on_mesh, where.mesh),
         )
 
     # ------------------------------------------------------------------ call

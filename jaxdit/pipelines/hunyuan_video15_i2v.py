@@ -6,6 +6,10 @@ The text-to-video pipeline's loop, prompts, guidance and decoding (``pipelines/h
 with the first frame as conditioning (``pipelines/hunyuan_video15_image.py``): its latents and mask as
 the transformer's condition channels beside every noisy token (per-token extras of the loop, so they are
 sharded with the tokens), its SigLIP tokens as the image token group (the same for both CFG branches).
+The first frame is encoded by the VAE row-parallel over every device of the mesh, as the decode
+(``vae/hunyuan_video15_vae_mesh.py``); SigLIP runs on the encoders' device. A MeanFlow transformer
+(``use_meanflow``) gets the next step's timestep as ``timestep_r`` (0 at the last step), as diffusers'
+image-to-video pipeline passes it (its text-to-video pipeline passes none).
 As diffusers, the video's size is the picture's size bucket, not a call argument: a call that gives
 another height or width is refused.
 """
@@ -71,24 +75,43 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
         self.default_size = None  # the picture's size bucket, per call
 
     def token_hooks(self, extra: int) -> TokenHooks:
-        """The first frame's latents and mask (the per-token extras ``condition``) beside each token."""
+        """The first frame's latents and mask (the per-token extras ``condition``) beside each token; a
+        MeanFlow model also gets ``timestep_r``, the next step's timestep (0 at the last step), as
+        diffusers' image-to-video pipeline passes it."""
+        step_inputs = {"timestep_r": self.sampler.next_time} if self.config.use_meanflow else {}
         return TokenHooks(
             model_input=lambda x, extras: jnp.concatenate([x, extras["condition"].astype(x.dtype)], -1),
             extra_features=extra,
+            step_inputs=step_inputs,
         )
 
     @classmethod
-    def folder_extras(cls, folder: Any, vae: Any, device: Any, dtype: Any) -> dict[str, Any]:
-        """The VAE's encoder and the SigLIP encoder with its processor settings, on the encoders' device."""
-        graphdef, state = nnx.split(vae)
-        encode_fn = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x))
-        vae_dtype = jax.tree.leaves(state)[0].dtype
+    def folder_extras(
+        cls, folder: Any, vae: Any, device: Any, dtype: Any, on_mesh: Any = None, mesh: Any = None
+    ) -> dict[str, Any]:
+        """The VAE's encoder for the first frame, row-parallel over every device of ``mesh`` as the
+        decode (``on_mesh``: ``HunyuanVideo15MeshVAE``; without it, one device), and the SigLIP encoder
+        with its processor settings on the encoders' device."""
+        vae_dtype = jax.tree.leaves(nnx.state(vae))[0].dtype
+        if on_mesh is not None:
+            # Pixel rows in bands of a multiple of 16 (the encoder's compression) per device; a height the
+            # devices do not divide is padded at the end, as the decode pads its latent rows (a device may
+            # hold padding only: 48 pixel rows on 4 devices are bands of 16, the last all padding).
+            def encode_pixels(px: np.ndarray) -> np.ndarray:
+                return np.asarray(on_mesh.encode(jnp.asarray(px, vae_dtype), mesh), np.float32)
+        else:
+            graphdef, state = nnx.split(vae)
+            encode_fn = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode(x))
+
+            def encode_pixels(px: np.ndarray) -> np.ndarray:
+                return np.asarray(encode_fn(state, jnp.asarray(px, vae_dtype)), np.float32)
+
         siglip = load_hunyuan_video15_image_encoder(folder["image_encoder"], device=device, dtype=dtype)
         sg, ss = nnx.split(siglip)
         siglip_fn = jax.jit(lambda s, px: nnx.merge(sg, s)(px))
         (where,) = {d for leaf in jax.tree.leaves(ss) for d in leaf.devices()}
         first_frame = FirstFrame(
-            encode_pixels=lambda px: np.asarray(encode_fn(state, jnp.asarray(px, vae_dtype)), np.float32),
+            encode_pixels=encode_pixels,
             image_encoder=lambda px: np.asarray(siglip_fn(ss, jax.device_put(px, where)), np.float32),
             processor=SiglipProcessor.from_folder(Path(folder["feature_extractor"])),
             scaling_factor=vae.config.scaling_factor,
