@@ -210,7 +210,13 @@ class Shapes:
 def shapes(w: Workload, c: ParallelConfig) -> Shapes:
     s = c.sequence_degree
     b, h_t = w.batch // (c.data * c.cfg), w.num_heads // c.tensor
-    local = tuple(_local(t, s) for t in w.tokens)
+    if c.pipefusion > 1:
+        # PipeFusion cuts every group into M per-patch chunks of ceil(t / M) tokens, each padded to the
+        # S shards (``pipelines/pipefusion/geometry.py``): a prompt M does not divide carries padding.
+        patches = pipeline_shape(w, c)[1]
+        local = tuple(patches * _local(math.ceil(t / patches), s) for t in w.tokens)
+    else:
+        local = tuple(_local(t, s) for t in w.tokens)
     gathered = sum(local) * c.ulysses
     return Shapes(
         b=b,
