@@ -165,11 +165,6 @@ class Geometry(PatchGeometry):
     requests: int
     reference: int = 0
 
-    def chunk(self, length: int) -> int:
-        """Context tokens (text, reference) per patch: a group of ``length`` is padded to M chunks
-        (independent of the sequence degree, so that every mesh sees the same patches and stale K/V)."""
-        return -(-length // self.patches)
-
     @property
     def text_patch(self) -> int:
         return self.chunk(self.text)
@@ -177,11 +172,11 @@ class Geometry(PatchGeometry):
     @property
     def text_piece(self) -> int:
         """Text tokens per (patch, sequence shard) piece: a patch's text is padded to S of them."""
-        return -(-self.text_patch // self.seq)
+        return self.context_piece(self.text)
 
     @property
     def reference_piece(self) -> int:
-        return -(-self.chunk(self.reference) // self.seq)
+        return self.context_piece(self.reference)
 
     @property
     def image_piece(self) -> int:
@@ -196,29 +191,17 @@ class Geometry(PatchGeometry):
         return self.image_piece
 
     def text_valid(self, length: int | None = None) -> np.ndarray:
-        """[M, S, t] bool: which padded text tokens (or of a context group of ``length``) are real
-        (patch m, shard s, token i holds token m * T/M + s * t + i)."""
-        length = self.text if length is None else length
-        m, s, tp = self.patches, self.seq, self.chunk(length)
-        t = -(-tp // s)
-        j = np.arange(s * t).reshape(s, t)
-        return (j < tp)[None] & (np.arange(m)[:, None, None] * tp + j[None] < length)
+        """[M, S, t] bool: which padded text tokens (or of a context group of ``length``) are real."""
+        return self.context_valid(self.text if length is None else length)
 
     def piece_valid(self) -> tuple[np.ndarray | None, ...]:
         groups = [self.text_valid(), None] + ([self.text_valid(self.reference)] if self.reference else [])
         return tuple(None if v is None or v.all() else v for v in groups)
 
     def pad_text(self, x: np.ndarray, axis: int, length: int | None = None) -> np.ndarray:
-        """[..., T, ...] -> [..., M, S*t, ...] along ``axis``: per-patch chunks, each padded for S shards
-        (the text, or a context group of ``length`` tokens: Kontext's reference)."""
-        length = self.text if length is None else length
-        m, tp = self.patches, self.chunk(length)
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, m * tp - length)
-        x = np.pad(x, widths).reshape(*x.shape[:axis], m, tp, *x.shape[axis + 1 :])
-        widths = [(0, 0)] * x.ndim
-        widths[axis + 1] = (0, self.seq * -(-tp // self.seq) - tp)
-        return np.pad(x, widths)
+        """[..., T, ...] -> [..., M, S*t, ...] along ``axis``: the text's (or a context group of ``length``
+        tokens: Kontext's reference) per-patch chunks, each padded for S shards."""
+        return self.pad_context(x, axis, self.text if length is None else length)
 
     def to_patches(self, x: np.ndarray, axis: int) -> np.ndarray:
         """Packed image tokens in row-major order: patch m is the contiguous rows [m rows/M, ...)."""

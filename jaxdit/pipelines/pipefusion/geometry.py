@@ -77,6 +77,36 @@ class PatchGeometry:
         """Tokens of one patch on one sequence shard, every group together."""
         return sum(self.pieces)
 
+    # A context group (a prompt, a reference image, a glyph text) is cut into M chunks of ceil(T / M)
+    # tokens whatever the sequence degree, so that every mesh sees the same patches and stale K/V; each
+    # chunk is then padded for the S shards. A family's groups other than its latent use these.
+    def chunk(self, length: int) -> int:
+        """A context group's tokens per patch (the last chunk padded)."""
+        return -(-length // self.patches)
+
+    def context_piece(self, length: int) -> int:
+        """A context group's tokens per (patch, sequence shard) piece."""
+        return -(-self.chunk(length) // self.seq)
+
+    def context_valid(self, length: int) -> np.ndarray:
+        """[M, S, t] bool: which padded tokens of a context group of ``length`` are real (patch m, shard
+        s, token i holds token m * chunk + s * t + i)."""
+        m, s, tp = self.patches, self.seq, self.chunk(length)
+        t = -(-tp // s)
+        j = np.arange(s * t).reshape(s, t)
+        return (j < tp)[None] & (np.arange(m)[:, None, None] * tp + j[None] < length)
+
+    def pad_context(self, x: np.ndarray, axis: int, length: int) -> np.ndarray:
+        """[..., T, ...] -> [..., M, S*t, ...] along ``axis``: per-patch chunks of a context group, each
+        padded for S shards (zeros; False for a mask)."""
+        m, tp = self.patches, self.chunk(length)
+        widths = [(0, 0)] * x.ndim
+        widths[axis] = (0, m * tp - length)
+        x = np.pad(x, widths).reshape(*x.shape[:axis], m, tp, *x.shape[axis + 1 :])
+        widths = [(0, 0)] * x.ndim
+        widths[axis + 1] = (0, self.seq * -(-tp // self.seq) - tp)
+        return np.pad(x, widths)
+
     def patch_layout(self) -> SequenceLayout:
         """Local [group0; group1; ...] of one patch on one device (join/split for the blocks)."""
         return SequenceLayout(tuple(self.seq * g for g in self.pieces), self.seq)

@@ -142,14 +142,6 @@ class Geometry(PatchGeometry):
     def video_tokens(self) -> int:
         return math.prod(self.grid)
 
-    def chunk(self, length: int) -> int:
-        """A condition group's tokens per patch: padded to M chunks (whatever the sequence degree, so
-        every mesh sees the same patches and stale K/V)."""
-        return -(-length // self.patches)
-
-    def context_piece(self, length: int) -> int:
-        return -(-self.chunk(length) // self.seq)
-
     @property
     def pieces(self) -> tuple[int, ...]:
         return (self.latent_piece, *(self.context_piece(n) for n in self.lengths))
@@ -158,28 +150,9 @@ class Geometry(PatchGeometry):
     def latent_piece(self) -> int:
         return self.video_tokens // (self.patches * self.seq)
 
-    def context_valid(self, length: int) -> np.ndarray:
-        """[M, S, t] bool: which padded tokens of a condition group of ``length`` are real (patch m,
-        shard s, token i holds token m * chunk + s * t + i)."""
-        m, s, tp = self.patches, self.seq, self.chunk(length)
-        t = -(-tp // s)
-        j = np.arange(s * t).reshape(s, t)
-        return (j < tp)[None] & (np.arange(m)[:, None, None] * tp + j[None] < length)
-
     def piece_valid(self) -> tuple[np.ndarray | None, ...]:
         groups = [self.context_valid(n) for n in self.lengths]
         return (None, *(None if v.all() else v for v in groups))
-
-    def pad_context(self, x: np.ndarray, axis: int, length: int) -> np.ndarray:
-        """[..., T, ...] -> [..., M, S*t, ...] along ``axis``: per-patch chunks, each padded for S shards
-        (zeros; False for a mask)."""
-        m, tp = self.patches, self.chunk(length)
-        widths = [(0, 0)] * x.ndim
-        widths[axis] = (0, m * tp - length)
-        x = np.pad(x, widths).reshape(*x.shape[:axis], m, tp, *x.shape[axis + 1 :])
-        widths = [(0, 0)] * x.ndim
-        widths[axis + 1] = (0, self.seq * -(-tp // self.seq) - tp)
-        return np.pad(x, widths)
 
     def to_patches(self, x: np.ndarray, axis: int) -> np.ndarray:
         """[..., N, ...] video tokens in patchify (frame, row, column) order -> [..., M, N/M, ...]: patch m
