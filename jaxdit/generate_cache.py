@@ -116,9 +116,12 @@ def check_flags(r: Any, pipefusion: int) -> None:
                 f"--{option} applies to --cache {' / '.join(caches)}; the request asks for {name}"
             )
     if (name is not None or calibrations) and pipefusion > 1:
-        from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
+        from jaxdit.pipelines.pipefusion.cache import refusal
 
-        raise ValueError(f"--pipefusion_parallel_degree {pipefusion} with a cache: {CACHE_WITH_PIPEFUSION}")
+        asked = {"calibrate_magcache": "magcache-calibration", "calibrate_teacache": "teacache-calibration"}
+        reason = refusal(asked[calibrations[0]] if calibrations else name)
+        if reason is not None:
+            raise ValueError(f"--pipefusion_parallel_degree {pipefusion} with --cache {name}: {reason}")
     for flag in calibrations:
         from jaxdit.pipelines import preflight
 

@@ -80,8 +80,10 @@ class PipeFusionDenoiser:
         callback: Callable[[int, int], bool | None] | None = None,
         warmup_steps: int | None = None,
         num_pipeline_patch: int | None = None,
+        cache: Any = None,
         **options: Any,
     ) -> DenoiseResult:
+        """``cache``: a host-planned feature cache (MagCache, TaylorSeer; ``pipefusion/cache.py``)."""
         warmup = 1 if warmup_steps is None else warmup_steps
         start = time.perf_counter()
         tokens = self.runner(
@@ -99,6 +101,8 @@ class PipeFusionDenoiser:
             scales=inputs.scales,
             params=self.experts,
             callback=callback,
+            cache=cache,
             **options,
         )
-        return DenoiseResult(tokens, time.perf_counter() - start)
+        report = self.runner.last_cache if cache is not None else None
+        return DenoiseResult(tokens, time.perf_counter() - start, report)
