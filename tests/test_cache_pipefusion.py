@@ -41,7 +41,9 @@ CACHES = {"magcache": MagCache(threshold=0.5), "taylorseer": TaylorSeer(interval
 
 @functools.cache
 def _pipe(**degrees):
-    return tiny_digits(make_mesh(**degrees), compiler_options=tpf.FAST)
+    # The CLI's compile options (the suite runs XLA's CPU backend at -O0 already), so that the `jaxdit
+    # generate` runs below find these programs in the suite's compilation cache.
+    return tiny_digits(make_mesh(**degrees))
 
 
 @functools.cache
@@ -232,16 +234,23 @@ def test_skipped_steps_take_no_tick_and_no_collective_of_the_blocks():
 # --------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["magcache", "taylorseer"])
-def test_generate_runs_a_host_planned_cache_with_pipefusion(name, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "name, flags",
+    [
+        ("magcache", ["--cache_threshold", "0.5", "--use_cfg_parallel"]),  # the meshes of the runs above
+        ("taylorseer", ["--ulysses_degree", "2"]),
+    ],
+)
+def test_generate_runs_a_host_planned_cache_with_pipefusion(name, flags, tmp_path, capsys):
     from jaxdit import cli
 
     out = tmp_path / "digits.png"
-    argv = ["generate", "--pipefusion_parallel_degree", "2", "--cache", name]
-    argv += ["--steps", "8", "--prompt", "07", "--output", str(out)]
+    argv = ["generate", "--pipefusion_parallel_degree", "2", "--cache", name, *flags]
+    argv += ["--num_pipeline_patch", "4", "--steps", str(STEPS), "--prompt", PROMPT, "--output", str(out)]
     assert cli.main(argv) == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
-    assert "under PipeFusion (host plan): " in printed and out.is_file(), printed
+    assert "under PipeFusion (host plan): 4 of 8 steps ran every block" in printed and out.is_file(), printed
+    assert "held-out digit judge recognises 2 of 2" in printed, printed
 
 
 @pytest.mark.parametrize(
