@@ -34,7 +34,7 @@ from jaxdit.pipelines import tiny_digits as tiny
 from jaxdit.pipelines.tiny_digits import tiny_digits
 from jaxdit.samplers import flow_match_euler as euler
 
-PROMPT, STEPS, WARMUP = "07", 8, 1
+PROMPT, STEPS = "07", 8
 #: A MagCache threshold that skips on these 8 steps; TaylorSeer's defaults (interval 3, order 1).
 CACHES = {"magcache": MagCache(threshold=0.5), "taylorseer": TaylorSeer(interval=3, order=1)}
 
@@ -47,15 +47,15 @@ def _pipe(**degrees):
 
 
 @functools.cache
-def _run(name: str | None, **degrees):
+def _run(name: str | None, warmup: int = 1, **degrees):
     cache = None if name is None else CACHES[name]
-    call = dict(tpf.CALL, num_inference_steps=STEPS, num_pipeline_patch=tpf.PATCHES, warmup_steps=WARMUP)
+    call = dict(tpf.CALL, num_inference_steps=STEPS, num_pipeline_patch=tpf.PATCHES, warmup_steps=warmup)
     return _pipe(**degrees)(PROMPT, **call, cache=cache)
 
 
-def _host_plan(name: str) -> np.ndarray:
-    """The pattern written from the policies' rules directly: the PipeFusion warm-up step is forced."""
-    forced = [0, *range(WARMUP)]
+def _host_plan(name: str, warmup: int) -> np.ndarray:
+    """The pattern written from the policies' rules directly: the PipeFusion warm-up steps are forced."""
+    forced = [0, *range(warmup)]
     if name == "taylorseer":
         cache = CACHES[name]
         return taylorseer_pattern(STEPS, cache.interval, cache.warmup, forced)
@@ -69,7 +69,7 @@ def _host_plan(name: str) -> np.ndarray:
 
 
 @functools.cache
-def _reference(ran: tuple[bool, ...], order: int) -> np.ndarray:
+def _reference(ran: tuple[bool, ...], order: int, warmup: int = 1) -> np.ndarray:
     """PipeFusion with a host-planned cache written on the unsharded model (test_pipefusion._reference's
     stale-K/V semantics): warm-up steps on the whole sequence; then per full step, per patch, every layer
     attending to its fresh K/V and the other patches' latest buffered K/V, the residual of all blocks
@@ -170,7 +170,7 @@ def _reference(ran: tuple[bool, ...], order: int) -> np.ndarray:
     buffers = None
     for step in range(STEPS):
         s0, s1 = sigmas[step], sigmas[step + 1]
-        if step < WARMUP:
+        if step < warmup:
             x, buffers, residual = full_step(x, s0, s1)
             for m in range(patches):
                 refresh(m, residual[m], step - last)
@@ -192,20 +192,29 @@ def _reference(ran: tuple[bool, ...], order: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    "name, mesh", [("magcache", dict(pipefusion=2, cfg=2)), ("taylorseer", dict(pipefusion=2, ulysses=2))]
+    "name, warmup, mesh",
+    [
+        ("magcache", 1, dict(pipefusion=2, cfg=2)),
+        ("taylorseer", 1, dict(pipefusion=2, ulysses=2)),
+        # Two warm-up steps: the skipped steps 2 and 3 follow the last warm-up step (its program runs them).
+        ("taylorseer", 2, dict(pipefusion=2, ulysses=2)),
+    ],
 )
-def test_cached_pipefusion_follows_the_host_plan_and_equals_the_serial_reference(name, mesh):
-    out = _run(name, **mesh)
+def test_cached_pipefusion_follows_the_host_plan_and_equals_the_serial_reference(name, warmup, mesh):
+    out = _run(name, warmup, **mesh)
     report = out.cache
-    plan = _host_plan(name)
+    plan = _host_plan(name, warmup)
     np.testing.assert_array_equal(report.ran, plan)
     assert 0 < report.full_steps < STEPS and report.devices_agree
-    print(f"\n{name} on {mesh}: {report.describe()}")
+    print(f"\n{name} on {mesh}, warm-up {warmup}: {report.describe()}")
     order = CACHES[name].order if name == "taylorseer" else CACHES[name].taylor_order
-    reference = _reference(tuple(bool(r) for r in plan), order)
-    tol.check(out.latents, reference, tol.PIPEFUSION, f"{name}, {mesh}, M=4 vs the serial reference")
+    if warmup == 2:
+        assert not plan[warmup] and _pipe(**mesh).runner.last_plan.follow[warmup - 1] == 2
+    reference = _reference(tuple(bool(r) for r in plan), order, warmup)
+    what = f"{name}, {mesh}, M=4, warm-up {warmup} vs the serial reference"
+    tol.check(out.latents, reference, tol.PIPEFUSION, what)
     # The cache changes the result: against uncached PipeFusion (the same reference, every step full).
-    uncached = _reference((True,) * STEPS, 0)
+    uncached = _reference((True,) * STEPS, 0, warmup)
     drift = tol.max_error(out.latents, uncached)
     print(f"vs uncached PipeFusion: {drift:.1e}")
     assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(uncached).max())
@@ -216,7 +225,7 @@ def test_skipped_steps_take_no_tick_and_no_collective_of_the_blocks():
     collectives for its full steps (per tick: the double blocks' patch up, the single blocks' down;
     Ulysses' four all-to-alls per attention slot) and nothing for the skipped steps."""
     mesh = dict(pipefusion=2, ulysses=2)
-    _run("taylorseer", **mesh)
+    _run("taylorseer", 1, **mesh)  # (the pipe keeps its last run's plan and programs)
     pipe = _pipe(**mesh)
     plan = pipe.runner.last_plan
     (_, programs), *_ = pipe.runner.cached_programs.items()

@@ -12,6 +12,11 @@ warm-up step and once after each pipelined phase, ``done`` jumping by the phase'
 stops the run (the callback returns False) stops it there: at a warm-up step, or at the end of a phase.
 A phase cannot be cut shorter without changing the result: cutting it drains the pipeline, so the next
 steps would read other K/V than the uncut phase's.
+
+With a host-planned cache (MagCache, TaylorSeer: ``cache.py``) the skipped steps run inside the programs
+of the full steps they follow, so ``done`` after the last warm-up step also counts the skipped steps
+right after it, and the pipelined phase (the remaining full steps, each with its skipped steps) ends at
+the last step.
 """
 
 from __future__ import annotations

@@ -34,6 +34,11 @@ sampler state carry over. Cost: one more synchronous step per switch (``warmup_s
 and one more pipelined launch; the warm-up program is shared, a pipelined program is compiled per
 (length, first step).
 
+A host-planned feature cache (``cache=MagCache(...)`` or ``TaylorSeer(...)``; ``cache.py``): the host
+plans which steps run every block; the warm-up programs and ONE pipelined program (its scan over the full
+steps) also run the skipped steps, each right after the full step it follows, with no block and no K/V
+write; ``last_cache`` reports the plan. One parameter set only (no expert switch).
+
 Guidance runs when the context's batch is twice the latents' (both branches, interleaved). The request
 is checked before anything compiles (patches against the grid and the sequence degree, warm-up steps
 against the steps); ``runner.check(grid, steps, warmup_steps, num_pipeline_patch)`` runs the same checks
