@@ -24,7 +24,7 @@ from flax import nnx
 from jax import lax
 from pipefusion_helpers import ReferenceContext, collectives, make_mesh
 
-from jaxdit.cache import MagCache, TaylorSeer
+from jaxdit.cache import FirstBlockCache, MagCache, TaylorSeer
 from jaxdit.cache.magcache import magcache_pattern, nearest_interp, shipped
 from jaxdit.cache.taylor import taylorseer_pattern
 from jaxdit.families import load_params
@@ -283,3 +283,24 @@ def test_data_dependent_caches_are_refused_with_pipefusion_before_anything_loads
     err = capsys.readouterr().err.strip()
     assert reason in err and "\n" not in err, err
     assert "--cache magcache and --cache taylorseer" in err, err
+
+
+def test_flux_dev_magcache_under_pipefusion_takes_the_published_ratios_of_the_unpadded_model():
+    """The stage layout pads FLUX.1-dev's 19 double blocks to 20 at P = 2; MagCache's published ratios
+    are keyed by the real config, which the runner resolves against (abstract shapes, no weights)."""
+    from jaxdit.models import flux
+    from jaxdit.pipelines.pipefusion import runner as pf_runner
+    from jaxdit.pipelines.pipefusion.cache import Plan
+    from jaxdit.pipelines.pipefusion.flux import FluxPatches, PipeFusionFlux
+
+    config = flux.FluxConfig.preset("flux-dev")
+    model = PipeFusionFlux.abstract(config, make_mesh(pipefusion=2), jnp.bfloat16)
+    runner = pf_runner.PipeFusionRunner(FluxPatches(config), model)
+    policy = runner.cache_policy(MagCache(), (64, 64))
+    assert policy.threshold == shipped("flux-dev")["threshold"] and len(policy.mag_ratios[0]) == 28
+    plan = Plan.build(policy, 28, 1)
+    assert plan.ran[0] and plan.follow.sum() == (~plan.ran).sum() > 0
+    assert list(plan.full_index) == [i for i in range(1, 28) if plan.ran[i]]
+    print(f"\nflux-dev MagCache, 28 steps: {''.join('F' if r else '.' for r in plan.ran)}")
+    with pytest.raises(ValueError, match="First-Block-Cache decides each step"):
+        runner.cache_policy(FirstBlockCache(), (64, 64))
