@@ -195,6 +195,7 @@ def _reference(ran: tuple[bool, ...], order: int, warmup: int = 1) -> np.ndarray
     "name, warmup, mesh",
     [
         ("magcache", 1, dict(pipefusion=2, cfg=2)),
+        ("magcache", 1, dict(data=2, pipefusion=2, tensor=2)),  # one image per data shard, heads split
         ("taylorseer", 1, dict(pipefusion=2, ulysses=2)),
         # Two warm-up steps: the skipped steps 2 and 3 follow the last warm-up step (its program runs them).
         ("taylorseer", 2, dict(pipefusion=2, ulysses=2)),
