@@ -226,7 +226,8 @@ def test_skipped_steps_take_no_tick_and_no_collective_of_the_blocks():
     collectives for its full steps (per tick: the double blocks' patch up, the single blocks' down;
     Ulysses' four all-to-alls per attention slot) and nothing for the skipped steps."""
     mesh = dict(pipefusion=2, ulysses=2)
-    _run("taylorseer", 1, **mesh)  # (the pipe keeps its last run's plan and programs)
+    _run("taylorseer", 1, **mesh)
+    _run("taylorseer", 2, **mesh)  # the pipe keeps its last run's plan and programs, whichever ran last
     pipe = _pipe(**mesh)
     plan = pipe.runner.last_plan
     (_, programs), *_ = pipe.runner.cached_programs.items()
@@ -237,6 +238,14 @@ def test_skipped_steps_take_no_tick_and_no_collective_of_the_blocks():
     assert seen["collective-permute"][0] == 2 * ticks
     assert seen["all-to-all"][0] == 4 * slots * ticks
     print(f"\n{len(plan.full_index)} pipelined full steps in {ticks} ticks; {int((~plan.ran).sum())} skipped")
+    # One program per kind of step: one warm-up program for every warm-up step (compiled once, the step
+    # index is data), one pipelined program per count of full steps (warm-up 1: 3, warm-up 2: 2).
+    built = programs._built
+    assert sorted(k for k in built if k[0] == "async-cached") == [
+        ("async-cached", 2, 8),
+        ("async-cached", 3, 8),
+    ]
+    assert built[("warmup",)]._cache_size() == 1
 
 
 # --------------------------------------------------------------------------------------------------------
