@@ -36,7 +36,11 @@ from jaxdit.samplers import flow_match_euler as euler
 
 PROMPT, STEPS = "07", 8
 #: A MagCache threshold that skips on these 8 steps; TaylorSeer's defaults (interval 3, order 1).
-CACHES = {"magcache": MagCache(threshold=0.5), "taylorseer": TaylorSeer(interval=3, order=1)}
+CACHES = {
+    "magcache": MagCache(threshold=0.5),
+    "magcache+taylor": MagCache(threshold=0.5, taylor_order=1),  # MagCache's plan, TaylorSeer's forecast
+    "taylorseer": TaylorSeer(interval=3, order=1),
+}
 
 
 @functools.cache
@@ -69,12 +73,9 @@ def _host_plan(name: str, warmup: int) -> np.ndarray:
 
 
 @functools.cache
-def _reference(ran: tuple[bool, ...], order: int, warmup: int = 1) -> np.ndarray:
-    """PipeFusion with a host-planned cache written on the unsharded model (test_pipefusion._reference's
-    stale-K/V semantics): warm-up steps on the whole sequence; then per full step, per patch, every layer
-    attending to its fresh K/V and the other patches' latest buffered K/V, the residual of all blocks
-    (joined [text; image] stream minus the embedded streams) kept per patch; per skipped step, per patch,
-    the embedded streams plus the kept residual (order 0) or its Taylor forecast, the buffers untouched."""
+def _reference_steps():
+    """The serial reference's jitted steps (built once): the warm-up step, a full step of one patch, a
+    skipped step of one patch; the initial latents and the sigmas."""
     _, model = load_params(tiny.asset_dir(), make_mesh(), jnp.float32)
     cfg, patches = model.config, tpf.PATCHES
     ids = tiny.parse_prompt(PROMPT)
@@ -153,6 +154,18 @@ def _reference(ran: tuple[bool, ...], order: int, warmup: int = 1) -> np.ndarray
         v = head(embedded(xs, txt) + residual, sigma, tp)
         return lax.dynamic_update_slice_in_dim(x, euler.step(xs, v, sigma, sigma_next), m * per, 1)
 
+    return full_step, patch_step, skip_step, x, sigmas
+
+
+@functools.cache
+def _reference(ran: tuple[bool, ...], order: int, warmup: int = 1) -> np.ndarray:
+    """PipeFusion with a host-planned cache written on the unsharded model (test_pipefusion._reference's
+    stale-K/V semantics): warm-up steps on the whole sequence; then per full step, per patch, every layer
+    attending to its fresh K/V and the other patches' latest buffered K/V, the residual of all blocks
+    (joined [text; image] stream minus the embedded streams) kept per patch; per skipped step, per patch,
+    the embedded streams plus the kept residual (order 0) or its Taylor forecast, the buffers untouched."""
+    full_step, patch_step, skip_step, x, sigmas = _reference_steps()
+    patches, size = tpf.PATCHES, tiny.LATENT_SIZE
     # TaylorSeer's finite differences per patch: D_0 the residual, D_{i+1} = (D_i - D_i(previous)) / gap.
     derivatives = [None] * patches
     last, full = 0, 0
@@ -195,7 +208,7 @@ def _reference(ran: tuple[bool, ...], order: int, warmup: int = 1) -> np.ndarray
     "name, warmup, mesh",
     [
         ("magcache", 1, dict(pipefusion=2, cfg=2)),
-        ("magcache", 1, dict(data=2, pipefusion=2, tensor=2)),  # one image per data shard, heads split
+        ("magcache+taylor", 1, dict(data=2, pipefusion=2, tensor=2)),  # an image per data shard, heads split
         ("taylorseer", 1, dict(pipefusion=2, ulysses=2)),
         # Two warm-up steps: the skipped steps 2 and 3 follow the last warm-up step (its program runs them).
         ("taylorseer", 2, dict(pipefusion=2, ulysses=2)),
