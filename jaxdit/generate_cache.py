@@ -116,9 +116,12 @@ def check_flags(r: Any, pipefusion: int) -> None:
                 f"--{option} applies to --cache {' / '.join(caches)}; the request asks for {name}"
             )
     if (name is not None or calibrations) and pipefusion > 1:
-        from jaxdit.pipelines.base import CACHE_WITH_PIPEFUSION
+        from jaxdit.pipelines.pipefusion.cache import refusal
 
-        raise ValueError(f"--pipefusion_parallel_degree {pipefusion} with a cache: {CACHE_WITH_PIPEFUSION}")
+        asked = {"calibrate_magcache": "magcache-calibration", "calibrate_teacache": "teacache-calibration"}
+        reason = refusal(asked[calibrations[0]] if calibrations else name)
+        if reason is not None:
+            raise ValueError(f"--pipefusion_parallel_degree {pipefusion} with --cache {name}: {reason}")
     for flag in calibrations:
         from jaxdit.pipelines import preflight
 
@@ -164,6 +167,13 @@ def check_for_family(r: Any, config: Any) -> None:
     if name is None:
         return
     check_family(r.family, name)
+    pipefusion = getattr(r, "pipefusion_parallel_degree", 1)
+    if pipefusion > 1:
+        from jaxdit.pipelines.pipefusion.cache import refusal
+
+        reason = refusal(name, r.family.pipefusion_caches, r.family.display)
+        if reason is not None:
+            raise ValueError(f"--pipefusion_parallel_degree {pipefusion} with --cache {name}: {reason}")
     cache = make_cache(r)  # its own checks of the numbers
     if r.calibrate_teacache is not None:
         from jaxdit.cache.calibrate import TEACACHE_ORDER, teacache_steps_needed

@@ -229,7 +229,7 @@ def test_flux_policies():
         (dict(use_fbcache=True, cache_threshold=-1.0), "positive number"),
         (
             dict(use_teacache=True, pipefusion_parallel_degree=2, ulysses_degree=2, use_cfg_parallel=True),
-            "do not run with PipeFusion",
+            "TeaCache decides each step from the change of block 0's input over the WHOLE latent",
         ),
     ],
 )

@@ -230,7 +230,9 @@ PIPEFUSION = Bound(
     "PIPEFUSION",
     4e-6,
     relative=True,
-    measured="FLUX (tiny-digits) 1.5e-6, Wan 1.1e-6 (pipefusion4 x ring2), relative",
+    measured="FLUX (tiny-digits) 1.5e-6, Wan 1.1e-6 (pipefusion4 x ring2), with MagCache 1.3e-6 (pipefusion2 x "
+    "cfg2), MagCache + Taylor 2.4e-6 (data2 x pipefusion2 x tensor2), TaylorSeer 2.2e-6 (pipefusion2 x "
+    "ulysses2), relative",
 )
 
 #: Samplers against diffusers' schedulers, every step of a full run fed the same random model outputs,

@@ -206,6 +206,9 @@ class ModelFamily:
     #: The feature caches its transformer serves (``jaxdit.cache.hooks``: the hooks each needs); a cache
     #: not named here is refused before any weight loads.
     caches: ClassVar[frozenset[str]] = frozenset()
+    #: The feature caches its PipeFusion runner takes (host-planned ones only:
+    #: ``jaxdit.pipelines.pipefusion.cache``); any other is refused with PipeFusion before weights load.
+    pipefusion_caches: ClassVar[frozenset[str]] = frozenset()
     #: Feature-cache thresholds where this family's measured ones differ from the cache's own default
     #: (cache name -> threshold).
     cache_thresholds: ClassVar[Mapping[str, float]] = {}

@@ -24,6 +24,7 @@ __all__ = ["FLUX_KONTEXT", "FluxKontextFamily"]
 class FluxKontextFamily(FluxFamily):
     name = "flux-kontext"
     display = "FLUX.1 Kontext"
+    pipefusion_caches = frozenset()  # its reference tokens under a PipeFusion cache: not tested yet
     variant_of = (
         "flux"  # FLUX.1-dev's shapes: found by its folder (model_index.json) or preset, never by shape
     )

@@ -40,6 +40,7 @@ from jaxdit.pipelines import finite
 from jaxdit.pipelines.assemble import load_model, preset_check
 from jaxdit.pipelines.call_options import CallOption
 from jaxdit.pipelines.denoiser import DenoiseInputs, Denoiser
+from jaxdit.pipelines.pipefusion import cache as pipefusion_cache
 from jaxdit.pipelines.pipefusion.denoiser import PipeFusionDenoiser
 from jaxdit.pipelines.pipefusion.runner import PipeFusionRunner
 from jaxdit.pipelines.preflight import check_prompts
@@ -54,14 +55,9 @@ __all__ = [
     "to_pil",
 ]
 
-#: Why a feature cache and PipeFusion do not combine (checked before anything runs).
-CACHE_WITH_PIPEFUSION = (
-    "feature caches (First-Block-Cache, TeaCache) do not run with PipeFusion: a cache decides once per step "
-    "from block 0's output over the WHOLE latent, but PipeFusion's first stage hands each patch on as soon "
-    "as its blocks are done, so the decision would wait for every patch to clear stage 0 (a full pipeline "
-    "bubble every step), and a skipped step leaves every stage's stale K/V one more step behind; run the "
-    "cache on ulysses/ring/cfg/tensor/data instead"
-)
+#: Why a data-dependent feature cache and PipeFusion do not combine (checked before anything runs; each
+#: cache's own reason: ``jaxdit.pipelines.pipefusion.cache.refusal``).
+CACHE_WITH_PIPEFUSION = pipefusion_cache.refusal("fbcache")
 
 #: Arrays a call may pass instead of what the encoders make: checked finite before any work.
 GIVEN_ARRAYS = (
@@ -318,7 +314,13 @@ class DiffusionPipeline:
         if request.output_type != "latent" and self.decode is None:
             raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
         if request.cache is not None and self.parallel.pipefusion > 1:
-            raise ValueError(CACHE_WITH_PIPEFUSION)
+            # Only host-planned caches (MagCache, TaylorSeer) run with PipeFusion, on families whose
+            # runner takes them (pipefusion/cache.py); refused in one line before any work.
+            runner = getattr(self.denoiser, "runner", None)
+            caches = getattr(getattr(runner, "family", None), "caches", ())
+            reason = pipefusion_cache.refusal(getattr(request.cache, "name", ""), caches)
+            if reason is not None:
+                raise ValueError(reason)
         options = self.denoiser_options(request)
         if request.cache is not None:
             options["cache"] = request.cache

@@ -12,8 +12,9 @@ skipped"). For a plain (non-PipeFusion) configuration the model then takes a ste
 
 The non-block compute is the family's non-block FLOPs (``step_terms``) at the matmul rate; the rest of
 the step's compute, attention included, is the blocks'. The cache's own elementwise work (the metric's
-sums, adding the stored residual) is left out. PipeFusion does not combine with a cache
-(``jaxdit.pipelines.base.CACHE_WITH_PIPEFUSION``), so its configurations get none.
+sums, adding the stored residual) is left out. PipeFusion takes only the host-planned caches (MagCache,
+TaylorSeer: ``jaxdit.pipelines.pipefusion.cache``), whose skipped steps also leave the pipeline's ticks
+out; that is not priced here yet, so PipeFusion configurations get no cached time.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@
 - ``family``: what the runner asks of a family (the adapter's protocol);
 - ``geometry``: how a generation's tokens lie in patches and sequence-shard pieces (layouts, masks);
 - ``stages``: a model's block stacks laid out in stage slots (1/P of every stack per device);
+- ``cache``: the host-planned feature caches (MagCache, TaylorSeer) under PipeFusion, and why the
+  data-dependent ones are refused;
 - ``flux``, ``wan``: each family's adapter: its geometry, checks, cost terms, and how a patch is
   embedded and conditioned by the model's own staged pieces.
 

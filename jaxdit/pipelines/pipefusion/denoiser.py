@@ -12,6 +12,11 @@ warm-up step and once after each pipelined phase, ``done`` jumping by the phase'
 stops the run (the callback returns False) stops it there: at a warm-up step, or at the end of a phase.
 A phase cannot be cut shorter without changing the result: cutting it drains the pipeline, so the next
 steps would read other K/V than the uncut phase's.
+
+With a host-planned cache (MagCache, TaylorSeer: ``cache.py``) the skipped steps run inside the programs
+of the full steps they follow, so ``done`` after the last warm-up step also counts the skipped steps
+right after it, and the pipelined phase (the remaining full steps, each with its skipped steps) ends at
+the last step.
 """
 
 from __future__ import annotations
@@ -80,8 +85,10 @@ class PipeFusionDenoiser:
         callback: Callable[[int, int], bool | None] | None = None,
         warmup_steps: int | None = None,
         num_pipeline_patch: int | None = None,
+        cache: Any = None,
         **options: Any,
     ) -> DenoiseResult:
+        """``cache``: a host-planned feature cache (MagCache, TaylorSeer; ``pipefusion/cache.py``)."""
         warmup = 1 if warmup_steps is None else warmup_steps
         start = time.perf_counter()
         tokens = self.runner(
@@ -99,6 +106,8 @@ class PipeFusionDenoiser:
             scales=inputs.scales,
             params=self.experts,
             callback=callback,
+            cache=cache,
             **options,
         )
-        return DenoiseResult(tokens, time.perf_counter() - start)
+        report = self.runner.last_cache if cache is not None else None
+        return DenoiseResult(tokens, time.perf_counter() - start, report)

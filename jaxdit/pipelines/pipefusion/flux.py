@@ -49,6 +49,7 @@ from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux
 from jaxdit.models.layers import rope_angles
 from jaxdit.pipelines.pipefusion import runner
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
 from jaxdit.pipelines.pipefusion.stages import StagedModel
@@ -292,6 +293,9 @@ class FluxPatches:
     """
 
     config: flux.FluxConfig
+
+    #: The feature caches this runner takes (host-planned: ``pipefusion/cache.py``).
+    caches = PIPEFUSION_CACHES
 
     context_axes = {
         "encoder_hidden_states": ("batch", None, "seq", None),

@@ -39,6 +39,7 @@ from flax import nnx
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxdit.cache import taylor
 from jaxdit.models.staged import stack_gathers
 from jaxdit.parallel.cfg import guidance as cfg_guidance
 from jaxdit.parallel.context import ShardContext
@@ -59,12 +60,15 @@ from jaxdit.pipelines.pipefusion.stages import StagedModel
 from jaxdit.samplers.sampler import Sampler
 from sharding_rules import logical_to_spec
 
-__all__ = ["KV_AXES", "LATENT_AXES", "PipeFusionPrograms", "Wire"]
+__all__ = ["KV_AXES", "LATENT_AXES", "RESIDUAL_AXES", "PipeFusionPrograms", "Wire"]
 
 #: Latent patches (and the sampler state): one copy per stage [P, requests, M, S*n, K], tokens over seq.
 LATENT_AXES = ("stage", "request", None, "seq", None)
 #: K/V buffers [slots, batch, M, L, H, D]: layer slots split like the stacks, heads as after Ulysses.
 KV_AXES = ("layers", "batch", None, None, "kv_heads", None)
+#: A host-planned cache's residual of all blocks (``cache.py``), per patch [P, batch, M, S*piece, E]: one
+#: copy per stage (the stage where a patch's step ends holds it), the model batch over (data, cfg).
+RESIDUAL_AXES = ("stage", "batch", None, "seq", None)
 
 
 class Wire:
@@ -101,8 +105,12 @@ class PipeFusionPrograms:
         kernel: Mapping[str, int] | None = None,
         compiler_options: Mapping[str, Any] | None = None,
         guidance: Callable | None = None,
+        cache_order: int | None = None,
     ) -> None:
         self.family, self.model, self.g, self.guided, self.sampler = family, model, g, guided, sampler
+        #: A host-planned cache (``cache.py``): None for none, else the Taylor order of its forecast
+        #: (0: MagCache's plain reuse of the residual).
+        self.cache_order = cache_order
         self.guidance = cfg_guidance if guidance is None else guidance
         self.kernel = tuple(sorted((kernel or {}).items()))  # attention tile sizes, hashable
         self.compiler_options = dict(compiler_options) if compiler_options else None
@@ -110,6 +118,7 @@ class PipeFusionPrograms:
         self.stacks = tuple(model.orders)  # the forward's order: stack i is pass i
         spec = lambda axes: logical_to_spec(axes, model.rules)
         self.specs = {"latents": spec(LATENT_AXES), "kv": spec(KV_AXES), "scalar": PartitionSpec()}
+        self.specs["residual"] = spec(RESIDUAL_AXES)
         self.specs.update({name: spec(axes) for name, axes in family.context_axes.items()})
         self.shardings = {k: NamedSharding(model.mesh, s) for k, s in self.specs.items()}
         self._built: dict[tuple, Callable] = {}
@@ -142,6 +151,28 @@ class PipeFusionPrograms:
                 lambda: tuple(jnp.zeros(s, dtype) for s in shapes), out_shardings=(sharding,) * len(shapes)
             ),
         )()
+
+    def residual_shape(self) -> tuple[int, ...]:
+        """One array of a host-planned cache's state: the residual of all blocks per patch (or one of its
+        Taylor derivatives) [P, batch, M, S*piece, E]."""
+        g = self.g
+        return (self.model.stages, g.batch, g.patches, g.seq * g.piece, self.family.width)
+
+    def zero_residual(self) -> tuple[jax.Array, ...]:
+        """The cache state, zeroed: ``cache_order + 1`` arrays (the residual, then its derivatives)."""
+        shape, sharding, count = self.residual_shape(), self.shardings["residual"], self.cache_order + 1
+        return self._cached(
+            ("zero-residual",),
+            lambda: jax.jit(
+                lambda: tuple(jnp.zeros(shape, jnp.float32) for _ in range(count)),
+                out_shardings=(sharding,) * count,
+            ),
+        )()
+
+    def residual_bytes_per_device(self) -> int:
+        sharding = self.shardings["residual"]
+        per = int(np.prod(sharding.shard_shape(self.residual_shape()))) * 4
+        return per * (self.cache_order + 1)
 
     def init_state(self, lat: jax.Array) -> tuple[jax.Array, ...]:
         """The sampler's state for the placed latents, laid out like them."""
@@ -184,7 +215,12 @@ class PipeFusionPrograms:
         return self._built[key]
 
     def warmup(self) -> Callable:
-        """``(params, lat, state, kv, context, schedule, i, scale) -> (lat, state, kv)``: step ``i``."""
+        """``(params, lat, state, kv, context, schedule, i, scale) -> (lat, state, kv)``: step ``i``.
+
+        With a host-planned cache (``cache_order`` not None): ``(params, lat, state, kv, residual,
+        context, schedule, i, scale, follow, distance, full_before) -> (lat, state, kv, residual)``: the
+        step also stores the residual of all blocks per patch, then applies the ``follow[i]`` skipped
+        steps after it (``cache.py``)."""
         return self._cached(("warmup",), self._build_warmup)
 
     def asynchronous(self, steps: int, first_step: int) -> Callable:
@@ -192,6 +228,57 @@ class PipeFusionPrograms:
         to ``first_step + steps - 1`` pipelined. The sampler state comes back so that a later segment of
         the schedule (another expert's, ``segments.py``) continues the same trajectory."""
         return self._cached(("async", steps, first_step), lambda: self._build_async(steps, first_step))
+
+    def asynchronous_cached(self, full_steps: int, total_steps: int) -> Callable:
+        """A host-planned cache's pipelined phase: ``(params, lat, state, kv, residual, context, schedule,
+        scale, follow, distance, full_before, full_index) -> (lat, state, residual)``: the scan runs the
+        ``full_steps`` full steps ``full_index`` (absolute, of ``total_steps``) pipelined, and right
+        after each patch's full step the ``follow`` skipped steps after it (``cache.py``). One program
+        per count of full steps: which steps they are is data."""
+        return self._cached(
+            ("async-cached", full_steps, total_steps), lambda: self._build_async(full_steps, 0, total_steps)
+        )
+
+    # ------------------------------------------------------------------ host-planned cache pieces
+    def _enter_all(self, model: nnx.Module, streams: Any, ctx: ShardContext) -> Any:
+        """Embedded streams carried through every stack's ``enter`` without a block: what the residual of
+        all blocks is measured from and added to."""
+        for stack in self.stacks:
+            streams = model.enter(stack, streams, ctx)
+        return streams
+
+    def _patches_of_full(self, x: jax.Array) -> jax.Array:
+        """A stream in the warm-up's local layout [b, M*g_0 + M*g_1 + ..., E] -> per patch [b, M, piece, E]."""
+        g = self.g
+        bounds = np.cumsum([g.patches * p for p in g.pieces])[:-1].tolist()
+        parts = [a.reshape(a.shape[0], g.patches, -1, a.shape[-1]) for a in jnp.split(x, bounds, axis=1)]
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
+
+    def _residual_update(self, stored: tuple, fresh: jax.Array, distance: jax.Array, before: jax.Array):
+        """The cache state after a full step that measured residual ``fresh``: MagCache keeps it, TaylorSeer
+        refreshes its derivative estimates (``jaxdit.cache.taylor.update``)."""
+        if not self.cache_order:
+            return (fresh,)
+        return taylor.update(stored, fresh, distance, before)
+
+    def _skip_steps(self, model, pieces, ctx, schedule, scale, x, state, stored, m, last, count):
+        """Patch ``m``'s skipped steps ``last + 1 .. last + count`` after its full step ``last``: embed,
+        the stored residual (or its Taylor forecast) added with no block run, head, CFG, sampler step.
+        ``count`` must be the same on every device (the cfg exchange runs inside)."""
+        sampler = self.sampler
+
+        def body(k, carry):
+            x, state = carry
+            i = last + k
+            cond = pieces.cond(pieces.step_cond(sampler.model_time(schedule, i)), m)
+            residual = taylor.forecast(stored, k) if self.cache_order else stored[0]
+            final = self._enter_all(model, pieces.embed(x, m), ctx)
+            final = jax.tree.map(jnp.add, final, residual.astype(jnp.float32))
+            pred = self._guide(pieces.prediction(model.output(final, cond, ctx)), scale)
+            x_new, state_new = sampler.step(schedule, i, state, x, pred)
+            return x_new.astype(x.dtype), tuple(state_new)
+
+        return lax.fori_loop(1, count + 1, body, (x, tuple(state)))
 
     # ------------------------------------------------------------------ pieces (inside shard_map)
     def _model_batch(self, x: jax.Array) -> jax.Array:
@@ -244,8 +331,10 @@ class PipeFusionPrograms:
             return gathered_scan(graphdef, state, streams, body_block, gathers, xs=kv)
         return lax.scan(body, streams, state if stale is None else (state, *stale[:2]))
 
-    def _jit(self, local: Callable, *, pipelined: bool, state_count: int) -> Callable:
-        """``local(params, lat, state, kv, context, schedule, [i,] scale)`` under ``shard_map``, jitted."""
+    def _jit(self, local: Callable, *, pipelined: bool, state_count: int, cached: bool = False) -> Callable:
+        """``local(params, lat, state, kv, context, schedule, [i,] scale)`` under ``shard_map``, jitted.
+        ``cached`` (a host-planned cache): ``local(params, lat, state, kv, residual, context, schedule,
+        [i,] scale, follow, distance, full_before[, full_index])`` returning the residual last."""
         sp = self.specs
         lat, kv = sp["latents"], (sp["kv"],) * 2 * len(self.stacks)
         state = (lat,) * state_count
@@ -253,6 +342,11 @@ class PipeFusionPrograms:
         index = () if pipelined else (sp["scalar"],)
         in_specs = (lat, state, kv, context, sp["scalar"], *index, sp["scalar"])  # schedule: replicated
         out_specs = (lat, state) if pipelined else (lat, state, kv)
+        if cached:  # the residual after the K/V; the plan's tables (replicated) last
+            residual = (sp["residual"],) * (self.cache_order + 1)
+            tables = (sp["scalar"],) * (4 if pipelined else 3)
+            in_specs = (lat, state, kv, residual, *in_specs[3:], *tables)
+            out_specs = (*out_specs, residual)
         mesh, model = self.model.mesh, self.model
         fn = jax.shard_map(
             local, mesh=mesh, in_specs=(model.param_specs, *in_specs), out_specs=out_specs, check_vma=False
@@ -263,8 +357,9 @@ class PipeFusionPrograms:
             fn,
             in_shardings=(model.param_shardings, *jax.tree.map(shard, in_specs, is_leaf=is_spec)),
             out_shardings=jax.tree.map(shard, out_specs, is_leaf=is_spec),
-            # The latents, sampler state and (in warm-up) the K/V buffers are updated in place.
-            donate_argnums=(1, 2) if pipelined else (1, 2, 3),
+            # The latents, sampler state, (in warm-up) the K/V buffers and a cache's residual are updated
+            # in place.
+            donate_argnums=((1, 2) if pipelined else (1, 2, 3)) + ((4,) if cached else ()),
             compiler_options=self.compiler_options,
         )
 
@@ -278,7 +373,13 @@ class PipeFusionPrograms:
         layout, full_valid = g.full_layout(), g.full_valid()
         valid = None if full_valid is None else jnp.asarray(full_valid)
 
-        def local(params, lat, state, kv, context, schedule, i, scale):
+        cached = self.cache_order is not None
+
+        def local(params, lat, state, kv, *rest):
+            if cached:
+                residual, context, schedule, i, scale, follow, distance, full_before = rest
+            else:
+                context, schedule, i, scale = rest
             model = nnx.merge(self.model.graphdef, params)
             pieces = self.family.pieces(model, context, g, full=True, batch=self._model_batch)
             masks = self._sample_masks(pieces, g)
@@ -313,28 +414,80 @@ class PipeFusionPrograms:
                 streams = wire.unpack(stack, x)
             pred = self._guide(pieces.prediction(model.output(streams, cond, ctx)), scale)
             x_new, sampler_state = sampler.step(schedule, i, sampler_state, x_lat, pred)
+            if cached:  # the residual of all blocks per patch; then the skipped steps that follow
+                fresh = jax.tree.map(
+                    jnp.subtract, streams, self._enter_all(model, pieces.embed(x_lat, None), ctx)
+                )
+                stored = tuple(a[0] for a in residual)
+                stored = self._residual_update(
+                    stored, self._patches_of_full(fresh), distance[i], full_before[i]
+                )
+                x_new, sampler_state = self._skip_after_warmup(
+                    model, context, schedule, scale, x_new, sampler_state, stored, i, follow[i]
+                )
             if sched.last_stage != 0:  # the updated latent goes back to stage 0
                 x_new = jnp.where(s == 0, to_first_stage(x_new, stages), x_new)
             out = tuple(a.reshape(lat.shape) for a in (x_new, *sampler_state))
+            if cached:
+                return out[0], out[1:], tuple(kv), tuple(a[None] for a in stored)
             return out[0], out[1:], tuple(kv)
 
-        return self._jit(local, pipelined=False, state_count=self._state_count())
+        return self._jit(local, pipelined=False, state_count=self._state_count(), cached=cached)
+
+    def _skip_after_warmup(self, model, context, schedule, scale, x, state, stored, last, count):
+        """The skipped steps after warm-up step ``last`` on the full latent [b, M*n, K], patch by patch."""
+        g, pc = self.g, self.parallel
+        pieces = self.family.pieces(model, context, g, full=False, batch=self._model_batch)
+        ctx = ShardContext(pc, g.patch_layout(), self.kernel)
+        patched = lambda a: a.reshape(a.shape[0], g.patches, -1, a.shape[-1])  # [b, M, n, K]
+        pick = lambda a, m: lax.dynamic_index_in_dim(a, m, 1, keepdims=False)
+        put = lambda a, v, m: lax.dynamic_update_index_in_dim(a, v, m, 1)
+
+        def patch(m, carry):
+            x, state = carry
+            xm, sm = self._skip_steps(
+                model,
+                pieces,
+                ctx,
+                schedule,
+                scale,
+                pick(x, m),
+                tuple(pick(a, m) for a in state),
+                tuple(pick(d, m) for d in stored),
+                m,
+                last,
+                count,
+            )
+            return put(x, xm, m), tuple(put(a, b, m) for a, b in zip(state, sm, strict=True))
+
+        x, state = lax.fori_loop(0, g.patches, patch, (patched(x), tuple(patched(a) for a in state)))
+        flat = lambda a: a.reshape(a.shape[0], -1, a.shape[-1])
+        return flat(x), tuple(flat(a) for a in state)
 
     # ------------------------------------------------------------------ pipelined phase
-    def _build_async(self, steps: int, first_step: int) -> Callable:
+    def _build_async(self, steps: int, first_step: int, total: int | None = None) -> Callable:
+        """The pipelined phase; ``total`` (a host-planned cache): the scan's ``steps`` are the plan's full
+        steps ``full_index`` of ``total``, each followed by its skipped steps (``cache.py``)."""
         g, pc, sampler, stacks = self.g, self.parallel, self.sampler, self.stacks
+        cached = total is not None
         stages, sched = pc.pipefusion, self.schedule(steps)
         layout, patch_valid = g.patch_layout(), g.patch_valid()
         end = sched.last_stage
         pick = lambda a, m: lax.dynamic_index_in_dim(a, m, 1, keepdims=False)
         put = lambda a, x, m: lax.dynamic_update_index_in_dim(a, x, m, 1)
 
-        def local(params, lat, state, kv, context, schedule, scale):
+        def local(params, lat, state, kv, *rest):
+            if cached:
+                residual, context, schedule, scale, follow, distance, full_before, full_index = rest
+                absolute = lambda j: full_index[j]  # noqa: E731
+            else:
+                context, schedule, scale = rest
+                absolute = lambda j: first_step + j  # noqa: E731
             model = nnx.merge(self.model.graphdef, params)
             pieces = self.family.pieces(model, context, g, full=False, batch=self._model_batch)
             ctx, wire, s = ShardContext(pc, layout, self.kernel), Wire(), stage_index()
             # Every step's conditioning once per call, indexed by the step of each tick's items.
-            times = jax.vmap(lambda j: sampler.model_time(schedule, first_step + j))(jnp.arange(steps))
+            times = jax.vmap(lambda j: sampler.model_time(schedule, absolute(j)))(jnp.arange(steps))
             step_conds = jax.vmap(pieces.step_cond)(times)
             masks = self._sample_masks(pieces, g)
             fresh = None if patch_valid is None else jnp.asarray(patch_valid)
@@ -344,7 +497,10 @@ class PipeFusionPrograms:
             lat, state = lat[0], tuple(a[0] for a in state)  # [b, M, n, K]; used where the step ends
 
             def tick(carry, t):
-                lat, state, wires, kv = carry
+                if cached:
+                    lat, state, wires, kv, residual = carry
+                else:
+                    lat, state, wires, kv = carry
                 kv, outs, turns = list(kv), [], []
                 for v, stack in enumerate(stacks):
                     ok, step, m = sched.item(t, v, s)
@@ -370,9 +526,26 @@ class PipeFusionPrograms:
                 pred = self._guide(pieces.prediction(model.output(streams, cond, ctx)), scale)
                 x_old = pick(lat, m)
                 x_new, new_state = sampler.step(
-                    schedule, first_step + step, tuple(pick(a, m) for a in state), x_old, pred
+                    schedule, absolute(step), tuple(pick(a, m) for a in state), x_old, pred
                 )
                 done = ok & (s == end)
+                if cached:  # store the patch's residual of all blocks, then run the skipped steps after it
+                    i = absolute(step)
+                    measured = jax.tree.map(
+                        jnp.subtract, streams, self._enter_all(model, pieces.embed(x_old, m), ctx)
+                    )
+                    old = tuple(pick(d, m) for d in residual)
+                    stored = self._residual_update(old, measured, distance[i], full_before[i])
+                    residual = tuple(
+                        put(d, jnp.where(done, n, o), m)
+                        for d, n, o in zip(residual, stored, old, strict=True)
+                    )
+                    # The trip count of the item ending on stage `end` this tick: the same on every device.
+                    ok_e, step_e, _ = sched.item(t, len(stacks) - 1, jnp.int32(end))
+                    count = jnp.where(ok_e, follow[absolute(step_e)], 0)
+                    x_new, new_state = self._skip_steps(
+                        model, pieces, ctx, schedule, scale, x_new, new_state, stored, m, i, count
+                    )
                 lat = put(lat, jnp.where(done, x_new, x_old), m)
                 state = tuple(
                     put(a, jnp.where(done, b, pick(a, m)), m) for a, b in zip(state, new_state, strict=True)
@@ -387,12 +560,18 @@ class PipeFusionPrograms:
                     turn = sched.position(v, 0)  # the device where pass v - 1 hands over to pass v
                     onward = shift(outs[v], 1 if v % 2 == 0 else -1, stages)
                     wires.append(jnp.where(s == turn, turns[v - 1], onward))
-                return (lat, state, tuple(wires), tuple(kv)), None
+                out = (lat, state, tuple(wires), tuple(kv))
+                return (*out, residual) if cached else out, None
 
             local_batch = g.batch // (pc.data * pc.cfg)
             zero = jnp.zeros((local_batch, layout.local_length, self.family.width), jnp.float32)
             carry = (lat, state, (zero,) * len(stacks), kv)
-            (lat, state, *_), _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
+            if cached:
+                carry = (*carry, tuple(a[0] for a in residual))
+            final, _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
+            lat, state = final[0], final[1]
+            if cached:
+                return lat[None], tuple(a[None] for a in state), tuple(a[None] for a in final[4])
             return lat[None], tuple(a[None] for a in state)
 
-        return self._jit(local, pipelined=True, state_count=self._state_count())
+        return self._jit(local, pipelined=True, state_count=self._state_count(), cached=cached)

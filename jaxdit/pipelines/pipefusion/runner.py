@@ -34,6 +34,11 @@ sampler state carry over. Cost: one more synchronous step per switch (``warmup_s
 and one more pipelined launch; the warm-up program is shared, a pipelined program is compiled per
 (length, first step).
 
+A host-planned feature cache (``cache=MagCache(...)`` or ``TaylorSeer(...)``; ``cache.py``): the host
+plans which steps run every block; the warm-up programs and ONE pipelined program (its scan over the full
+steps) also run the skipped steps, each right after the full step it follows, with no block and no K/V
+write; ``last_cache`` reports the plan. One parameter set only (no expert switch).
+
 Guidance runs when the context's batch is twice the latents' (both branches, interleaved). The request
 is checked before anything compiles (patches against the grid and the sequence degree, warm-up steps
 against the steps); ``runner.check(grid, steps, warmup_steps, num_pipeline_patch)`` runs the same checks
@@ -52,9 +57,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxdit.cache.report import CacheReport
 from jaxdit.parallel.pipefusion import validate_pipefusion
 from jaxdit.pipelines import finite
 from jaxdit.pipelines.denoiser import GenerationCancelled, StepCounter, abstract_like
+from jaxdit.pipelines.pipefusion import cache as pipefusion_cache
 from jaxdit.pipelines.pipefusion.family import PatchFamily
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
@@ -86,21 +93,57 @@ class PipeFusionRunner:
         self.kernel, self.compiler_options, self.guidance = kernel, compiler_options, guidance
         #: (geometry, guided) -> its programs.
         self.programs: dict[tuple[PatchGeometry, bool], PipeFusionPrograms] = {}
+        #: (geometry, guided, Taylor order) -> the programs of a host-planned cache (``cache.py``).
+        self.cached_programs: dict[tuple[PatchGeometry, bool, int], PipeFusionPrograms] = {}
+        #: After a cached call: what the cache did (``jaxdit.cache.CacheReport``); None without one.
+        self.last_cache: CacheReport | None = None
+        #: After a cached call: its host plan (``cache.Plan``).
+        self.last_plan: pipefusion_cache.Plan | None = None
         #: After a call: (warm-up fn, its abstract args) and (pipelined fn, its abstract args) or None
         #: (with two experts, the last segment's).
         self.last_programs: dict[str, tuple[Callable, tuple] | None] = {}
         #: After a call: the schedule's expert segments as they ran (``segments.Segment``).
         self.last_segments: tuple[Segment, ...] = ()
 
-    def programs_for(self, g: PatchGeometry, guided: bool, sampler: Sampler) -> PipeFusionPrograms:
-        """The programs of ``g``, built once (per sampler kind: a sampler's settings live in its schedule)."""
-        programs = self.programs.get((g, guided))
+    def programs_for(
+        self, g: PatchGeometry, guided: bool, sampler: Sampler, cache_order: int | None = None
+    ) -> PipeFusionPrograms:
+        """The programs of ``g``, built once (per sampler kind: a sampler's settings live in its schedule);
+        ``cache_order``: a host-planned cache's (``cache.py``; kept apart from the uncached programs)."""
+        table = self.programs if cache_order is None else self.cached_programs
+        key = (g, guided) if cache_order is None else (g, guided, cache_order)
+        programs = table.get(key)
         if programs is None or type(programs.sampler) is not type(sampler):
             programs = PipeFusionPrograms(
-                self.family, self.model, g, guided, sampler, self.kernel, self.compiler_options, self.guidance
+                self.family,
+                self.model,
+                g,
+                guided,
+                sampler,
+                self.kernel,
+                self.compiler_options,
+                self.guidance,
+                cache_order=cache_order,
             )
-            self.programs[(g, guided)] = programs
+            table[key] = programs
         return programs
+
+    def cache_policy(self, cache: Any, grid: tuple[int, ...]) -> Any:
+        """A cache config resolved for this model (``jaxdit.cache.resolve``), or ValueError in one line for a
+        cache PipeFusion cannot run (``cache.py``: only the host-planned ones)."""
+        from jaxdit.cache.resolve import resolve
+
+        reason = pipefusion_cache.refusal(
+            getattr(cache, "name", type(cache).__name__), getattr(self.family, "caches", ())
+        )
+        if reason is not None:
+            raise ValueError(reason)
+        # Resolved against the unpadded model: its published / shipped numbers are keyed by its config.
+        real = type(self.model).abstract_model(self.model.config, self.model.dtype)
+        policy = resolve(cache, real, grid)
+        if policy.metric != "host":
+            raise ValueError(pipefusion_cache.refusal(policy.name))
+        return policy
 
     def check(
         self,
@@ -138,6 +181,7 @@ class PipeFusionRunner:
         scales: Sequence[float] = (),
         params: Callable[[int], Any] | None = None,
         callback: Callable[[int, int], bool | None] | None = None,
+        cache: Any = None,
         **options: Any,
     ) -> np.ndarray:
         """The final latent tokens [B, N, K] (see the module docstring); ``options`` are the family's
@@ -145,7 +189,9 @@ class PipeFusionRunner:
         its parameters on the mesh (same shapes and shardings as ``model.state``); ``scales``: each step's
         guidance scale (default ``guidance_scale``). ``callback(done, total)`` runs on the host after each
         warm-up step and after each pipelined phase (``done`` jumps by the phase's steps: they end
-        together), once the devices have finished it; False stops the run (:class:`GenerationCancelled`)."""
+        together), once the devices have finished it; False stops the run (:class:`GenerationCancelled`).
+        ``cache``: a host-planned feature cache (``jaxdit.cache.MagCache`` / ``TaylorSeer``; ``cache.py``),
+        its report then in ``last_cache``."""
         pc, family = self.parallel, self.family
         x = np.asarray(jax.device_get(latents), np.float32)
         patches = self.check(grid, num_inference_steps, warmup_steps, num_pipeline_patch, **options)
@@ -162,7 +208,17 @@ class PipeFusionRunner:
             )
         if g.requests % pc.data:
             raise ValueError(f"{g.requests} requests cannot be split over data={pc.data}")
-        programs = self.programs_for(g, g.batch == 2 * g.requests, sampler)
+        policy = plan = None
+        self.last_cache = self.last_plan = None
+        if cache is not None:
+            policy = self.cache_policy(cache, grid)
+            if len(segments) > 1:
+                raise ValueError(
+                    "a feature cache with PipeFusion runs one parameter set; this run switches experts"
+                )
+            plan = pipefusion_cache.Plan.build(policy, num_inference_steps, warmup_steps)
+        order = None if policy is None else policy.taylor_order
+        programs = self.programs_for(g, g.batch == 2 * g.requests, sampler, order)
         sh = programs.shardings
 
         tokens = g.to_patches(x, 1)  # [B, M, N/M, K]: every stage keeps its own copy
@@ -176,6 +232,9 @@ class PipeFusionRunner:
 
         kv = programs.zero_buffers()
         warm = programs.warmup()
+        if plan is not None:
+            residual = programs.zero_residual()
+            tables = tuple(jax.device_put(t, sh["scalar"]) for t in plan.tables())
         self.last_programs = {"warmup": None, "pipelined": None}
         self.last_segments = segments
         # Non-finite values: the K/V buffers (the transformer's) and the latents after each warm-up step.
@@ -196,14 +255,44 @@ class PipeFusionRunner:
                 # The segment's warm-up refills every layer's K/V buffer with its own expert's K/V.
                 watch = finite.StepWatch(self.model.mesh, num_inference_steps, stages)
                 for i in range(segment.first, segment.first + segment.warmup):
-                    args = (weights, lat, state, kv, placed, sched, jnp.int32(i), scale)
-                    self.last_programs["warmup"] = (warm, jax.tree.map(abstract_like, args))
-                    lat, state, kv = warm(*args)
+                    if plan is None:
+                        args = (weights, lat, state, kv, placed, sched, jnp.int32(i), scale)
+                        self.last_programs["warmup"] = (warm, jax.tree.map(abstract_like, args))
+                        lat, state, kv = warm(*args)
+                        done = i + 1
+                    else:  # the warm-up step, then the skipped steps that follow it (cache.py)
+                        args = (
+                            weights,
+                            lat,
+                            state,
+                            kv,
+                            residual,
+                            placed,
+                            sched,
+                            jnp.int32(i),
+                            scale,
+                            *tables,
+                        )
+                        self.last_programs["warmup"] = (warm, jax.tree.map(abstract_like, args))
+                        lat, state, kv, residual = warm(*args)
+                        done = i + 1 + int(plan.follow[i])
                     watch.add(i, finite.array_flags(self.model.mesh, [*jax.tree.leaves(kv), lat]))
-                    counter.update()
-                    reached(i + 1, lat)
+                    counter.update(done - i)
+                    reached(done, lat)
                 watch.finish()
-                if segment.pipelined:
+                if plan is not None:
+                    if len(plan.full_index):
+                        run = programs.asynchronous_cached(len(plan.full_index), num_inference_steps)
+                        full = jax.device_put(plan.full_index, sh["scalar"])
+                        args = (weights, lat, state, kv, residual, placed, sched, scale, *tables, full)
+                        self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
+                        lat, state, residual = run(*args)
+                        first = int(plan.full_index[0]) + 1
+                        phase = f"the latents after the pipelined steps {first}-{num_inference_steps}"
+                        finite.check_arrays("denoising step", {phase: jax.device_get(lat[last_stage])})
+                        counter.update(num_inference_steps - done)
+                        reached(num_inference_steps, lat)
+                elif segment.pipelined:
                     first = segment.first + segment.warmup
                     run = programs.asynchronous(segment.pipelined, first)
                     args = (weights, lat, state, kv, placed, sched, scale)
@@ -215,7 +304,28 @@ class PipeFusionRunner:
                     counter.update(segment.pipelined)  # one program: its steps end together
                     reached(last, lat)
         out = np.asarray(jax.device_get(lat[last_stage]))
+        if plan is not None:
+            self.last_plan = plan
+            self.last_cache = self._report(policy, plan, programs)
         return g.from_patches(out, 1)
+
+    def _report(self, policy: Any, plan: pipefusion_cache.Plan, programs: PipeFusionPrograms) -> CacheReport:
+        """What a host-planned cache did: its plan (every device follows it, so they agree)."""
+        devices = self.model.mesh.devices.size
+        blocks = sum(int(np.sum(order >= 0)) for order in self.model.orders.values())
+        return CacheReport(
+            title=policy.title,
+            threshold=policy.threshold,
+            ran=plan.ran.copy(),
+            ratios=np.full(len(plan.ran), np.nan, np.float32),
+            devices=devices,
+            devices_agree=True,
+            blocks_per_step=blocks,
+            always_run=0,
+            bytes_per_device=programs.residual_bytes_per_device(),
+            per_device=np.tile(plan.ran.astype(np.int32), (devices, 1)),
+            setting=policy.describe() + " under PipeFusion (host plan)",
+        )
 
 
 class RunnerPrograms:
