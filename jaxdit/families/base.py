@@ -411,6 +411,13 @@ class ModelFamily:
         pipeline, V x P (a pass per stack), unless the family's runner picks another count by default."""
         return len(workload.stack_depths) * parallel.pipefusion
 
+    def pipefusion_tokens(self, workload: Any, parallel: Any) -> tuple[int, ...]:
+        """Each token group's count in a PipeFusion step as the family's runner lays it out (the M patches
+        together, each patch's chunk of a group padded as the runner pads it): what ``jaxdit plan`` prices
+        the sequence collectives and activation hops of a PipeFusion configuration with. Default: the
+        workload's own counts."""
+        return tuple(workload.tokens)
+
     def prediction_dtype(self, dtype: str) -> str:
         """The dtype the model's prediction leaves in, for a model served in ``dtype``."""
         return dtype

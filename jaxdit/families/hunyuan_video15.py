@@ -210,6 +210,15 @@ class HunyuanVideo15Family(ModelFamily):
         grid = (((frames - 1) // TEMPORAL + 1) // pt, height // SPATIAL // p, width // SPATIAL // p)
         return hv_pipefusion.default_num_patches(parallel.pipefusion, grid, parallel.sequence_degree)
 
+    def pipefusion_tokens(self, workload: Any, parallel: Any) -> tuple[int, ...]:
+        """The video tokens as they are (whole latent rows per patch, never padded) and each condition
+        group in M chunks of ceil(T/M) tokens, each padded for the ring x ulysses shards, as
+        ``pipelines/pipefusion/hunyuan_video15.py`` lays them out (480p i2v on 15 patches and 2 shards:
+        1000 / 256 / 729 tokens as 15 x 68 / 18 / 50)."""
+        m, s = self.pipefusion_patches(workload, parallel), parallel.sequence_degree
+        video, *groups = workload.tokens
+        return (video, *(m * s * math.ceil(math.ceil(t / m) / s) for t in groups))
+
     def workload_shape(self, config, height, width, frames, text_tokens):
         """(video, prompt, glyph) tokens: the text-to-video joint sequence's groups (no image tokens)."""
         if frames < 1 or (frames - 1) % TEMPORAL:

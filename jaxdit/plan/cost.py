@@ -210,7 +210,9 @@ class Shapes:
 def shapes(w: Workload, c: ParallelConfig) -> Shapes:
     s = c.sequence_degree
     b, h_t = w.batch // (c.data * c.cfg), w.num_heads // c.tensor
-    local = tuple(_local(t, s) for t in w.tokens)
+    # PipeFusion: the groups as its runner pads them per patch (ModelFamily.pipefusion_tokens).
+    tokens = w.family.pipefusion_tokens(w, c) if c.pipefusion > 1 else w.tokens
+    local = tuple(_local(t, s) for t in tokens)
     gathered = sum(local) * c.ulysses
     return Shapes(
         b=b,
