@@ -14,6 +14,7 @@ before anything is queued.
 
 from __future__ import annotations
 
+import argparse
 import base64
 import io
 import json
@@ -34,6 +35,7 @@ av = pytest.importorskip("av")
 
 from jaxdit.mesh import ParallelConfig  # noqa: E402
 from jaxdit.pipelines import latents as latent_ops  # noqa: E402
+from jaxdit.serve import command  # noqa: E402
 from jaxdit.serve import engine as engine_module  # noqa: E402
 from jaxdit.serve.command import Service  # noqa: E402
 from jaxdit.serve.engine import Engine  # noqa: E402
@@ -166,9 +168,23 @@ def test_served_image_to_video_is_diffusers(tmp_path, monkeypatch):
     monkeypatch.setattr(
         engine_module, "_mp4", lambda frames, fps: encoded.append(frames) or write_mp4(frames, fps)
     )
+
+    # `jaxdit serve`'s start-up shapes against the pictures the warm-up sends, before anything loads.
+    def start_up(*flags: str):
+        parser = argparse.ArgumentParser()
+        command.add_arguments(parser)
+        argv = ["--emulate_devices", "2", "--port", "0", "--weights", str(folder), "--use_cfg_parallel"]
+        return command.check(parser.parse_args([*argv, "--frames", str(FRAMES), *flags]))
+
+    assert start_up("--sizes", "64x48", "--image_sizes", "56x40").sizes == ((64, 48),)
+    assert start_up("--sizes", "64x64").sizes == ((64, 64),)  # a 64 x 64 grey frame: the square bucket
+    with pytest.raises(ValueError, match="size bucket 48x64"):
+        start_up("--sizes", "80x48", "--image_sizes", "56x40")
+
     config = ParallelConfig(cfg=2)
     engine = Engine.load(str(folder), config.make_mesh(jax.devices()[: config.num_devices]))
     assert engine.card.kind == "video" and engine.card.images == (1, 1)
+    assert engine.card.default_size == (80, 48)  # a 16:9 picture's bucket; a job's picture decides its own
     engine.warm_up([engine.request_for(BUCKET_W, BUCKET_H, 1, FRAMES, STEPS, pictures=(PICTURE[::-1],))])
     encoded.clear()  # the warm-up's video
     service = Service(Scheduler(engine, Metrics()))

@@ -64,11 +64,15 @@ class HunyuanVideo15I2VFamily(HunyuanVideo15Family):
         )
 
     def generate_defaults(self, request: Any) -> dict[str, Any]:
-        """The guider's CFG scale, and the picture's size bucket as the height and width."""
+        """The guider's CFG scale, and the picture's size bucket as the height and width (without a
+        picture: a 16:9 one's, ``jaxdit serve``'s default size)."""
         defaults = super().generate_defaults(request)
         folder, image = request.folder, request.image
-        if folder is None or image is None:
+        if folder is None:
             return defaults
+        if image is None:  # the 16:9 bucket (a size to start from; a call without a picture is refused)
+            width, height = self.picture_output_size(folder, 16, 9)
+            return {**defaults, "height": height, "width": width}
         if isinstance(image, np.ndarray):  # a picture already read (jaxdit serve's)
             height, width = image.shape[:2]
         elif isinstance(image, str):
