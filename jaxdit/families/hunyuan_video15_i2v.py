@@ -9,7 +9,9 @@ takes none), so ``jaxdit generate`` reads the picture's size before anything loa
 I2V configs, a 16:9 picture's bucket, 121 frames) with the 729 SigLIP tokens; ``--verify`` lowers the
 step from a request that carries the first frame's conditioning as zeros of its shapes (the SigLIP
 tokens and the condition channels, as the encoders would give them): the step does not depend on the
-values, and no encoder is built.
+values, and no encoder is built. ``jaxdit serve`` runs its folders (``serves_image_to_video``): a video
+job's ``image`` is the first frame, drawn at its size bucket (``picture_output_size``); pictures beyond
+8:1 are refused (``picture_problem``).
 """
 
 from __future__ import annotations
