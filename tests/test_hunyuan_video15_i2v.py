@@ -193,3 +193,43 @@ def test_plan_prices_the_image_tokens():
     assert t2v.tokens == (31 * 30 * 53, 1000, 256)  # 121 frames of 480 x 848: (video, prompt, glyph)
     assert i2v.tokens == (*t2v.tokens, 729)  # + the first frame's SigLIP tokens
     assert i2v.family.name == "hunyuan-video15-i2v"
+
+
+def test_conditioning_given_without_encoders_is_checked():
+    """A bare pipeline (``jaxdit plan --verify``'s, no VAE encoder or SigLIP) takes ``image_embeds`` and
+    ``condition`` in place of the picture; the wrong ones are refused before the step is built."""
+    from jaxdit.families.hunyuan_video15_i2v import HUNYUAN_VIDEO15_I2V
+    from jaxdit.mesh import ParallelConfig
+    from jaxdit.models import hunyuan_video15 as hv
+    from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
+    from jaxdit.pipelines.request import GenerationRequest
+
+    c = HunyuanVideo15Config(
+        in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+        num_refiner_layers=1, text_embed_dim=8, text_embed_2_dim=8, image_embed_dim=12, rope_axes_dim=(4, 6, 6),
+    )  # fmt: skip
+    mesh = ParallelConfig().make_mesh(jax.devices()[:1])
+    pipe = HUNYUAN_VIDEO15_I2V.bare_pipeline(hv.abstract_model(c), mesh)
+    base = dict(
+        prompt_embeds=np.zeros((1, 3, 8), np.float32),
+        prompt_embeds_mask=np.ones((1, 3), np.int64),
+        prompt_embeds_2=np.zeros((1, 2, 8), np.float32),
+        prompt_embeds_mask_2=np.ones((1, 2), np.int64),
+        height=32, width=48, num_frames=5, num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+    )  # fmt: skip
+    embeds, condition = np.zeros((1, 7, 12), np.float32), np.zeros((1, 5, 2, 2, 3), np.float32)
+    prepared = pipe.prepare(GenerationRequest.of(**base, image_embeds=embeds, condition=condition))
+    assert prepared.inputs.context["image_embeds"].shape == (1, 7, 12)
+    assert prepared.inputs.extras["condition"].shape == (1, 2 * 2 * 3, 5)
+    for bad, says in [
+        (dict(image_embeds=embeds), "needs image, or image_embeds and condition"),
+        (dict(image=_picture()), "no VAE encoder and image encoder"),
+        (dict(image=_picture(), image_embeds=embeds, condition=condition), "not both"),
+        (
+            dict(image_embeds=embeds, condition=condition[:, :, :1]),
+            r"this request needs \[B, \*\(5, 2, 2, 3\)\]",
+        ),
+        (dict(image_embeds=embeds[0], condition=condition), "image_embeds has shape"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            pipe.prepare(GenerationRequest.of(**base, **bad))

@@ -224,6 +224,9 @@ class ModelFamily:
     grid_scale: ClassVar[int] = 1
     #: Whether the service draws only the default size (a model trained at one size).
     serves_default_size_only: ClassVar[bool] = False
+    #: Whether ``jaxdit serve`` runs the family's image-to-video folders (a video job with a first frame;
+    #: the others are refused at start-up).
+    serves_image_to_video: ClassVar[bool] = False
     #: Whether ``jaxdit generate`` prices a request with the planner's memory model before loading (a
     #: bundled model bounds its requests by its own limits instead).
     checks_memory: ClassVar[bool] = True
@@ -299,6 +302,11 @@ class ModelFamily:
     def picture_problem(self, folder: ModelFolder, width: int, height: int) -> str | None:
         """Why the folder's pipeline cannot take a ``width`` x ``height`` input picture, else None (a size
         its resizing cannot handle: ``jaxdit serve`` refuses such a picture before it is queued)."""
+        return None
+
+    def picture_output_size(self, folder: ModelFolder, width: int, height: int) -> tuple[int, int] | None:
+        """The (width, height) the folder's pipeline draws at for a ``width`` x ``height`` input picture
+        where the picture decides it (a request's ``size`` may then only repeat it), else None."""
         return None
 
     def video_fps(self, folder: ModelFolder | None) -> int:

@@ -11,7 +11,10 @@ The first frame is encoded by the VAE row-parallel over every device of the mesh
 (``use_meanflow``) gets the next step's timestep as ``timestep_r`` (0 at the last step), as diffusers'
 image-to-video pipeline passes it (its text-to-video pipeline passes none).
 As diffusers, the video's size is the picture's size bucket, not a call argument: a call that gives
-another height or width is refused.
+another height or width is refused. Without the encoders (a bare pipeline, ``jaxdit plan --verify``'s
+abstract step) a call gives the conditioning itself, as Wan's: ``image_embeds`` [B, I, C3] and
+``condition`` [B, 33, F', H', W'] (the scaled first-frame latent in the first latent frame, then the mask),
+with the height and width they were made for.
 """
 
 from __future__ import annotations
@@ -149,16 +152,24 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
         cache: Any = None,
         num_pipeline_patch: int | None = None,
         warmup_steps: int | None = None,
+        image_embeds: np.ndarray | None = None,
+        condition: np.ndarray | None = None,
     ) -> GenerationOutput:
         """As :meth:`HunyuanVideo15Pipeline.__call__` with the first frame ``image`` (a PIL image or an RGB
         array [H, W, 3], uint8 or floats in [0, 1]; one for every video, or one per video). The size is
-        the picture's bucket (diffusers' call takes none): ``height`` / ``width``, if given, must be it."""
+        the picture's bucket (diffusers' call takes none): ``height`` / ``width``, if given, must be it.
+        Instead of ``image``: ``image_embeds`` (the SigLIP tokens) and ``condition`` (first-frame latent and
+        mask channels, [B, C + 1, F', H', W']) with ``height`` and ``width``."""
         return self.generate(GenerationRequest.of(**{k: v for k, v in locals().items() if k != "self"}))
 
     def with_defaults(self, request: GenerationRequest) -> GenerationRequest:
         """The picture's size bucket as the height and width (a call giving others is refused)."""
         if request.image is None:
-            raise ValueError("HunyuanVideo 1.5 image-to-video needs the first frame: pass image=")
+            if request.image_embeds is None and request.condition is None:
+                raise ValueError("HunyuanVideo 1.5 image-to-video needs the first frame: pass image=")
+            if request.height is None or request.width is None:
+                raise ValueError("image_embeds and condition without image need the height and width")
+            return super().with_defaults(request)
         pictures = rgb_pictures(request.image)
         size = picture_size(pictures.shape[1:3], self.config.target_size, self.spatial_factor)
         given = (request.height, request.width)
@@ -171,20 +182,44 @@ class HunyuanVideo15ImageToVideoPipeline(HunyuanVideo15Pipeline):
         return super().with_defaults(request.replace(height=size[0], width=size[1]))
 
     def prepare(self, r: GenerationRequest) -> Prepared:
-        if self.first_frame is None:
+        given = r.image_embeds is not None or r.condition is not None
+        if r.image is not None and given:
+            raise ValueError("pass either image or image_embeds and condition, not both")
+        if r.image is None and (r.image_embeds is None or r.condition is None):
+            raise ValueError("HunyuanVideo 1.5 image-to-video needs image, or image_embeds and condition")
+        if r.image is not None and self.first_frame is None:
             raise ValueError(
-                "this pipeline has no VAE encoder and image encoder (from_pretrained builds them)"
+                "this pipeline has no VAE encoder and image encoder (from_pretrained builds them): "
+                "pass image_embeds and condition instead of image"
             )
+        c = self.config
+        if given:  # checked before the prompt's conditioning: a wrong shape says so at once
+            frames, h, w = self.latent_shape(r.height, r.width, r.num_frames)
+            want = (c.in_channels - c.out_channels, frames, h, w)
+            if np.ndim(r.condition) != 5 or tuple(np.shape(r.condition)[1:]) != want:
+                raise ValueError(
+                    f"condition has shape {np.shape(r.condition)}; this request needs [B, *{want}]"
+                )
+            if np.ndim(r.image_embeds) != 3 or len(r.image_embeds) != len(r.condition):
+                raise ValueError(
+                    f"image_embeds has shape {np.shape(r.image_embeds)}: [B, tokens, {c.image_embed_dim}], "
+                    f"one per condition ({len(r.condition)})"
+                )
         prepared = super().prepare(r)
         inputs = prepared.inputs
         batch = inputs.tokens.shape[0]
-        pictures = rgb_pictures(r.image)
-        if len(pictures) not in (1, batch):
-            raise ValueError(f"{len(pictures)} first frames for {batch} videos: give one, or one per video")
-        embeds, condition = self.first_frame(pictures, r.num_frames, r.height, r.width)
-        if len(pictures) == 1 and batch > 1:
+        if given:
+            embeds, condition = np.asarray(r.image_embeds, np.float32), np.asarray(r.condition, np.float32)
+            count = len(condition)
+        else:
+            pictures = rgb_pictures(r.image)
+            count = len(pictures)
+            if count in (1, batch):
+                embeds, condition = self.first_frame(pictures, r.num_frames, r.height, r.width)
+        if count not in (1, batch):
+            raise ValueError(f"{count} first frames for {batch} videos: give one, or one per video")
+        if count == 1 and batch > 1:
             embeds, condition = np.repeat(embeds, batch, 0), np.repeat(condition, batch, 0)
-        c = self.config
         if embeds.shape[-1] != c.image_embed_dim:
             raise ValueError(
                 f"the image encoder gives {embeds.shape[-1]}-wide tokens; the transformer takes {c.image_embed_dim}"

@@ -268,7 +268,7 @@ def check(args: argparse.Namespace) -> _Plan:
     pictures = _picture_sets(args.image_sizes, template, args.max_images)
     least = image_counts(template.family, template.folder, args.max_images)[0]
     probes = _probe_pictures(pictures, least)
-    _check_shapes(template, sizes, frames, step_counts, probes)
+    _check_shapes(template, sizes, frames, step_counts, probes, output_sized=0 if pictures else least)
     caches = _caches(args.caches, template, probes[0])
     return _Plan(config, group, sizes, batch_sizes, frames, step_counts, caches, pictures)
 
@@ -302,15 +302,20 @@ def _caches(text: str | None, template, image: Any = None) -> tuple[str, ...]:
     return names
 
 
-def _check_shapes(template, sizes, frames, step_counts, pictures=(None,)) -> None:
+def _check_shapes(template, sizes, frames, step_counts, pictures=(None,), output_sized: int = 0) -> None:
     """The start-up shapes as `jaxdit generate` checks them (sizes, frames, steps against the model and the
     mesh: PipeFusion's patches and warm-up steps among them), before anything loads. ``pictures``: the
-    start-up requests' input pictures (``--image`` of the check: grey pixels, as the warm-up sends)."""
+    start-up requests' input pictures (``--image`` of the check: grey pixels, as the warm-up sends);
+    ``output_sized``: without ``--image_sizes`` the warm-up sends that many pictures of each output size
+    (a model whose picture decides the size drawn checks the size against them), and so does the check."""
     probe = dataclasses.replace(template, prompt=template.family.example_prompt)
     for width, height in sizes or ((None, None),):
+        images = pictures
+        if output_sized and width is not None:
+            images = _probe_pictures((((width, height),) * output_sized,), output_sized)
         for num_frames in frames or (None,):
             for steps in step_counts or (None,):
-                for image in pictures:
+                for image in images:
                     _check_shape(
                         dataclasses.replace(
                             probe,

@@ -118,8 +118,9 @@ def _mp4(frames: np.ndarray, fps: int) -> bytes:
 
 def image_counts(family: Any, folder: Any, max_images: int) -> tuple[int, int]:
     """(least, most) pictures a request sends: the family's (``ModelFamily.image_count``), capped by the
-    server's ``max_images``; none for the bundled model and for videos."""
-    if folder is None or family.makes_video:
+    server's ``max_images``; none for the bundled model and for videos other than the image-to-video
+    ones the family serves (``ModelFamily.serves_image_to_video``: the first frame)."""
+    if folder is None or (family.makes_video and not family.serves_image_to_video):
         return (0, 0)
     least, most = family.image_count(folder)
     return (least, max_images if most is None else min(most, max_images))
@@ -254,6 +255,7 @@ class Engine:
             max_image_pixels=limits.max_image_pixels,
             max_body_bytes=body,
             picture_problem=functools.partial(family.picture_problem, folder) if images[1] else None,
+            picture_size=functools.partial(family.picture_output_size, folder) if images[1] else None,
         )
         return cls(pipe, template, card, mesh)
 
@@ -303,8 +305,12 @@ class Engine:
                     f"--weights {weights}: jaxdit serve needs a whole pipeline folder (model_index.json, text "
                     "encoders, VAE) to go from a prompt to pixels; omit --weights to serve the bundled model"
                 )
-            if template.folder.takes_image and template.family.makes_video:
-                raise ValueError(f"{weights} is image-to-video; jaxdit serve makes text-to-video and images")
+            family = template.family
+            if template.folder.takes_image and family.makes_video and not family.serves_image_to_video:
+                raise ValueError(
+                    f"{weights} is image-to-video, which jaxdit serve does not run for {family.display}; "
+                    "it serves its text-to-video and image models"
+                )
         return template
 
     # ------------------------------------------------------------------ requests

@@ -8,9 +8,11 @@ keys beside them, named as ``jaxdit generate``'s flags: ``seed``, ``steps``, ``g
 ``guidance_scale``), ``negative_prompt``, ``true_cfg_scale`` where the model takes it (FLUX), and
 ``num_frames`` for videos, a feature cache: ``cache`` (one of the caches the server was started to
 allow, ``jaxdit serve --caches``) with ``cache_threshold``, and for a model that takes pictures (its
-card's ``images``: Qwen-Image-Edit, FLUX.2, FLUX.1 Kontext) ``image``: one base64-encoded PNG, JPEG or
-WebP, or a list of them (checked and decoded here: :mod:`jaxdit.serve.images`; then each size against
-the family's ``picture_problem``, the limits of the model's own resizing). A field left out takes the served model's default (its :class:`ModelCard`), the
+card's ``images``: Qwen-Image-Edit, FLUX.2, FLUX.1 Kontext; the first frame of a served image-to-video
+model, HunyuanVideo 1.5 I2V) ``image``: one base64-encoded PNG, JPEG or WebP, or a list of them
+(checked and decoded here: :mod:`jaxdit.serve.images`; then each size against the family's
+``picture_problem``, the limits of the model's own resizing, and where the picture decides the size
+drawn, ``size`` against it: ``ModelCard.picture_size``). A field left out takes the served model's default (its :class:`ModelCard`), the
 default ``jaxdit generate`` uses. Unknown fields are refused by name (a typo such as ``step``
 would otherwise be silently ignored).
 
@@ -79,6 +81,9 @@ class ModelCard:
     #: The family's check of one input picture's (width, height): why the model cannot take it, or None
     #: (``ModelFamily.picture_problem``); None: every size is taken.
     picture_problem: Callable[[int, int], str | None] | None = None
+    #: The (width, height) the model draws at for an input picture's (width, height) where the picture
+    #: decides it (``ModelFamily.picture_output_size``: HunyuanVideo 1.5 I2V's size bucket), else None.
+    picture_size: Callable[[int, int], tuple[int, int] | None] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +354,30 @@ def image_request(body: dict[str, Any], card: ModelCard) -> Generation:
         raise RequestError("user must be a string", "user")
     n = _integer(body, "n", 1, 1, card.max_batch)
     pictures = _decode(body["image"], card) if sends_images else {}  # last: the cheap checks first
-    return Generation(kind=IMAGE, n=n, **fields, **pictures)
+    return Generation(kind=IMAGE, n=n, **_sized_by_picture(body, card, fields, pictures), **pictures)
+
+
+def _sized_by_picture(body: dict, card: ModelCard, fields: dict, pictures: dict) -> dict:
+    """``fields`` with the size the first input picture decides (``card.picture_size``), where it does:
+    a ``size`` the request gives must be that one."""
+    sizes = pictures.get("image_sizes") or ()
+    drawn = card.picture_size(*sizes[0]) if card.picture_size and sizes else None
+    if drawn is None:
+        return fields
+    if body.get("size") not in (None, "auto") and (fields["width"], fields["height"]) != drawn:
+        w, h = sizes[0]
+        raise RequestError(
+            f"size {fields['width']}x{fields['height']}: {card.name} draws a {w}x{h} picture at "
+            f"{drawn[0]}x{drawn[1]} (its size bucket); leave size out or send that",
+            "size",
+        )
+    if drawn[0] * drawn[1] > card.max_pixels:
+        raise RequestError(
+            f"image: {card.name} draws it at {drawn[0]}x{drawn[1]}, more than this server's "
+            f"{card.max_pixels} pixels",
+            "image",
+        )
+    return {**fields, "width": drawn[0], "height": drawn[1]}
 
 
 def _sends_images(body: dict, card: ModelCard) -> bool:
@@ -360,8 +388,9 @@ def _sends_images(body: dict, card: ModelCard) -> bool:
         raise RequestError(f"image: {card.name} takes no input pictures", "image")
     if "image" not in body:
         if least:
+            does = "makes a video from a first frame" if card.kind == VIDEO else "edits pictures"
             raise RequestError(
-                f"image is required: {card.name} edits pictures (send {least} to {most} base64-encoded "
+                f"image is required: {card.name} {does} (send {least} to {most} base64-encoded "
                 "PNG, JPEG or WebP files)",
                 "image",
             )
@@ -392,7 +421,9 @@ def video_request(body: dict[str, Any], card: ModelCard) -> Generation:
     model's frame rate, rounded to the nearest 4k + 1); defaults from ``card``."""
     if card.kind != VIDEO:
         raise RequestError(f"{card.name} makes images: use POST /v1/images/generations", None, status=404)
-    fields = _common(body, card, _fields(card) | {"num_frames", "seconds"})
+    sends_images = _sends_images(body, card)
+    allowed = _fields(card) | {"num_frames", "seconds"} | ({"image"} if card.images[1] else set())
+    fields = _common(body, card, allowed)
     if "num_frames" in body and "seconds" in body:
         raise RequestError("give num_frames or seconds, not both", "seconds")
     step = card.frame_multiple
@@ -417,4 +448,6 @@ def video_request(body: dict[str, Any], card: ModelCard) -> Generation:
                 f"latent frame), got {frames}; nearest: {low}, {low + step}",
                 "num_frames",
             )
-    return Generation(kind=VIDEO, num_frames=frames, **fields)
+    pictures = _decode(body["image"], card) if sends_images else {}  # last: the cheap checks first
+    fields = _sized_by_picture(body, card, fields, pictures)
+    return Generation(kind=VIDEO, num_frames=frames, **fields, **pictures)
