@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from pipefusion_helpers import TaylorResiduals
 
 from jaxdit.models import flux2
 from jaxdit.parallel.layout import SequenceLayout
@@ -47,9 +48,14 @@ class _Context:
         return reference_attention(q, keys, values, mask)
 
 
-def serial_stale_kv(pipe, inputs, patches: int) -> np.ndarray:
+def serial_stale_kv(pipe, inputs, patches: int, ran=None, order: int = 0) -> np.ndarray:
     """The final tokens of ``inputs`` (a pipeline's prepared ``DenoiseInputs``) on ``pipe``'s unsharded
-    model: one warm-up step, then every later step patch by patch with the other patches' stale K/V."""
+    model: one warm-up step, then every later step patch by patch with the other patches' stale K/V.
+
+    ``ran`` (a host-planned cache's plan, ``jaxdit.pipelines.pipefusion.cache``): each full step keeps,
+    per patch, the residual of every block on the image tokens (the joined stream's image group minus
+    the embedded image, what the output layer reads); a skipped step runs, per patch, the output layer
+    on the embedded image plus that residual (``order`` > 0: its Taylor forecast), no block, no K/V write."""
     model, sampler, schedule, ctx_in = pipe.model, pipe.sampler, inputs.schedule, inputs.context
     rows, cols = inputs.grid
     n = rows * cols // patches
@@ -77,8 +83,9 @@ def serial_stale_kv(pipe, inputs, patches: int) -> np.ndarray:
         for m in range(patches)
     ]  # fmt: skip
 
-    def run(patch, x_tokens, step):
-        """The velocity of ``patch``'s image tokens (None: every patch, the warm-up's full sequence)."""
+    def run(patch, x_tokens, step, residual=None):
+        """The velocity of ``patch``'s image tokens (None: every patch, the warm-up's full sequence) and
+        the blocks' residual on them; ``residual`` given: added to the embedded image, no block run."""
         whole = patch is None
         sel = lambda size, total: np.arange(total) if whole else np.arange(patch * size, (patch + 1) * size)  # noqa: E731
         ts, ns, rs = sel(t, T), sel(n, N), sel(r, patches * r)
@@ -89,20 +96,33 @@ def serial_stale_kv(pipe, inputs, patches: int) -> np.ndarray:
         layout = SequenceLayout((len(ts), len(ns), len(rs)), 1)
         valid = np.concatenate([txt_valid[ts], np.ones(len(ns), bool), ref_valid[rs]])
         valid = jnp.asarray(np.broadcast_to(valid, (batch, len(valid))))
-        for stack in model.STACKS:
+        start = streams[1][:, : len(ns)]
+        if residual is not None:  # a skipped step: the joined [text; image + residual; reference]
+            image, refs = streams[1][:, : len(ns)], streams[1][:, len(ns) :]
+            streams = layout.join_local([streams[0], image + residual, refs])
+        for stack in model.STACKS if residual is None else ():
             streams = model.enter(stack, streams, _Context(layout))
             graphdef, state = nnx.split(getattr(model, stack))
             for layer in range(jax.tree.leaves(state)[0].shape[0]):
                 block = nnx.merge(graphdef, jax.tree.map(lambda a, layer=layer: a[layer], state))
                 ctx = _Context(layout, patches, buffers.setdefault((stack, layer), {}), patch, valid, split)
                 streams = model.run_block(stack, block, streams, cond, ctx)
-        return model.output(streams, cond, _Context(layout))
+        return model.output(streams, cond, _Context(layout)), layout.split_local(streams)[1] - start
 
-    x_new, _ = sampler.step(schedule, 0, (), jnp.asarray(x), run(None, x, 0))
-    x = np.array(x_new)
+    ran = (True,) * inputs.steps if ran is None else ran
+    cache = TaylorResiduals(patches, order)
+    v, residual = run(None, x, 0)
+    x = np.array(sampler.step(schedule, 0, (), jnp.asarray(x), v)[0])
+    for m in range(patches):
+        cache.refresh(m, residual[:, m * n : (m + 1) * n], 0, 0)
+    last, full = 0, 1  # the warm-up step
     for step in range(1, inputs.steps):
         for m in range(patches):
             band = slice(m * n, (m + 1) * n)
-            v = run(m, x[:, band], step)
+            v, residual = run(m, x[:, band], step, None if ran[step] else cache.forecast(m, step - last))
             x[:, band] = np.asarray(sampler.step(schedule, step, (), jnp.asarray(x[:, band]), v)[0])
+            if ran[step]:
+                cache.refresh(m, residual, step - last, full)
+        if ran[step]:
+            last, full = step, full + 1
     return x

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from pipefusion_helpers import TaylorResiduals
 
 from jaxdit.models import hunyuan_video15 as hv
 from jaxdit.models.hunyuan_video15_config import TEXT
@@ -65,10 +66,15 @@ class _Context:
         return lambda q, k, v: self._attend(group, q, k, v, self.valid[:, lo:hi], self.split[group])
 
 
-def serial_stale_kv(pipe, inputs, patches: int, warmup: int = 1) -> np.ndarray:
+def serial_stale_kv(pipe, inputs, patches: int, warmup: int = 1, ran=None, order: int = 0) -> np.ndarray:
     """The final latent tokens of ``inputs`` (the pipeline's prepared ``DenoiseInputs``; one request) on
     ``pipe``'s unsharded model: ``warmup`` whole steps, then every later step patch by patch with the
-    other patches' stale K/V."""
+    other patches' stale K/V.
+
+    ``ran`` (a host-planned cache's plan, ``jaxdit.pipelines.pipefusion.cache``): each full step keeps,
+    per patch, the residual of every block (refiner and dual-stream) on the video stream, the stream the
+    output layer reads; a skipped step runs, per patch, the output layer on the embedded video tokens
+    plus that residual (``order`` > 0: its Taylor forecast), no block and no K/V write."""
     model, sampler, schedule = pipe.model, pipe.sampler, inputs.schedule
     c = model.config
     ctx_in = {**inputs.context, **inputs.extras}
@@ -101,8 +107,9 @@ def serial_stale_kv(pipe, inputs, patches: int, warmup: int = 1) -> np.ndarray:
     pooled = jnp.asarray(ctx_in["pooled_projections"], jnp.float32)
     buffers: dict = {}
 
-    def run(patch, x_tokens, step):
-        """The (guided) prediction of ``patch``'s video tokens (None: every patch at once)."""
+    def run(patch, x_tokens, step, residual=None):
+        """The (guided) prediction of ``patch``'s video tokens (None: every patch at once) and the
+        blocks' residual on them; ``residual`` given: added to the embedded video, no block run."""
         whole = patch is None
         sel = [np.arange(patches * t) if whole else np.arange(patch * t, (patch + 1) * t) for t in chunks]
         vid = np.arange(f * h * w) if whole else video[patch]
@@ -128,7 +135,10 @@ def serial_stale_kv(pipe, inputs, patches: int, warmup: int = 1) -> np.ndarray:
         layout = SequenceLayout(lengths, 1)
         keys = [np.ones((model_rows, len(vid)), bool)] + [m[:, s] for m, s in zip(masks, sel, strict=True)]
         valid = jnp.asarray(np.concatenate(keys, 1))
-        for stack in model.STACKS:
+        start = streams[0]
+        if residual is not None:  # a skipped step
+            streams = (start + residual, *streams[1:])
+        for stack in model.STACKS if residual is None else ():
             streams = model.enter(stack, streams, _Context(layout))
             graphdef, state = nnx.split(getattr(model, stack))
             for layer in range(jax.tree.leaves(state)[0].shape[0]):
@@ -140,13 +150,26 @@ def serial_stale_kv(pipe, inputs, patches: int, warmup: int = 1) -> np.ndarray:
         if guided:
             u, k = jnp.split(pred, 2, 0)
             pred = u + pipe_scale * (k - u)
-        return pred
+        return pred, streams[0] - start
 
     pipe_scale = inputs.scale
-    for step in range(warmup):
-        x = np.array(sampler.step(schedule, step, (), jnp.asarray(x), run(None, x, step))[0])
-    for step in range(warmup, inputs.steps):
-        for m in range(patches):
-            v = run(m, x[:, video[m]], step)
-            x[:, video[m]] = np.asarray(sampler.step(schedule, step, (), jnp.asarray(x[:, video[m]]), v)[0])
+    ran = (True,) * inputs.steps if ran is None else ran
+    cache, last, full = TaylorResiduals(patches, order), 0, 0
+    for step in range(inputs.steps):
+        if step < warmup:
+            v, residual = run(None, x, step)
+            x = np.array(sampler.step(schedule, step, (), jnp.asarray(x), v)[0])
+            for m in range(patches):
+                cache.refresh(m, residual[:, video[m]], step - last, full)
+        else:
+            for m in range(patches):
+                kept = None if ran[step] else cache.forecast(m, step - last)
+                v, residual = run(m, x[:, video[m]], step, kept)
+                x[:, video[m]] = np.asarray(
+                    sampler.step(schedule, step, (), jnp.asarray(x[:, video[m]]), v)[0]
+                )
+                if ran[step]:
+                    cache.refresh(m, residual, step - last, full)
+        if ran[step]:
+            last, full = step, full + 1
     return x

@@ -1,5 +1,8 @@
 """What the PipeFusion tests of every family share: meshes, collectives of a compiled program and the
-serial reference's attention with stale K/V (tests/test_pipefusion.py, tests/test_pipefusion_wan.py)."""
+serial reference's attention with stale K/V (tests/test_pipefusion.py, tests/test_pipefusion_wan.py), and
+its host-planned cache state (tests/test_cache_pipefusion.py)."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,3 +58,22 @@ class ReferenceContext:
         )
         self.buffers[self.layer] = (kb.at[m].set(k), vb.at[m].set(v))
         return out
+
+
+class TaylorResiduals:
+    """A serial reference's host-planned cache state (``jaxdit.pipelines.pipefusion.cache``): per patch,
+    the residual of all blocks at its last full step and (``order`` > 0) TaylorSeer's finite differences
+    D_0 = the residual, D_{i+1} = (D_i - D_i(previous)) / gap, zero until ``i + 1`` full steps are in."""
+
+    def __init__(self, patches: int, order: int):
+        self.order, self.derivatives = order, [None] * patches
+
+    def refresh(self, m, residual, gap: int, full_before: int) -> None:
+        old, new = self.derivatives[m], [residual]
+        for i in range(self.order):
+            new.append((new[i] - old[i]) / max(gap, 1) if full_before > i else jnp.zeros_like(residual))
+        self.derivatives[m] = new
+
+    def forecast(self, m, k: int):
+        """Patch ``m``'s residual ``k`` steps after its last full step (order 0: the residual itself)."""
+        return sum(d * (k**i / math.factorial(i)) for i, d in enumerate(self.derivatives[m]))

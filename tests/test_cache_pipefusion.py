@@ -22,7 +22,7 @@ import test_pipefusion as tpf
 import tolerance as tol
 from flax import nnx
 from jax import lax
-from pipefusion_helpers import ReferenceContext, collectives, make_mesh
+from pipefusion_helpers import ReferenceContext, TaylorResiduals, collectives, make_mesh
 
 from jaxdit.cache import FirstBlockCache, MagCache, TaylorSeer
 from jaxdit.cache.magcache import magcache_pattern, nearest_interp, shipped
@@ -166,34 +166,21 @@ def _reference(ran: tuple[bool, ...], order: int, warmup: int = 1) -> np.ndarray
     the embedded streams plus the kept residual (order 0) or its Taylor forecast, the buffers untouched."""
     full_step, patch_step, skip_step, x, sigmas = _reference_steps()
     patches, size = tpf.PATCHES, tiny.LATENT_SIZE
-    # TaylorSeer's finite differences per patch: D_0 the residual, D_{i+1} = (D_i - D_i(previous)) / gap.
-    derivatives = [None] * patches
-    last, full = 0, 0
-
-    def refresh(m, residual, gap):
-        old = derivatives[m]
-        new = [residual]
-        for i in range(order):
-            new.append((new[i] - old[i]) / max(gap, 1) if full > i else jnp.zeros_like(residual))
-        derivatives[m] = new
-
-    def forecast(m, k):
-        return sum(d * (k**i / np.prod(range(1, i + 1))) for i, d in enumerate(derivatives[m]))
-
+    cache, last, full = TaylorResiduals(patches, order), 0, 0
     buffers = None
     for step in range(STEPS):
         s0, s1 = sigmas[step], sigmas[step + 1]
         if step < warmup:
             x, buffers, residual = full_step(x, s0, s1)
             for m in range(patches):
-                refresh(m, residual[m], step - last)
+                cache.refresh(m, residual[m], step - last, full)
         elif ran[step]:
             for m in range(patches):
                 x, buffers, residual = patch_step(x, m, s0, s1, buffers)
-                refresh(m, residual, step - last)
+                cache.refresh(m, residual, step - last, full)
         else:
             for m in range(patches):
-                x = skip_step(x, m, s0, s1, forecast(m, step - last))
+                x = skip_step(x, m, s0, s1, cache.forecast(m, step - last))
         if ran[step]:
             last, full = step, full + 1
     return np.asarray(latent_ops.unpack(np.asarray(x), size, size))

@@ -61,3 +61,51 @@ def test_pipelined_pipefusion_with_references_matches_the_serial_reference(folde
     print(f"pipelined vs serial reference {err:.2e}; the serial reference vs the plain run {drift:.2e}")
     tol.check(got.latents, want, tol.PIPEFUSION, "FLUX.2 pipelined PipeFusion vs the serial reference")
     assert drift > 1e-3  # stale K/V changed the result: the comparison is not the plain run's
+
+
+#: Host-planned caches under PipeFusion (jaxdit/pipelines/pipefusion/cache.py) over 6 steps with the two
+#: reference pictures: MagCache on made-up ratios (threshold 0.5, at most 2 skips in a row: steps 1, 2,
+#: 4, 5 skipped), TaylorSeer (interval 2, one warm-up step: 1, 3, 5 skipped).
+CACHE_CASES = {"magcache": [1, 0, 0, 1, 0, 0], "taylorseer": [1, 0, 1, 0, 1, 0]}
+
+
+@pytest.mark.parametrize("name", list(CACHE_CASES))
+def test_host_planned_cache_matches_the_serial_reference(folder, pictures, tmp_path, name):
+    """pipefusion2 x ulysses2 with a cache vs the serial reference with the same plan and stale K/V (a
+    skipped step: the output layer on the embedded image plus the kept residual); the cache moves the
+    result against uncached PipeFusion."""
+    from jaxdit.cache import MagCache, TaylorSeer, magcache
+
+    if name == "magcache":
+        path = str(tmp_path / "ratios.json")
+        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
+        cache, order = MagCache(threshold=0.5, ratios=path), 0
+    else:
+        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    pc = ParallelConfig(pipefusion=2, ulysses=2)
+    pipe = Flux2KleinPipeline.from_pretrained(folder, pc.make_mesh(jax.devices()[:4]), compiler_options=FAST)
+    one = Flux2KleinPipeline.from_pretrained(folder, ParallelConfig().make_mesh(jax.devices()[:1]))
+    call = dict(CALL, image=pictures, num_inference_steps=6)
+    got = pipe(
+        num_pipeline_patch=PATCHES, warmup_steps=1, output_type="latent", progress=False, cache=cache, **call
+    )
+    print(f"\n{name}: {got.cache.describe()}")
+    plan = CACHE_CASES[name]
+    np.testing.assert_array_equal(got.cache.ran, np.asarray(plan, bool))
+    prepared = one.prepare(GenerationRequest.of(**call))
+    want = prepared.to_latents(
+        serial_stale_kv(one, prepared.inputs, PATCHES, tuple(bool(r) for r in plan), order)
+    )
+    uncached = prepared.to_latents(serial_stale_kv(one, prepared.inputs, PATCHES))
+    tol.check(
+        got.latents, want, tol.PIPEFUSION, f"FLUX.2 {name} pipefusion2 x ulysses2 vs the serial reference"
+    )
+    drift = tol.max_error(got.latents, uncached)
+    print(f"vs uncached PipeFusion: {drift:.1e}; mean {np.abs(got.latents - uncached).mean():.3e}")
+    _CACHED[name] = got.latents
+    if len(_CACHED) == 2:  # the two plans give two results
+        print(f"magcache vs taylorseer: {tol.max_error(_CACHED['magcache'], _CACHED['taylorseer']):.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(want).max())
+
+
+_CACHED: dict = {}

@@ -152,3 +152,44 @@ def test_default_patches_and_refusals(transformer, embeds):
     pipe, _ = _pipelines(transformer, HunyuanVideo15Pipeline)
     with pytest.raises(ValueError, match="num_pipeline_patch=3 does not divide the 4 latent rows"):
         pipe(num_pipeline_patch=3, output_type="latent", progress=False, **CALL, **embeds)
+
+
+#: Host-planned caches under PipeFusion (jaxdit/pipelines/pipefusion/cache.py) over 6 steps: MagCache on
+#: made-up ratios of both branches (threshold 0.5, at most 2 skips in a row: steps 1, 2, 4, 5 skipped, the
+#: first two by the warm-up step's program), TaylorSeer (interval 2, one warm-up step: 1, 3, 5 skipped).
+CACHE_STEPS = 6
+CACHE_CASES = {
+    "magcache cfg2 x pipefusion2": (ParallelConfig(cfg=2, pipefusion=2), [1, 0, 0, 1, 0, 0]),
+    "taylorseer pipefusion2 x ulysses2": (PIPEFUSION2_ULYSSES2, [1, 0, 1, 0, 1, 0]),
+}
+
+
+@pytest.mark.parametrize("case", list(CACHE_CASES))
+def test_host_planned_cache_matches_the_serial_reference(transformer, embeds, tmp_path, case):
+    """Both passes (refiner up, dual-stream down) skipped on a skipped step: the output layer on the
+    embedded video plus the residual of every block kept per patch (or its Taylor forecast), against the
+    serial reference with the same plan and stale K/V; the cache moves the result."""
+    from jaxdit.cache import MagCache, TaylorSeer, magcache
+
+    parallel, plan = CACHE_CASES[case]
+    if case.startswith("magcache"):
+        path = str(tmp_path / "ratios.json")
+        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]] * 2))
+        cache, order = MagCache(threshold=0.5, ratios=path), 0
+    else:
+        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    pipe, one = _pipelines(transformer, HunyuanVideo15Pipeline, parallel)
+    call = {**CALL, **embeds, "num_inference_steps": CACHE_STEPS}
+    got = pipe(
+        num_pipeline_patch=PATCHES, warmup_steps=1, output_type="latent", progress=False, cache=cache, **call
+    )
+    print(f"\n{case}: {got.cache.describe()}")
+    np.testing.assert_array_equal(got.cache.ran, np.asarray(plan, bool))
+    prepared = one.prepare(one.with_defaults(GenerationRequest.of(**call)))
+    ran = tuple(bool(r) for r in plan)
+    want = prepared.to_latents(serial_stale_kv(one, prepared.inputs, PATCHES, 1, ran, order))
+    uncached = prepared.to_latents(serial_stale_kv(one, prepared.inputs, PATCHES))
+    tol.check(got.latents, want, tol.PIPEFUSION, f"HunyuanVideo 1.5 {case} vs the serial reference")
+    drift = tol.max_error(got.latents, uncached)
+    print(f"vs uncached PipeFusion: {drift:.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(want).max())

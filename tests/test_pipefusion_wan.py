@@ -26,8 +26,9 @@ import tolerance as tol
 import wan_tiny
 from flax import nnx
 from jax import lax
-from pipefusion_helpers import ReferenceContext, collectives, make_mesh
+from pipefusion_helpers import ReferenceContext, TaylorResiduals, collectives, make_mesh
 
+from jaxdit.cache import MagCache, TaylorSeer, magcache
 from jaxdit.families import load_params
 from jaxdit.generate import GenerateRequest, check_request
 from jaxdit.mesh import ParallelConfig
@@ -164,10 +165,17 @@ def test_warmup_only_equals_the_serial_pipeline():
 
 
 @functools.cache
-def _reference(steps: int, warmup: int, patches: int, patch_by: str = "rows") -> np.ndarray:
+def _reference(
+    steps: int, warmup: int, patches: int, patch_by: str = "rows", ran: tuple | None = None, order: int = 0
+) -> np.ndarray:
     """PipeFusion's semantics written directly on the unsharded model: per step, per patch in order,
     every layer attending to its fresh K/V and the other patches' latest buffered K/V; UniPC on each
-    patch with that patch's slice of the sampler state (as a separate state per patch)."""
+    patch with that patch's slice of the sampler state (as a separate state per patch).
+
+    ``ran`` (a host-planned cache's plan, ``jaxdit.pipelines.pipefusion.cache``): each full step keeps
+    per patch the residual of all blocks (the blocks' output minus the patch embedding); each skipped
+    step runs, per patch, the head on the embedding plus the kept residual (``order`` > 0: its Taylor
+    forecast), then UniPC on the patch's own state, and writes no K/V."""
     _, model = load_params(wan_tiny.diffusers_folder(False), make_mesh(), jnp.float32)
     c = model.config
     cond = _conditioning()
@@ -180,50 +188,79 @@ def _reference(steps: int, warmup: int, patches: int, patch_by: str = "rows") ->
     graphdef, stacked = nnx.split(model.blocks)
     layer = lambda i: nnx.merge(graphdef, jax.tree.map(lambda a: a[i], stacked))
 
-    def forward(xs, pos, t, patch, buffers):
-        buffers = dict(buffers)
-        temb, mod, txt, _ = model.embed_conditions(jnp.full((2 * BATCH,), t, jnp.float32), text)
-        angles = rope_angles(pos, c.rope_axes_dim, c.rope_theta)[None]
-        h = model.patch_embedding(jnp.concatenate([xs, xs])).astype(jnp.float32)
-        for i in range(c.num_layers):
-            h = layer(i)(h, mod, txt, None, angles, ReferenceContext(buffers, i, patch))
+    def embedded(xs):
+        return model.patch_embedding(jnp.concatenate([xs, xs])).astype(jnp.float32)
+
+    def head(h, t):
+        temb = model.embed_conditions(jnp.full((2 * BATCH,), t, jnp.float32), text)[0]
         shift, scale = (model.head_modulation[...][None] + temb[:, None, :]).transpose(1, 0, 2)[:, :, None]
         h = wan.layer_norm(h, c.eps) * (1 + scale) + shift
         pred = swap_features(model.head(h), math.prod(c.patch_size), c.out_channels)
         uncond, cond_ = jnp.split(pred, 2)
-        return uncond + GUIDANCE * (cond_ - uncond), buffers
+        return uncond + GUIDANCE * (cond_ - uncond)
+
+    def forward(xs, pos, t, patch, buffers):
+        buffers = dict(buffers)
+        _, mod, txt, _ = model.embed_conditions(jnp.full((2 * BATCH,), t, jnp.float32), text)
+        angles = rope_angles(pos, c.rope_axes_dim, c.rope_theta)[None]
+        h = start = embedded(xs)
+        for i in range(c.num_layers):
+            h = layer(i)(h, mod, txt, None, angles, ReferenceContext(buffers, i, patch))
+        return head(h, t), buffers, h - start
+
+    def sampler_step(x, state, m, step, v):
+        """UniPC on patch ``m`` with its own slice of the sampler state."""
+        xs = lax.dynamic_index_in_dim(x, m, 1, keepdims=False)
+        own = unipc.UniPCState(step, *(lax.dynamic_index_in_dim(a, m, 1, keepdims=False) for a in state[1:]))
+        xs, own = unipc.step(schedule, own, xs, v)
+        put = lambda a, b: lax.dynamic_update_index_in_dim(a, b, m, 1)
+        state = unipc.UniPCState(step + 1, *(put(a, b) for a, b in zip(state[1:], own[1:], strict=True)))
+        return put(x, xs), state
 
     @jax.jit
     def full_step(x, state, buffers_unused=None):
         flat = x.reshape(BATCH, -1, x.shape[-1])
         t = jnp.asarray(schedule.timesteps)[state.step_index].astype(jnp.float32)
-        v, buffers = forward(flat, jnp.asarray(positions).reshape(-1, 3), t, None, {})
+        v, buffers, residual = forward(flat, jnp.asarray(positions).reshape(-1, 3), t, None, {})
         split = lambda a: jnp.moveaxis(a.reshape(a.shape[0], patches, -1, *a.shape[2:]), 1, 0)
         flat_state = jax.tree.map(lambda a: a.reshape(flat.shape) if a.ndim else a, state)
         x_new, s = unipc.step(schedule, flat_state, flat, v)
         s = jax.tree.map(lambda a: a.reshape(x.shape) if a.ndim else a, s)
-        return x_new.reshape(x.shape), s, {k: tuple(map(split, kv)) for k, kv in buffers.items()}
+        kv = {k: tuple(map(split, kv)) for k, kv in buffers.items()}
+        return x_new.reshape(x.shape), s, kv, split(residual)
 
     @jax.jit
     def patch_step(x, state, m, step, buffers):
         xs = lax.dynamic_index_in_dim(x, m, 1, keepdims=False)
         t = jnp.asarray(schedule.timesteps)[step].astype(jnp.float32)
-        v, buffers = forward(xs, jnp.asarray(positions)[m], t, m, buffers)
-        own = unipc.UniPCState(step, *(lax.dynamic_index_in_dim(a, m, 1, keepdims=False) for a in state[1:]))
-        xs, own = unipc.step(schedule, own, xs, v)
-        put = lambda a, b: lax.dynamic_update_index_in_dim(a, b, m, 1)
-        state = unipc.UniPCState(step + 1, *(put(a, b) for a, b in zip(state[1:], own[1:], strict=True)))
-        return put(x, xs), state, buffers
+        v, buffers, residual = forward(xs, jnp.asarray(positions)[m], t, m, buffers)
+        return *sampler_step(x, state, m, step, v), buffers, residual
+
+    @jax.jit
+    def skip_step(x, state, m, step, residual):
+        xs = lax.dynamic_index_in_dim(x, m, 1, keepdims=False)
+        t = jnp.asarray(schedule.timesteps)[step].astype(jnp.float32)
+        return sampler_step(x, state, m, step, head(embedded(xs) + residual, t))
 
     x = jnp.asarray(x)
     state = unipc.init_state(x)
     buffers = None
+    ran = (True,) * steps if ran is None else ran
+    cache, last, full = TaylorResiduals(patches, order), 0, 0
     for step in range(steps):
         if step < warmup:
-            x, state, buffers = full_step(x, state)
+            x, state, buffers, residual = full_step(x, state)
+            for m in range(patches):
+                cache.refresh(m, residual[m], step - last, full)
+        elif ran[step]:
+            for m in range(patches):
+                x, state, buffers, residual = patch_step(x, state, jnp.int32(m), jnp.int32(step), buffers)
+                cache.refresh(m, residual, step - last, full)
         else:
             for m in range(patches):
-                x, state, buffers = patch_step(x, state, jnp.int32(m), jnp.int32(step), buffers)
+                x, state = skip_step(x, state, jnp.int32(m), jnp.int32(step), cache.forecast(m, step - last))
+        if ran[step]:
+            last, full = step, full + 1
     tokens = swap_features(g.from_patches(np.asarray(x), 1), c.out_channels, math.prod(c.patch_size))
     return np.asarray(wan.unpatchify(tokens, GRID, c.patch_size, c.out_channels))
 
@@ -250,6 +287,43 @@ def test_pipelined_phase_equals_a_serial_reference_of_stale_kv(mesh, patches):
     drift = tol.max_error(out, _serial())
     print(f"vs serial (stale K/V): {drift:.1e}")
     assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(reference).max())  # stale K/V really is used
+
+
+#: Host-planned caches under PipeFusion (jaxdit/pipelines/pipefusion/cache.py): MagCache on made-up
+#: ratios (both branches; the tiny model ships none) that skip steps 2, 3, 5 and 6 of 8 at threshold 0.5,
+#: and TaylorSeer (interval 3, order 1: the same steps).
+MAGCACHE_RATIOS = [[1.0, 1.0, 0.99, 0.98, 0.97, 0.96, 0.95, 0.9]] * 2
+
+
+@pytest.fixture(scope="module")
+def wan_caches(tmp_path_factory):
+    path = tmp_path_factory.mktemp("magcache") / "ratios.json"
+    magcache.save_ratios(str(path), np.asarray(MAGCACHE_RATIOS))
+    return {
+        "magcache": MagCache(threshold=0.5, ratios=str(path)),
+        "taylorseer": TaylorSeer(interval=3, order=1),
+    }
+
+
+@pytest.mark.parametrize(
+    "name, mesh",
+    [("magcache", dict(pipefusion=2, cfg=2)), ("taylorseer", dict(pipefusion=2, ulysses=2))],
+)
+def test_host_planned_cache_equals_the_serial_reference_with_per_patch_unipc(name, mesh, wan_caches):
+    """A skipped step's UniPC update (the head on the patch embedding plus the kept residual or its
+    Taylor forecast, the patch's own multistep state) and the stale K/V after it, against the serial
+    reference with the same plan; the cache moves the result against uncached PipeFusion."""
+    cache, steps = wan_caches[name], QUALITY_STEPS
+    out = _pipe(**mesh)(**_kwargs(steps), num_pipeline_patch=2, warmup_steps=1, cache=cache)
+    ran = out.cache.ran
+    print(f"\n{name} on {mesh}: {out.cache.describe()}")
+    np.testing.assert_array_equal(ran, [True, True, False, False, True, False, False, True])
+    order = getattr(cache, "order", 0)
+    reference = _reference(steps, 1, 2, "rows", tuple(bool(r) for r in ran), order)
+    tol.check(out.latents, reference, tol.PIPEFUSION, f"{name}, {mesh}, M=2 vs the serial reference")
+    drift = tol.max_error(out.latents, _reference(steps, 1, 2))
+    print(f"vs uncached PipeFusion: {drift:.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(reference).max())
 
 
 def test_patches_by_frames_follow_the_same_semantics():

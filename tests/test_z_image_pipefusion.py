@@ -20,6 +20,7 @@ import pytest
 import tolerance as tol
 import z_image_tiny as tiny
 from flax import nnx
+from pipefusion_helpers import TaylorResiduals
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import z_image
@@ -76,7 +77,11 @@ class _Context:
         return lambda q, k, v: self._attend(group, q, k, v)
 
 
-def _reference(pipe: ZImagePipeline, inputs) -> np.ndarray:
+def _reference(pipe: ZImagePipeline, inputs, ran=None, order: int = 0) -> np.ndarray:
+    """``ran`` (a host-planned cache's plan, ``jaxdit.pipelines.pipefusion.cache``): each full step keeps,
+    per patch, the residual of every block on the image tokens (the joint stream's image part minus the
+    embedded image, what the output layer reads); a skipped step runs, per patch, the output layer on
+    the embedded image plus that residual (``order`` > 0: its Taylor forecast), no block, no K/V write."""
     model, sampler, schedule = pipe.model, pipe.sampler, inputs.schedule
     ctx_in = inputs.context
     rows, cols = inputs.grid
@@ -90,8 +95,9 @@ def _reference(pipe: ZImagePipeline, inputs) -> np.ndarray:
     x = np.asarray(inputs.tokens, np.float32)
     batch = x.shape[0]
 
-    def run(patch, x_tokens, step):
-        """The velocity of ``patch``'s image tokens (None: every patch, the warm-up's full sequence)."""
+    def run(patch, x_tokens, step, residual=None):
+        """The velocity of ``patch``'s image tokens (None: every patch, the warm-up's full sequence) and
+        the blocks' residual on them; ``residual`` given: added to the embedded image, no block run."""
         img_sel = np.arange(rows * cols) if patch is None else np.arange(patch * n, (patch + 1) * n)
         cap_sel = np.arange(PATCHES * t) if patch is None else np.arange(patch * t, (patch + 1) * t)
         img, cap = model.embed_tokens(jnp.asarray(x_tokens), None, cap_feats[:, cap_sel], cap_pad[:, cap_sel])
@@ -119,7 +125,9 @@ def _reference(pipe: ZImagePipeline, inputs) -> np.ndarray:
             ],
         }
         streams = (img, cap)
-        for stack in model.STACKS:
+        if residual is not None:  # a skipped step: [image + residual; caption], as the joint layers see it
+            streams = layout.join_local([img + residual, cap])
+        for stack in model.STACKS if residual is None else ():
             streams = model.enter(stack, streams, _Context(layout, None, None, None, None))
             graphdef, state = nnx.split(getattr(model, stack))
             depth = jax.tree.leaves(state)[0].shape[0]
@@ -129,16 +137,26 @@ def _reference(pipe: ZImagePipeline, inputs) -> np.ndarray:
                 store = buffers.setdefault(key, {})
                 ctx = _Context(layout, store, patch, valids, split)
                 streams = model.run_block(stack, block, streams, cond, ctx)
-        return -model.output(streams, cond, _Context(layout, None, None, None, None))
+        out = -model.output(streams, cond, _Context(layout, None, None, None, None))
+        return out, layout.split_local(streams)[0] - img
 
     buffers: dict = {}
-    x_new, _ = sampler.step(schedule, 0, (), jnp.asarray(x), run(None, x, 0))
-    x = np.array(x_new)
+    ran = (True,) * inputs.steps if ran is None else ran
+    cache = TaylorResiduals(PATCHES, order)
+    v, residual = run(None, x, 0)
+    x = np.array(sampler.step(schedule, 0, (), jnp.asarray(x), v)[0])
+    for m in range(PATCHES):
+        cache.refresh(m, residual[:, m * n : (m + 1) * n], 0, 0)
+    last, full = 0, 1  # the warm-up step
     for step in range(1, inputs.steps):
         for m in range(PATCHES):
             band = slice(m * n, (m + 1) * n)
-            v = run(m, x[:, band], step)
+            v, residual = run(m, x[:, band], step, None if ran[step] else cache.forecast(m, step - last))
             x[:, band] = np.asarray(sampler.step(schedule, step, (), jnp.asarray(x[:, band]), v)[0])
+            if ran[step]:
+                cache.refresh(m, residual, step - last, full)
+        if ran[step]:
+            last, full = step, full + 1
     return x
 
 
@@ -163,6 +181,50 @@ def test_pipelined_pipefusion_matches_the_serial_reference(folder, pipe):
     )
     tol.check(got.latents, want, tol.PIPEFUSION, "Z-Image pipelined PipeFusion vs the serial reference")
     assert np.abs(serial - want).max() > 1e-3 * np.abs(serial).max()  # stale K/V changed the result
+
+
+#: Host-planned caches under PipeFusion (jaxdit/pipelines/pipefusion/cache.py) over 6 steps: MagCache on
+#: made-up ratios (threshold 0.5, at most 2 skips in a row: steps 1, 2, 4, 5 skipped, the first two by the
+#: warm-up step's program), TaylorSeer (interval 2, one warm-up step: 1, 3, 5 skipped).
+CACHE_CASES = {"magcache": [1, 0, 0, 1, 0, 0], "taylorseer": [1, 0, 1, 0, 1, 0]}
+
+
+@pytest.mark.parametrize("name", list(CACHE_CASES))
+def test_host_planned_cache_matches_the_serial_reference(folder, pipe, tmp_path, name):
+    """Three passes (noise refiner, context refiner, joint layers) skipped on a skipped step, the patch
+    back to stage 0 after the odd last pass: pipefusion2 x ulysses2 against the serial reference with
+    the same plan and stale K/V; the cache moves the result against uncached PipeFusion."""
+    from jaxdit.cache import MagCache, TaylorSeer, magcache
+
+    if name == "magcache":
+        path = str(tmp_path / "ratios.json")
+        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
+        cache, order = MagCache(threshold=0.5, ratios=path), 0
+    else:
+        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    call = {**CALL, "num_inference_steps": 6}
+    got = pipe(
+        PROMPTS,
+        num_pipeline_patch=PATCHES,
+        warmup_steps=1,
+        output_type="latent",
+        progress=False,
+        cache=cache,
+        **call,
+    )
+    print(f"\n{name}: {got.cache.describe()}")
+    plan = CACHE_CASES[name]
+    np.testing.assert_array_equal(got.cache.ran, np.asarray(plan, bool))
+    one = ZImagePipeline.from_pretrained(folder, ParallelConfig().make_mesh(jax.devices()[:1]))
+    prepared = one.prepare(GenerationRequest(prompt=list(PROMPTS), **call))
+    want = prepared.to_latents(_reference(one, prepared.inputs, tuple(bool(r) for r in plan), order))
+    uncached = prepared.to_latents(_reference(one, prepared.inputs))
+    tol.check(
+        got.latents, want, tol.PIPEFUSION, f"Z-Image {name} pipefusion2 x ulysses2 vs the serial reference"
+    )
+    drift = tol.max_error(got.latents, uncached)
+    print(f"vs uncached PipeFusion: {drift:.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(want).max())
 
 
 @pytest.mark.parametrize(

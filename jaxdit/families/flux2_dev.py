@@ -20,6 +20,7 @@ __all__ = ["FLUX2_DEV", "Flux2DevFamily"]
 
 
 class Flux2DevFamily(Flux2Family):
+    pipefusion_caches = frozenset()  # a PipeFusion cache on dev's guidance input: not tested yet
     name = "flux2-dev"
     display = "FLUX.2 [dev]"
     variant_of = "flux2"  # found by its folder's pipeline class, never by shape

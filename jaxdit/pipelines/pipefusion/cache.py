@@ -63,7 +63,7 @@ def refusal(name: str, family_caches: Any = PIPEFUSION_CACHES, display: str = "t
     if name in PIPEFUSION_CACHES and name in family_caches:
         return None
     if name in PIPEFUSION_CACHES:
-        return f"{name} does not run with PipeFusion on {display} yet (tiny-digits and FLUX.1 have it)"
+        return f"{name} does not run with PipeFusion on {display} yet (tiny-digits, FLUX.1, Wan, HunyuanVideo 1.5, Z-Image and FLUX.2 [klein] have it)"
     reason = _REASONS.get(name, f"{name} decides from the data")
     return (
         f"{reason}, which PipeFusion's first stage never holds at once (it hands each patch on as soon as "

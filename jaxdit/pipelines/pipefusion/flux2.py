@@ -34,6 +34,7 @@ from converters.flux2 import CHECKPOINTS
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import flux2
 from jaxdit.models.flux2_config import Flux2Config
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES
 from jaxdit.pipelines.pipefusion.flux import Geometry, default_num_patches, validate_patches
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 
@@ -112,6 +113,9 @@ class Flux2Patches:
     """
 
     config: Flux2Config
+
+    #: The feature caches this runner takes (host-planned: ``pipefusion/cache.py``).
+    caches = PIPEFUSION_CACHES
 
     context_axes = {
         "encoder_hidden_states": ("batch", None, "seq", None),

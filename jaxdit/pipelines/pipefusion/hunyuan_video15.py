@@ -51,6 +51,7 @@ from jaxdit.models import hunyuan_video15 as hv
 from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
 from jaxdit.models.layers import rope_angles
 from jaxdit.pipelines.pipefusion import video_patches
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 from jaxdit.pipelines.pipefusion.video_patches import validate_patches
@@ -234,6 +235,9 @@ class HunyuanVideo15Patches:
     """
 
     config: HunyuanVideo15Config
+
+    #: The feature caches this runner takes (host-planned: ``pipefusion/cache.py``).
+    caches = PIPEFUSION_CACHES
 
     context_axes = {
         "encoder_hidden_states": ("batch", None, "seq", None),

@@ -247,6 +247,19 @@ class PipeFusionPrograms:
             streams = model.enter(stack, streams, ctx)
         return streams
 
+    def _measure(self, streams: Any, embedded: Any) -> jax.Array:
+        """The residual of all blocks: the last pass's output streams minus the embedded streams carried
+        through every ``enter``, their leaves joined along the tokens [b, tokens, E] (``Wire``), so one
+        array holds it whatever streams the last stack carries (FLUX's joined stream; HunyuanVideo 1.5's
+        video and context streams)."""
+        wire, stack = Wire(), self.stacks[-1]
+        return wire.pack(stack, streams) - wire.pack(stack, embedded)
+
+    def _add_residual(self, embedded: Any, residual: jax.Array) -> Any:
+        """The embedded streams (through every ``enter``) plus a kept residual (:meth:`_measure`'s join)."""
+        wire, stack = Wire(), self.stacks[-1]
+        return wire.unpack(stack, wire.pack(stack, embedded) + residual.astype(jnp.float32))
+
     def _patches_of_full(self, x: jax.Array) -> jax.Array:
         """A stream in the warm-up's local layout [b, M*g_0 + M*g_1 + ..., E] -> per patch [b, M, piece, E]."""
         g = self.g
@@ -272,8 +285,7 @@ class PipeFusionPrograms:
             i = last + k
             cond = pieces.cond(pieces.step_cond(sampler.model_time(schedule, i)), m)
             residual = taylor.forecast(stored, k) if self.cache_order else stored[0]
-            final = self._enter_all(model, pieces.embed(x, m), ctx)
-            final = jax.tree.map(jnp.add, final, residual.astype(jnp.float32))
+            final = self._add_residual(self._enter_all(model, pieces.embed(x, m), ctx), residual)
             pred = self._guide(pieces.prediction(model.output(final, cond, ctx)), scale)
             x_new, state_new = sampler.step(schedule, i, state, x, pred)
             return x_new.astype(x.dtype), tuple(state_new)
@@ -415,9 +427,7 @@ class PipeFusionPrograms:
             pred = self._guide(pieces.prediction(model.output(streams, cond, ctx)), scale)
             x_new, sampler_state = sampler.step(schedule, i, sampler_state, x_lat, pred)
             if cached:  # the residual of all blocks per patch; then the skipped steps that follow
-                fresh = jax.tree.map(
-                    jnp.subtract, streams, self._enter_all(model, pieces.embed(x_lat, None), ctx)
-                )
+                fresh = self._measure(streams, self._enter_all(model, pieces.embed(x_lat, None), ctx))
                 stored = tuple(a[0] for a in residual)
                 stored = self._residual_update(
                     stored, self._patches_of_full(fresh), distance[i], full_before[i]
@@ -531,9 +541,7 @@ class PipeFusionPrograms:
                 done = ok & (s == end)
                 if cached:  # store the patch's residual of all blocks, then run the skipped steps after it
                     i = absolute(step)
-                    measured = jax.tree.map(
-                        jnp.subtract, streams, self._enter_all(model, pieces.embed(x_old, m), ctx)
-                    )
+                    measured = self._measure(streams, self._enter_all(model, pieces.embed(x_old, m), ctx))
                     old = tuple(pick(d, m) for d in residual)
                     stored = self._residual_update(old, measured, distance[i], full_before[i])
                     residual = tuple(

@@ -67,6 +67,7 @@ from jaxdit.models.layers import rope_angles
 from jaxdit.models.wan_patchify import swap_features
 from jaxdit.pipelines.assemble import preset_check
 from jaxdit.pipelines.pipefusion import runner
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES
 from jaxdit.pipelines.pipefusion.geometry import PatchGeometry
 from jaxdit.pipelines.pipefusion.programs import PipeFusionPrograms
 from jaxdit.pipelines.pipefusion.stages import StagedModel
@@ -331,6 +332,9 @@ class WanPatches:
     """
 
     config: wan.WanConfig
+
+    #: The feature caches this runner takes (host-planned: ``pipefusion/cache.py``).
+    caches = PIPEFUSION_CACHES
 
     context_axes = {
         "encoder_hidden_states": ("batch", None, None),

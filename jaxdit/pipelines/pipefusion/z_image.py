@@ -38,6 +38,7 @@ from jaxdit.models import z_image
 from jaxdit.models.z_image_config import ZImageConfig
 from jaxdit.models.z_image_tokens import SEQ_MULTIPLE
 from jaxdit.pipelines.pipefusion import flux, qwen_image
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 
 __all__ = ["PASSES", "Geometry", "PipeFusionZImage", "ZImagePatches", "default_num_patches", "validate_grid"]
@@ -154,6 +155,9 @@ class ZImagePatches:
     """
 
     config: ZImageConfig
+
+    #: The feature caches this runner takes (host-planned: ``pipefusion/cache.py``).
+    caches = PIPEFUSION_CACHES
 
     context_axes = {
         "cap_feats": ("batch", None, "seq", None),
