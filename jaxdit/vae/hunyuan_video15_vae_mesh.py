@@ -24,6 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxdit.vae import spatial
 from jaxdit.vae.hunyuan_video15_vae import HunyuanVideo15VAE
 from jaxdit.vae.spatial import Rows
+from jaxdit.vae.tiled import TiledPrograms
 
 __all__ = ["HunyuanVideo15MeshVAE"]
 
@@ -31,24 +32,14 @@ __all__ = ["HunyuanVideo15MeshVAE"]
 BANDS = PartitionSpec(None, None, None, spatial.TILE_AXIS, None)
 
 
-class HunyuanVideo15MeshVAE:
+class HunyuanVideo15MeshVAE(TiledPrograms):
     """``decode(z, mesh=None)``: unscaled latents [B, 32, F', h, w] -> frames [B, 3, F, 16h, 16w] in
     [-1, 1], rows split over every device of ``mesh``; ``encode(x, mesh=None)``: pixels -> the
     posterior's mean latents, likewise (pixel bands a multiple of 16 rows)."""
 
     def __init__(self, vae: HunyuanVideo15VAE, *, compiler_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(vae, compiler_options=compiler_options)
         self.vae = vae
-        self.config = vae.config
-        self.graphdef, self.state = nnx.split(vae)
-        self.dtype = jnp.dtype(jax.tree.leaves(self.state)[0].dtype)
-        self.compiler_options = dict(compiler_options) if compiler_options else None
-        self._compiled: dict[Any, Any] = {}
-        self._states: dict[Any, Any] = {}
-
-    @staticmethod
-    def tiles(mesh: Mesh | None) -> Mesh:
-        """The 1-D tile mesh: all devices of ``mesh``, or the first device."""
-        return spatial.tile_mesh(mesh if mesh is not None else jax.devices()[:1])
 
     def _program(self, tiles: Mesh, rows: Rows, method: str, state: Any, x: jax.Array):
         """Replicated input -> the tiles' output bands, padding rows included (dropping them inside the
@@ -74,21 +65,11 @@ class HunyuanVideo15MeshVAE:
 
     def _compiled_program(self, method: str, shape: Sequence[int], mesh: Mesh | None, dtype: Any):
         tiles = self.tiles(mesh)
-        key = (method, tuple(d.id for d in tiles.devices.flat), tuple(shape), jnp.dtype(dtype))
-        if key not in self._compiled:
-            multiple = 1 if method == "decode" else self.config.spatial_compression_ratio
-            rows = Rows.split(shape[3], tiles.size, multiple=multiple)
-            replicated = NamedSharding(tiles, PartitionSpec())
-            state = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), self.state
-            )
-            x = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=replicated)
-            fn = jax.jit(
-                functools.partial(self._program, tiles, rows, method),
-                compiler_options=self.compiler_options,
-            )
-            self._compiled[key] = fn.lower(state, x).compile()
-        return self._compiled[key]
+        multiple = 1 if method == "decode" else self.config.spatial_compression_ratio
+        rows = Rows.split(shape[3], tiles.size, multiple=multiple)
+        x = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(tiles, PartitionSpec()))
+        program = functools.partial(self._program, tiles, rows, method)
+        return self._compile((method, tuple(shape), jnp.dtype(dtype)), tiles, program, x)
 
     def compiled_decode(self, shape: Sequence[int], mesh: Mesh | None = None, dtype: Any = jnp.float32):
         """The compiled decode of latents of ``shape`` (called with ``(state, z)``; cached): returns the
@@ -106,12 +87,6 @@ class HunyuanVideo15MeshVAE:
         if shape[3] % s or shape[4] % s:
             raise ValueError(f"pixels of {shape[3]}x{shape[4]}: height and width must be multiples of {s}")
         return self._compiled_program("encode", shape, mesh, dtype)
-
-    def _state_on(self, tiles: Mesh) -> Any:
-        key = tuple(d.id for d in tiles.devices.flat)
-        if key not in self._states:
-            self._states[key] = jax.device_put(self.state, NamedSharding(tiles, PartitionSpec()))
-        return self._states[key]
 
     def _run(self, method: str, compiled: Any, x: jax.Array, mesh: Mesh | None) -> jax.Array:
         tiles = self.tiles(mesh)

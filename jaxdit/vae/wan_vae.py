@@ -68,6 +68,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxdit.vae import spatial
 from jaxdit.vae.spatial import Rows
+from jaxdit.vae.tiled import TiledPrograms, device_key
 from jaxdit.vae.wan_vae_config import (
     ENCODE_CHUNK,
     WAN21_LATENTS_MEAN,
@@ -92,7 +93,7 @@ __all__ = [
 ]
 
 
-class WanVAE:
+class WanVAE(TiledPrograms):
     """A Wan VAE (2.1 or 2.2) with diffusers' ``AutoencoderKLWan`` calling conventions ([B, C, T, H, W]).
 
     ``decode(z, mesh=None)``: unnormalized latents -> video in [-1, 1]; with a mesh, rows are split over
@@ -105,21 +106,11 @@ class WanVAE:
     """
 
     def __init__(self, model: WanVAEModel, *, compiler_options: Mapping[str, Any] | None = None) -> None:
+        super().__init__(model, compiler_options=compiler_options)
         self.model = model
         self.config: WanVAEConfig = model.config
-        self.graphdef, self.state = nnx.split(model)
-        self.dtype = jnp.dtype(jax.tree.leaves(self.state)[0].dtype)
-        self.compiler_options = dict(compiler_options) if compiler_options else None
-        self._compiled: dict[Any, Any] = {}
-        self._states: dict[Any, Any] = {}
 
-    # ------------------------------------------------------------------ loading
     # ------------------------------------------------------------------ programs
-    @staticmethod
-    def tiles(mesh: Mesh | None) -> Mesh:
-        """The 1-D tile mesh decoding runs on: all devices of ``mesh``, or the first device."""
-        return spatial.tile_mesh(mesh if mesh is not None else jax.devices()[:1])
-
     def _decode_program(self, tiles: Mesh, state: Any, z: jax.Array) -> jax.Array:
         """[B, z, F, h, w] -> [B, C, T, H, W]: rows padded to the tiles, decoded in ``shard_map``."""
         graphdef = self.graphdef
@@ -140,24 +131,9 @@ class WanVAE:
     def compiled_decode(self, shape: Sequence[int], mesh: Mesh | None = None, dtype: Any = jnp.float32):
         """The compiled decode of latents of ``shape`` (called with ``(state, z)``; cached)."""
         tiles = self.tiles(mesh)
-        key = (tuple(d.id for d in tiles.devices.flat), tuple(shape), jnp.dtype(dtype))
-        if key not in self._compiled:
-            replicated = NamedSharding(tiles, PartitionSpec())
-            state = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), self.state
-            )
-            z = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=replicated)
-            fn = jax.jit(
-                functools.partial(self._decode_program, tiles), compiler_options=self.compiler_options
-            )
-            self._compiled[key] = fn.lower(state, z).compile()
-        return self._compiled[key]
-
-    def _state_on(self, tiles: Mesh) -> Any:
-        key = tuple(d.id for d in tiles.devices.flat)
-        if key not in self._states:
-            self._states[key] = jax.device_put(self.state, NamedSharding(tiles, PartitionSpec()))
-        return self._states[key]
+        z = jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=NamedSharding(tiles, PartitionSpec()))
+        program = functools.partial(self._decode_program, tiles)
+        return self._compile(("decode", tuple(shape), jnp.dtype(dtype)), tiles, program, z)
 
     # ------------------------------------------------------------------ calls
     def decode(self, z: Any, mesh: Mesh | None = None) -> jax.Array:
@@ -226,20 +202,10 @@ class WanVAE:
         tiles = self.tiles(mesh)
         b, c, t, h, w = shape
         rows = self.encode_rows(h, mesh)
-        key = ("encode", tuple(d.id for d in tiles.devices.flat), tuple(shape), jnp.dtype(dtype))
-        if key not in self._compiled:
-            replicated = NamedSharding(tiles, PartitionSpec())
-            state = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated), self.state
-            )
-            banded = NamedSharding(tiles, spatial.row_spec(5))
-            x = jax.ShapeDtypeStruct((b, t, rows.padded, w, c), self.dtype, sharding=banded)
-            fn = jax.jit(
-                functools.partial(self._encode_program, tiles, rows),
-                compiler_options=self.compiler_options,
-            )
-            self._compiled[key] = fn.lower(state, x).compile()
-        return self._compiled[key]
+        banded = NamedSharding(tiles, spatial.row_spec(5))
+        x = jax.ShapeDtypeStruct((b, t, rows.padded, w, c), self.dtype, sharding=banded)
+        program = functools.partial(self._encode_program, tiles, rows)
+        return self._compile(("encode", tuple(shape), jnp.dtype(dtype)), tiles, program, x)
 
     def encode(self, x: Any, mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
         """Video [B, 3, T, H, W] in [-1, 1] -> (mean, logvar) in fp32, each [B, z_dim, (T-1)//tf + 1, H/s,
@@ -275,7 +241,7 @@ class WanVAE:
         tiles = self.tiles(mesh)
         rows = self.encode_rows(x.shape[3], mesh)
         core = self.compiled_encode(x.shape, mesh, x.dtype)
-        key = ("encode-io", tuple(d.id for d in tiles.devices.flat), tuple(x.shape), x.dtype)
+        key = ("encode-io", device_key(tiles), tuple(x.shape), x.dtype)
         if key not in self._compiled:
             # Transpose and pad outside the core, landing row-sharded: no device holds the whole video
             # inside the sharded program (what compiled_encode's memory_analysis reports).
