@@ -12,6 +12,7 @@ any device runs.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import urllib.error
@@ -142,13 +143,49 @@ def test_serve_caches_flag_checked_before_anything_loads():
 
     from jaxdit.serve import command
 
-    def check(*flags: str):
+    def check(*flags: str, devices: int = 2):
         parser = argparse.ArgumentParser()
         command.add_arguments(parser)
-        return command.check(parser.parse_args(["--emulate_devices", "2", "--port", "0", *flags]))
+        return command.check(parser.parse_args(["--emulate_devices", str(devices), "--port", "0", *flags]))
 
     assert check("--caches", "magcache, dbcache", "--use_cfg_parallel").caches == ("magcache", "dbcache")
     with pytest.raises(ValueError, match="--caches 'magcash': magcash; the caches are dbcache, fbcache"):
         check("--caches", "magcash", "--use_cfg_parallel")
-    with pytest.raises(ValueError, match="cannot serve --caches magcache: .*pipefusion"):
-        check("--caches", "magcache", "--pipefusion_parallel_degree", "2")
+    assert check("--caches", "magcache,taylorseer", *PF_FLAGS, devices=4).caches == ("magcache", "taylorseer")
+    # The caches that decide from the data cannot run on PipeFusion: refused with the reason, by name.
+    with pytest.raises(ValueError, match="cannot serve --caches fbcache: .*First-Block-Cache decides"):
+        check("--caches", "magcache,fbcache", *PF_FLAGS, devices=4)
+
+
+#: A PipeFusion mesh (pipefusion2 x ulysses2) with one synchronous warm-up step, as the server takes it.
+PF_FLAGS = ("--pipefusion_parallel_degree", "2", "--ulysses_degree", "2", "--warmup_steps", "1")
+PF_STEPS = 8
+
+
+def test_pipefusion_mesh_serves_host_planned_caches_with_one_program_per_step_count():
+    """On a PipeFusion mesh MagCache and TaylorSeer are served: after start-up (each compiled at its
+    default) two MagCache thresholds whose plans have different counts of full steps run the same
+    programs (the plan, its length included, is data of the pipelined loop), and each answer is the
+    picture ``pipe(..., cache=MagCache(threshold=...))`` draws."""
+    listen_for_compiles()
+    programs = lambda: sum(compile_counts())  # noqa: E731 (a program loaded from the disk cache counts too)
+    start = programs()
+    mesh = ParallelConfig(pipefusion=2, ulysses=2).make_mesh(jax.devices()[:4])
+    engine = Engine.load(None, mesh, caches=("magcache", "taylorseer"), warmup_steps=1)
+    warm = [engine.request_for(16, 16, steps=PF_STEPS, cache=c) for c in ("magcache", "taylorseer")]
+    engine.warm_up(warm)
+    before = programs()
+    assert before > start, "the start-up compiled nothing: the count would not see a new program"
+    plain = engine.request_for(16, 16, steps=PF_STEPS)
+    full_steps = []
+    for threshold in (0.1, 0.6):
+        g = dataclasses.replace(plain, cache="magcache", cache_threshold=threshold)
+        assert engine.shape_key(g) == engine.shape_key(warm[0]), "a threshold changed the served shape"
+        served = engine.generate(g)
+        direct = engine.pipe.generate(engine.call(plain).replace(cache=MagCache(threshold=threshold)))
+        assert np.array_equal(to_uint8(direct.images)[0], np.asarray(Image.open(io.BytesIO(served.files[0]))))
+        assert direct.cache.setting.endswith("under PipeFusion (host plan)"), direct.cache.setting
+        full_steps.append(int(direct.cache.ran.sum()))
+    print(f"\nfull steps of {PF_STEPS} at MagCache 0.1 / 0.6: {full_steps}")
+    assert full_steps[0] > full_steps[1], full_steps  # two plans of different lengths, one program
+    assert programs() == before, "a MagCache threshold on PipeFusion compiled a new program"

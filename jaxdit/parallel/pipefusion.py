@@ -146,13 +146,22 @@ class PipeSchedule:
         device at a position (the map is its own inverse)."""
         return stage if pass_index % 2 == 0 else self.stages - 1 - stage
 
-    def item(self, tick: jax.Array, pass_index: int, stage: jax.Array) -> tuple[jax.Array, ...]:
-        """(valid, step, patch) of the work pass ``pass_index`` does on ``stage`` at ``tick`` (traced)."""
+    def item(
+        self, tick: jax.Array, pass_index: int, stage: jax.Array, steps: jax.Array | None = None
+    ) -> tuple[jax.Array, ...]:
+        """(valid, step, patch) of the work pass ``pass_index`` does on ``stage`` at ``tick`` (traced).
+        ``steps``: a traced step count at most ``self.steps`` (a host-planned cache's full steps, data
+        of one program: :meth:`ticks_of`)."""
+        steps = self.steps if steps is None else steps
         virtual = pass_index * self.stages + self.position(pass_index, stage)
         entry = tick - virtual
         step, patch = entry // self.period, entry % self.period
-        valid = (entry >= 0) & (patch < self.patches) & (step < self.steps)
-        return valid, jnp.clip(step, 0, self.steps - 1), jnp.clip(patch, 0, self.patches - 1)
+        valid = (entry >= 0) & (patch < self.patches) & (step < steps)
+        return valid, jnp.clip(step, 0, steps - 1), jnp.clip(patch, 0, self.patches - 1)
+
+    def ticks_of(self, steps: jax.Array) -> jax.Array:
+        """:attr:`ticks` for a traced step count of at least 1."""
+        return (steps - 1) * self.period + self.patches - 1 + self.depth
 
 
 def stage_layer_order(num_layers: int, stages: int, pass_index: int) -> np.ndarray:

@@ -287,12 +287,8 @@ def _caches(text: str | None, template, image: Any = None) -> tuple[str, ...]:
         raise ValueError(
             f"--caches {text!r}: {', '.join(unknown) or 'empty'}; the caches are {', '.join(sorted(CACHES))}"
         )
-    pipefusion = getattr(template, "pipefusion_parallel_degree", 1)
-    if pipefusion > 1:  # serving a cached PipeFusion run (its start-up compiles, its report) is untested
-        raise ValueError(
-            f"cannot serve --caches {names[0]}: jaxdit serve takes no feature cache on a PipeFusion mesh yet "
-            f"(--pipefusion_parallel_degree {pipefusion}); `jaxdit generate` runs MagCache and TaylorSeer there"
-        )
+    # On a PipeFusion mesh the check below refuses the caches that decide from the data (PipeFusion
+    # takes the host-planned MagCache and TaylorSeer only) and the families whose runner takes none.
     probe = dataclasses.replace(template, prompt=template.family.example_prompt, image=image)
     for name in names:
         try:

@@ -21,7 +21,9 @@ ticks is fixed by its number of steps (its warm-up steps and patches are the ser
 Seeds, prompts and guidance values reuse a program. A feature cache (``cache`` in the request, one of
 those the server was started to allow) is a program of its own: one per cache and, where the threshold is
 decided on the devices (First-Block-Cache, DBCache, TeaCache), per threshold; MagCache and TaylorSeer plan
-their steps on the host and hand the plan to the step as data, so every threshold shares one program.
+their steps on the host and hand the plan to the step as data, so every threshold shares one program. On a
+PipeFusion mesh only those two run, and the same holds: the pipelined loop runs the plan's full steps,
+their count data too (``jaxdit.pipelines.pipefusion.cache``).
 
 PipeFusion reports progress, and can be stopped, after each warm-up step and at the end of its pipelined
 phase only (one program for all its steps; see ``jaxdit.pipelines.pipefusion.denoiser``).

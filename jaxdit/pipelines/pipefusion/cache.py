@@ -21,16 +21,19 @@ full step attends to the other patches' K/V one more step old (two after two ski
 without a cache would. Within a full step the order is PipeFusion's own: patches before ``m`` at this
 step, patches after it at their last full step.
 
-Where the skipped steps run (``programs.py``). The pipelined ``lax.scan`` runs over the FULL steps only;
+Where the skipped steps run (``programs.py``). The pipelined loop runs over the FULL steps only;
 right after a patch's full step ends (head, CFG, sampler step on the stage where its last pass ends), the
 same tick applies the skipped steps that follow it in the plan to that patch (a loop whose trip count,
 read from the plan, is the same on every device, so the cfg exchange inside stays matched). The patch
 then re-enters stage 0 for its next full step as before. The skipped steps right after the warm-up are
 applied in the last warm-up step's program the same way, patch by patch. So there is one warm-up program
-and one pipelined program per plan length, the plan (which steps, how many skips after each, TaylorSeer's
-distances) travels as data, and the pipeline never drains for a skip. Taking skipped steps outside the
-scan instead would split the pipelined phase at every skip: a fill-and-drain bubble per run of full
-steps and one program per run length.
+and one pipelined program per step count, the plan (which steps, how many, how many skips after each,
+TaylorSeer's distances) travels as data, and the pipeline never drains for a skip. The pipelined loop's
+trip count is therefore data too (ticks of the plan's full steps; a ``while`` whose trip count XLA does
+not know, where uncached PipeFusion's scan has a fixed one): any threshold runs the same program, which
+is what lets ``jaxdit serve`` take a threshold per request on a PipeFusion mesh. Taking skipped steps
+outside the loop instead would split the pipelined phase at every skip: a fill-and-drain bubble per run
+of full steps and one program per run length.
 """
 
 from __future__ import annotations
@@ -111,3 +114,12 @@ class Plan:
     def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(follow, distance, full_before): what the programs read."""
         return self.follow, self.distance, self.full_before
+
+    def pipelined(self) -> tuple[np.ndarray, np.ndarray]:
+        """(full_index padded to one entry per step, the count of its real entries): what the pipelined
+        program reads besides :meth:`tables`. The padding repeats the last full step (never read: the
+        schedule's items past the count are not valid), so every plan of the run's step count has the
+        same shapes and runs the same program."""
+        padded = np.full(len(self.ran), self.full_index[-1] if len(self.full_index) else 0, np.int32)
+        padded[: len(self.full_index)] = self.full_index
+        return padded, np.int32(len(self.full_index))

@@ -229,14 +229,15 @@ class PipeFusionPrograms:
         the schedule (another expert's, ``segments.py``) continues the same trajectory."""
         return self._cached(("async", steps, first_step), lambda: self._build_async(steps, first_step))
 
-    def asynchronous_cached(self, full_steps: int, total_steps: int) -> Callable:
+    def asynchronous_cached(self, total_steps: int) -> Callable:
         """A host-planned cache's pipelined phase: ``(params, lat, state, kv, residual, context, schedule,
-        scale, follow, distance, full_before, full_index) -> (lat, state, residual)``: the scan runs the
-        ``full_steps`` full steps ``full_index`` (absolute, of ``total_steps``) pipelined, and right
-        after each patch's full step the ``follow`` skipped steps after it (``cache.py``). One program
-        per count of full steps: which steps they are is data."""
+        scale, follow, distance, full_before, full_index, full_count) -> (lat, state, residual)``: the
+        loop runs the ``full_count`` full steps ``full_index`` (absolute, of ``total_steps``; [total_steps],
+        padded after the count) pipelined, and right after each patch's full step the ``follow`` skipped
+        steps after it (``cache.py``). One program per step count: which steps are full, and how many, is
+        data, so every threshold of a cache runs the same program."""
         return self._cached(
-            ("async-cached", full_steps, total_steps), lambda: self._build_async(full_steps, 0, total_steps)
+            ("async-cached", total_steps), lambda: self._build_async(total_steps, 0, total_steps)
         )
 
     # ------------------------------------------------------------------ host-planned cache pieces
@@ -346,7 +347,8 @@ class PipeFusionPrograms:
     def _jit(self, local: Callable, *, pipelined: bool, state_count: int, cached: bool = False) -> Callable:
         """``local(params, lat, state, kv, context, schedule, [i,] scale)`` under ``shard_map``, jitted.
         ``cached`` (a host-planned cache): ``local(params, lat, state, kv, residual, context, schedule,
-        [i,] scale, follow, distance, full_before[, full_index])`` returning the residual last."""
+        [i,] scale, follow, distance, full_before[, full_index, full_count])`` returning the residual
+        last."""
         sp = self.specs
         lat, kv = sp["latents"], (sp["kv"],) * 2 * len(self.stacks)
         state = (lat,) * state_count
@@ -356,7 +358,7 @@ class PipeFusionPrograms:
         out_specs = (lat, state) if pipelined else (lat, state, kv)
         if cached:  # the residual after the K/V; the plan's tables (replicated) last
             residual = (sp["residual"],) * (self.cache_order + 1)
-            tables = (sp["scalar"],) * (4 if pipelined else 3)
+            tables = (sp["scalar"],) * (5 if pipelined else 3)
             in_specs = (lat, state, kv, residual, *in_specs[3:], *tables)
             out_specs = (*out_specs, residual)
         mesh, model = self.model.mesh, self.model
@@ -476,8 +478,10 @@ class PipeFusionPrograms:
 
     # ------------------------------------------------------------------ pipelined phase
     def _build_async(self, steps: int, first_step: int, total: int | None = None) -> Callable:
-        """The pipelined phase; ``total`` (a host-planned cache): the scan's ``steps`` are the plan's full
-        steps ``full_index`` of ``total``, each followed by its skipped steps (``cache.py``)."""
+        """The pipelined phase; ``total`` (a host-planned cache): the loop runs the plan's ``full_count``
+        full steps ``full_index`` of ``total``, each followed by its skipped steps (``cache.py``). Its trip
+        count is then data (a ``fori_loop`` with a traced bound: a ``while`` whose trip count XLA does not
+        know), so one program serves every plan of ``total`` steps; ``steps`` is the most full steps."""
         g, pc, sampler, stacks = self.g, self.parallel, self.sampler, self.stacks
         cached = total is not None
         stages, sched = pc.pipefusion, self.schedule(steps)
@@ -488,11 +492,15 @@ class PipeFusionPrograms:
 
         def local(params, lat, state, kv, *rest):
             if cached:
-                residual, context, schedule, scale, follow, distance, full_before, full_index = rest
+                residual, context, schedule, scale, follow, distance, full_before, full_index, full_count = (
+                    rest
+                )
                 absolute = lambda j: full_index[j]  # noqa: E731
+                item = lambda t, v, stage: sched.item(t, v, stage, full_count)  # noqa: E731
             else:
                 context, schedule, scale = rest
                 absolute = lambda j: first_step + j  # noqa: E731
+                item = sched.item
             model = nnx.merge(self.model.graphdef, params)
             pieces = self.family.pieces(model, context, g, full=False, batch=self._model_batch)
             ctx, wire, s = ShardContext(pc, layout, self.kernel), Wire(), stage_index()
@@ -513,7 +521,7 @@ class PipeFusionPrograms:
                     lat, state, wires, kv = carry
                 kv, outs, turns = list(kv), [], []
                 for v, stack in enumerate(stacks):
-                    ok, step, m = sched.item(t, v, s)
+                    ok, step, m = item(t, v, s)
                     cond = pieces.cond(jax.tree.map(lambda a, step=step: a[step], step_conds), m)
                     x = wires[v]
                     if v == 0:  # stage 0 embeds the patch that enters the pipeline
@@ -549,7 +557,7 @@ class PipeFusionPrograms:
                         for d, n, o in zip(residual, stored, old, strict=True)
                     )
                     # The trip count of the item ending on stage `end` this tick: the same on every device.
-                    ok_e, step_e, _ = sched.item(t, len(stacks) - 1, jnp.int32(end))
+                    ok_e, step_e, _ = item(t, len(stacks) - 1, jnp.int32(end))
                     count = jnp.where(ok_e, follow[absolute(step_e)], 0)
                     x_new, new_state = self._skip_steps(
                         model, pieces, ctx, schedule, scale, x_new, new_state, stored, m, i, count
@@ -559,7 +567,7 @@ class PipeFusionPrograms:
                     put(a, jnp.where(done, b, pick(a, m)), m) for a, b in zip(state, new_state, strict=True)
                 )
                 if end != 0:  # (odd V, P > 1) the updated patch goes back to stage 0 for its next step
-                    ok_r, _, m_r = sched.item(t, len(stacks) - 1, jnp.int32(end))
+                    ok_r, _, m_r = item(t, len(stacks) - 1, jnp.int32(end))
                     back = jnp.where(ok_r & (s == 0), to_first_stage(x_new, stages), pick(lat, m_r))
                     lat = put(lat, back, m_r)
 
@@ -576,7 +584,9 @@ class PipeFusionPrograms:
             carry = (lat, state, (zero,) * len(stacks), kv)
             if cached:
                 carry = (*carry, tuple(a[0] for a in residual))
-            final, _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
+                final = lax.fori_loop(0, sched.ticks_of(full_count), lambda t, c: tick(c, t)[0], carry)
+            else:
+                final, _ = lax.scan(tick, carry, jnp.arange(sched.ticks))
             lat, state = final[0], final[1]
             if cached:
                 return lat[None], tuple(a[None] for a in state), tuple(a[None] for a in final[4])

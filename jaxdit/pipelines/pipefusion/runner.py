@@ -282,9 +282,9 @@ class PipeFusionRunner:
                 watch.finish()
                 if plan is not None:
                     if len(plan.full_index):
-                        run = programs.asynchronous_cached(len(plan.full_index), num_inference_steps)
-                        full = jax.device_put(plan.full_index, sh["scalar"])
-                        args = (weights, lat, state, kv, residual, placed, sched, scale, *tables, full)
+                        run = programs.asynchronous_cached(num_inference_steps)
+                        full = tuple(jax.device_put(t, sh["scalar"]) for t in plan.pipelined())
+                        args = (weights, lat, state, kv, residual, placed, sched, scale, *tables, *full)
                         self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
                         lat, state, residual = run(*args)
                         first = int(plan.full_index[0]) + 1
