@@ -261,8 +261,43 @@ def test_plan_prices_a_cache_approximately():
         assert p.timing.generation * (1 - skip) < seconds < p.timing.generation * (1 - 0.9 * skip)
         assert cached_generation(p, 0.0, report.hardware) >= p.timing.generation
     text = format_cache(report, name, skip)
-    assert "approximate" in text and "PipeFusion configurations take no cache" in text
+    assert "approximate" in text
     with pytest.raises(ValueError, match="always runs 1 of the 57 blocks"):
         check_skip("fbcache:0.99", report)
+    assert "PipeFusion configurations take no fbcache: it decides from the data" in text, text
     with pytest.raises(ValueError, match=r"in \[0, 1\]"):
         check_skip("teacache:1.0", report)
+
+
+def test_plan_prices_a_host_planned_cache_under_pipefusion():
+    """MagCache under PipeFusion: a skipped step takes no tick, so the run loses exactly the ticks the
+    program's own schedule (``PipeSchedule``) drops with those full steps, and each skipped step costs its
+    non-block compute and CFG's exchange; the warm-up step is never skipped."""
+    from jaxdit.parallel.pipefusion import PipeSchedule
+    from jaxdit.plan.cache import cached_generation, format_cache, pipefusion_skipped_steps
+    from jaxdit.plan.cost import shapes
+    from jaxdit.plan.search import plan
+    from jaxdit.plan.workload import Workload
+
+    report = plan(Workload.create("wan2.1-t2v-14b"), 8)
+    hw, steps = report.hardware, report.workload.steps
+    staged = [p for p in report.plans if p.config.pipefusion > 1]
+    assert staged
+    for p in staged:
+        c, t = p.cost, p.timing
+        assert cached_generation(p, 0.0, hw, "magcache") == pytest.approx(t.generation, rel=1e-12)
+        skipped = pipefusion_skipped_steps(p, 0.4)
+        assert skipped == 20  # 40% of 50 steps, none of them the warm-up step
+        ticks = lambda full: PipeSchedule(c.config.pipefusion, c.patches, c.passes, full).ticks  # noqa: E731
+        w = c.workload
+        nonblock = w.family.step_terms(w, c.config, shapes(w, c.config)).nonblock_flops / hw.flops
+        per_skip = nonblock + t.by_strategy.get("cfg", (0.0, 0.0, False))[1]
+        saved = (ticks(steps - 1) - ticks(steps - 1 - skipped)) * t.compute / c.patches
+        saved += skipped * (t.comm_exposed - per_skip)
+        assert cached_generation(p, 0.4, hw, "magcache") == pytest.approx(t.generation - saved, rel=1e-9)
+        # Past every step but the warm-up: the same as skipping all the others.
+        most = cached_generation(p, (steps - 1) / steps, hw, "taylorseer")
+        assert cached_generation(p, 0.99, hw, "taylorseer") == most < t.generation
+        assert cached_generation(p, 0.4, hw, "fbcache") is None  # it decides from the data
+    text = format_cache(report, "magcache", 0.4)
+    assert "take no magcache" not in text and "no tick of the pipeline" in text, text

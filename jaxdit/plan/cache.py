@@ -12,9 +12,14 @@ skipped"). For a plain (non-PipeFusion) configuration the model then takes a ste
 
 The non-block compute is the family's non-block FLOPs (``step_terms``) at the matmul rate; the rest of
 the step's compute, attention included, is the blocks'. The cache's own elementwise work (the metric's
-sums, adding the stored residual) is left out. PipeFusion takes only the host-planned caches (MagCache,
-TaylorSeer: ``jaxdit.pipelines.pipefusion.cache``), whose skipped steps also leave the pipeline's ticks
-out; that is not priced here yet, so PipeFusion configurations get no cached time.
+sums, adding the stored residual) is left out. MagCache and TaylorSeer plan their steps on the host
+(their rules read no data), so they have no decision to all-reduce.
+
+Under PipeFusion only those two run (``jaxdit.pipelines.pipefusion.cache``; on the families whose runner
+takes them) and a skipped step takes no tick: the pipelined loop runs the full steps only, so the run is
+PipeFusion's own formula (``latency.pipefusion_generation``) over fewer full steps, plus per skipped step
+its non-block compute and CFG's exchange. Its warm-up steps (one per expert) always run every block, so
+at most the other steps are skipped. The caches that decide from the data get no PipeFusion time.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from jaxdit.cache import parse_cache
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES as HOST_PLANNED
 from jaxdit.plan.cost import shapes
-from jaxdit.plan.latency import Hardware
+from jaxdit.plan.latency import Hardware, pipefusion_generation, pipefusion_warmup_steps
 from jaxdit.plan.search import Plan, PlanReport
 
 __all__ = ["cached_generation", "check_skip", "format_cache", "cache_json"]
@@ -45,28 +51,42 @@ def check_skip(text: str, report: PlanReport) -> tuple[str, float]:
     return name, skip
 
 
-def cached_generation(plan: Plan, skip: float, hw: Hardware) -> float | None:
-    """Seconds per generation of ``plan`` on ``hw`` when ``skip`` of the block evaluations are skipped
-    (module docstring); None for PipeFusion."""
+def cached_generation(plan: Plan, skip: float, hw: Hardware, name: str = "fbcache") -> float | None:
+    """Seconds per generation of ``plan`` on ``hw`` when cache ``name`` skips ``skip`` of the block
+    evaluations (module docstring); None for PipeFusion with a cache it does not run."""
     c, t = plan.cost, plan.timing
-    if c.config.pipefusion > 1:
-        return None
     w = c.workload
     terms = w.family.step_terms(w, c.config, shapes(w, c.config))
+    nonblock = terms.nonblock_flops / hw.flops
+    if c.config.pipefusion > 1:
+        if name not in HOST_PLANNED or name not in w.family.pipefusion_caches:
+            return None
+        cfg_exchange = t.by_strategy.get("cfg", (0.0, 0.0, False))[1]
+        skipped = pipefusion_skipped_steps(plan, skip)
+        return pipefusion_generation(
+            c, t.compute, t.comm_total, t.comm_exposed, skipped, nonblock + cfg_exchange
+        )
     # Attention runs at its kernel's rate, inside the blocks; the rest of the non-block work is matmuls.
-    block_compute = t.compute - terms.nonblock_flops / hw.flops
+    block_compute = t.compute - nonblock
     block_comm = sum(t.by_strategy.get(s, (0.0, 0.0, False))[1] for s in BLOCK_STRATEGIES)
-    decision = hw.latency if c.config.num_devices > 1 else 0.0
+    decision = hw.latency if c.config.num_devices > 1 and name not in HOST_PLANNED else 0.0
     return w.steps * (t.step - skip * (block_compute + block_comm) + decision)
 
 
-def _rows(report: PlanReport, skip: float) -> list[tuple[Plan, float | None]]:
-    return [(p, cached_generation(p, skip, report.hardware)) for p in report.plans]
+def pipefusion_skipped_steps(plan: Plan, skip: float) -> int:
+    """The steps a host-planned cache skipping ``skip`` of the block evaluations leaves out under
+    PipeFusion (a skipped step runs no block), at most those after the warm-up steps."""
+    steps = plan.cost.workload.steps
+    return min(round(skip * steps), steps - pipefusion_warmup_steps(plan.cost))
+
+
+def _rows(report: PlanReport, name: str, skip: float) -> list[tuple[Plan, float | None]]:
+    return [(p, cached_generation(p, skip, report.hardware, name)) for p in report.plans]
 
 
 def format_cache(report: PlanReport, name: str, skip: float, limit: int = 8) -> str:
     """The fastest configurations with the cache, their time without it beside."""
-    rows = _rows(report, skip)
+    rows = _rows(report, name, skip)
     cached = sorted((r for r in rows if r[1] is not None), key=lambda r: r[1])[:limit]
     out = [f"with {name} skipping {skip:.0%} of block evaluations (approximate: see the note):"]
     width = max((len(p.name) for p, _ in cached), default=0)
@@ -77,12 +97,27 @@ def format_cache(report: PlanReport, name: str, skip: float, limit: int = 8) -> 
         )
     pipefusion = sum(1 for _, seconds in rows if seconds is None)
     if pipefusion:
-        out.append(f"  ({pipefusion} PipeFusion configurations take no cache)")
+        why = (
+            "it decides from the data"
+            if name not in HOST_PLANNED
+            else f"{report.workload.family.display}'s runner"
+        )
+        out.append(f"  ({pipefusion} PipeFusion configurations take no {name}: {why})")
+    decision = (
+        "it plans its steps on the host (no decision on the devices)"
+        if name in HOST_PLANNED
+        else "the decision adds one all-reduce of two scalars per step"
+    )
     out.append(
         "note: the skipped fraction is your estimate (jaxdit generate prints the measured one); blocks' "
         "compute and their Ulysses/Ring/tensor collectives shrink by it, embedders, head and CFG's "
-        "exchange do not, and the decision adds one all-reduce of two scalars per step."
+        f"exchange do not, and {decision}."
     )
+    if name in HOST_PLANNED and pipefusion < sum(1 for p, _ in rows if p.config.pipefusion > 1):
+        out.append(
+            "PipeFusion: a skipped step takes no tick of the pipeline; its warm-up steps run every block, "
+            "so it skips at most the other steps."
+        )
     return "\n".join(out)
 
 
@@ -91,5 +126,5 @@ def cache_json(report: PlanReport, name: str, skip: float) -> dict[str, Any]:
         "cache": name,
         "skipped_fraction": skip,
         "approximate": True,
-        "generation_seconds": {p.name: seconds for p, seconds in _rows(report, skip)},
+        "generation_seconds": {p.name: seconds for p, seconds in _rows(report, name, skip)},
     }

@@ -207,6 +207,29 @@ class Timing:
     kernel: AttentionKernel | None = None
 
 
+def pipefusion_warmup_steps(cost: StepCost) -> int:
+    """The synchronous warm-up steps of a PipeFusion run: xDiT's one per expert (Wan 2.2 A14B: one
+    PipeFusion run per expert, each with its own warm-up, fill and drain)."""
+    return min(PIPEFUSION_WARMUP_STEPS * cost.workload.experts, cost.workload.steps)
+
+
+def pipefusion_generation(
+    cost: StepCost, compute: float, total: float, exposed: float, skipped: int = 0, skipped_step: float = 0.0
+) -> float:
+    """A PipeFusion run's seconds (module docstring) from one step's ``compute``, its collectives'
+    ``total`` and ``exposed`` time. ``skipped``: steps a host-planned cache skips (never a warm-up step),
+    each costing ``skipped_step`` and no tick: the pipelined loop runs the full steps only
+    (``jaxdit.pipelines.pipefusion.cache``)."""
+    p, segments = cost.config.pipefusion, cost.workload.experts
+    warmup = pipefusion_warmup_steps(cost)
+    full = cost.workload.steps - warmup - skipped
+    m, depth = cost.patches, cost.passes * p
+    runs = min(segments, full)
+    ticks = (full - runs) * max(m, depth) + runs * (m - 1 + depth)
+    # Warm-up: the whole sequence passes the stages one after another.
+    return warmup * (p * compute + total) + ticks * compute / m + full * exposed + skipped * skipped_step
+
+
 def timing(cost: StepCost, hw: Hardware) -> Timing:
     """Step and generation latency of ``cost`` on ``hw`` (module docstring)."""
     w = cost.workload
@@ -227,17 +250,8 @@ def timing(cost: StepCost, hw: Hardware) -> Timing:
     exposed = sum(v[1] for v in by.values())
     step = compute + exposed
     steps = cost.workload.steps
-    p = cost.config.pipefusion
-    if p > 1:
-        # Wan 2.2 A14B: one PipeFusion run per expert (its own warm-up steps, pipeline fill and drain).
-        segments = cost.workload.experts
-        warmup = min(PIPEFUSION_WARMUP_STEPS * segments, steps)
-        async_steps = steps - warmup
-        m, depth = cost.patches, cost.passes * p
-        runs = min(segments, async_steps)
-        ticks = (async_steps - runs) * max(m, depth) + runs * (m - 1 + depth)
-        # Warm-up: the whole sequence passes the stages one after another.
-        generation = warmup * (p * compute + total) + ticks * compute / m + async_steps * exposed
+    if cost.config.pipefusion > 1:
+        generation = pipefusion_generation(cost, compute, total, exposed)
     else:
         generation = steps * step
     return Timing(
