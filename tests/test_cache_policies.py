@@ -288,7 +288,7 @@ def test_plan_prices_a_host_planned_cache_under_pipefusion():
         assert cached_generation(p, 0.0, hw, "magcache") == pytest.approx(t.generation, rel=1e-12)
         skipped = pipefusion_skipped_steps(p, 0.4)
         assert skipped == 20  # 40% of 50 steps, none of them the warm-up step
-        ticks = lambda full: PipeSchedule(c.config.pipefusion, c.patches, c.passes, full).ticks  # noqa: E731
+        ticks = lambda full, c=c: PipeSchedule(c.config.pipefusion, c.patches, c.passes, full).ticks  # noqa: E731
         w = c.workload
         nonblock = w.family.step_terms(w, c.config, shapes(w, c.config)).nonblock_flops / hw.flops
         per_skip = nonblock + t.by_strategy.get("cfg", (0.0, 0.0, False))[1]
