@@ -169,9 +169,11 @@ def check_for_family(r: Any, config: Any) -> None:
     check_family(r.family, name)
     pipefusion = getattr(r, "pipefusion_parallel_degree", 1)
     if pipefusion > 1:
+        from jaxdit.families import FAMILIES
         from jaxdit.pipelines.pipefusion.cache import refusal
 
-        reason = refusal(name, r.family.pipefusion_caches, r.family.display)
+        have = [f.display for f in FAMILIES.values() if name in f.pipefusion_caches]
+        reason = refusal(name, r.family.pipefusion_caches, r.family.display, have)
         if reason is not None:
             raise ValueError(f"--pipefusion_parallel_degree {pipefusion} with --cache {name}: {reason}")
     cache = make_cache(r)  # its own checks of the numbers

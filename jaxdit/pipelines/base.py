@@ -47,17 +47,12 @@ from jaxdit.pipelines.preflight import check_prompts
 from jaxdit.pipelines.request import GenerationRequest, prompt_list
 
 __all__ = [
-    "CACHE_WITH_PIPEFUSION",
     "DiffusionPipeline",
     "GenerationOutput",
     "Prepared",
     "fuse_on_top",
     "to_pil",
 ]
-
-#: Why a data-dependent feature cache and PipeFusion do not combine (checked before anything runs; each
-#: cache's own reason: ``jaxdit.pipelines.pipefusion.cache.refusal``).
-CACHE_WITH_PIPEFUSION = pipefusion_cache.refusal("fbcache")
 
 #: Arrays a call may pass instead of what the encoders make: checked finite before any work.
 GIVEN_ARRAYS = (
@@ -316,9 +311,7 @@ class DiffusionPipeline:
         if request.cache is not None and self.parallel.pipefusion > 1:
             # Only host-planned caches (MagCache, TaylorSeer) run with PipeFusion, on families whose
             # runner takes them (pipefusion/cache.py); refused in one line before any work.
-            runner = getattr(self.denoiser, "runner", None)
-            caches = getattr(getattr(runner, "family", None), "caches", ())
-            reason = pipefusion_cache.refusal(getattr(request.cache, "name", ""), caches)
+            reason = pipefusion_cache.refusal(getattr(request.cache, "name", ""), self.runner.family.caches)
             if reason is not None:
                 raise ValueError(reason)
         options = self.denoiser_options(request)

@@ -39,6 +39,7 @@ of full steps and one program per run length.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -60,13 +61,16 @@ _REASONS = {
 }
 
 
-def refusal(name: str, family_caches: Any = PIPEFUSION_CACHES, display: str = "this model") -> str | None:
+def refusal(
+    name: str, family_caches: Any = PIPEFUSION_CACHES, display: str = "this model", have: Sequence[str] = ()
+) -> str | None:
     """Why cache ``name`` cannot run with PipeFusion (None: it can). ``family_caches``: the caches the
-    family's PipeFusion runner takes."""
+    family's PipeFusion runner takes; ``have``: the models whose runners take it (the caller's registry)."""
     if name in PIPEFUSION_CACHES and name in family_caches:
         return None
     if name in PIPEFUSION_CACHES:
-        return f"{name} does not run with PipeFusion on {display} yet (tiny-digits, FLUX.1, Wan, HunyuanVideo 1.5, Z-Image and FLUX.2 [klein] have it)"
+        others = f" ({', '.join(have)} have it)" if have else ""
+        return f"{name} does not run with PipeFusion on {display} yet{others}"
     reason = _REASONS.get(name, f"{name} decides from the data")
     return (
         f"{reason}, which PipeFusion's first stage never holds at once (it hands each patch on as soon as "
