@@ -301,3 +301,9 @@ def test_plan_prices_a_host_planned_cache_under_pipefusion():
         assert cached_generation(p, 0.4, hw, "fbcache") is None  # it decides from the data
     text = format_cache(report, "magcache", 0.4)
     assert "take no magcache" not in text and "no tick of the pipeline" in text, text
+    # Wan 2.2 A14B switches experts mid-run, which a PipeFusion cache refuses: its rows stay unpriced.
+    experts = plan(Workload.create("wan2.2-t2v-a14b"), 8)
+    for p in experts.plans:
+        seconds = cached_generation(p, 0.4, experts.hardware, "magcache")
+        assert (seconds is None) == (p.config.pipefusion > 1), p.name
+    assert "this generation switches experts" in format_cache(experts, "magcache", 0.4)
