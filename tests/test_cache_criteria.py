@@ -33,7 +33,7 @@ from jaxdit.cache.cached_forward import _norm_ratio, resolve
 from jaxdit.cache.magcache import magcache_pattern, nearest_interp, shipped
 from jaxdit.cache.taylor import taylorseer_pattern
 from jaxdit.mesh import ParallelConfig
-from jaxdit.models import flux, wan
+from jaxdit.models import flux, qwen_image, wan
 from jaxdit.pipelines import tiny_digits as tiny
 
 # --------------------------------------------------------------------------------------------------------
@@ -180,6 +180,31 @@ def test_magcache_published_flux_sets():
     )
     assert (kontext.threshold, kontext.max_skips, len(kontext.mag_ratios[0])) == (0.05, 4, 28)
     assert kontext.mag_ratios[0][1] == 1.19531
+
+
+def test_magcache_published_qwen_image_sets():
+    """Qwen-Image's published architecture takes the authors' MagCache4QwenImage set without a file: 50
+    steps, the interleaved list split into conditional / unconditional (pad 1.0 first), 0.06 / K 2 /
+    retention 0.2; Qwen-Image-Edit's set (same architecture) is chosen by name. Values as published in
+    Zehong-Ma/MagCache MagCache4QwenImage/ and MagCache4QwenImageEdit/magcache_generate.py."""
+    model = qwen_image.abstract_model(qwen_image.QwenImageConfig.preset("qwen-image"))
+    policy = resolve(MagCache(), model)
+    assert (policy.threshold, policy.max_skips, policy.retention) == (0.06, 2, 0.2)
+    cond, uncond = (np.asarray(r) for r in policy.mag_ratios)
+    assert len(cond) == len(uncond) == 50
+    assert cond[:3].tolist() == [1.0, 1.64062, 1.45312] and cond[-1] == 0.55078
+    np.testing.assert_array_equal(cond, uncond)  # the authors' Qwen-Image pairs are equal
+    edit = resolve(MagCache(ratios="qwen-image-edit"), model)
+    e_cond, e_uncond = (np.asarray(r) for r in edit.mag_ratios)
+    assert e_cond[:3].tolist() == [1.0, 1.41406, 1.09375] and e_cond[-1] == 0.50781
+    # The one unequal pair (published list entries 38 / 39 -> step 20): the split keeps them apart.
+    assert (e_cond[20], e_uncond[20]) == (1.07031, 1.0625)
+    assert np.flatnonzero(e_cond != e_uncond).tolist() == [20]
+    # Another step count interpolates the published 50 (nearest), as for FLUX / Wan.
+    assert nearest_interp(cond, 8).shape == (8,)
+    small = qwen_image.abstract_model(qwen_image.QwenImageConfig.preset("qwen-image", num_layers=1))
+    with pytest.raises(ValueError, match="--calibrate_magcache FILE"):
+        resolve(MagCache(), small)  # another architecture still needs its calibration
 
 
 def test_magcache_without_ratios_is_refused():
