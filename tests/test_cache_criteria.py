@@ -207,6 +207,37 @@ def test_magcache_published_qwen_image_sets():
         resolve(MagCache(), small)  # another architecture still needs its calibration
 
 
+def test_magcache_published_hunyuan_video15_sets():
+    """HunyuanVideo 1.5 720p T2V takes the authors' published set (Zehong-Ma/ComfyUI-MagCache nodes.py
+    ``hunyuan_video1.5``: 20 steps, cond / uncond interleaved, README's 0.03 / K 2 / retention 0.25)
+    without a file; the 40-step set by name; another preset still needs a calibration, and the family's
+    pre-load check refuses MagCache only there."""
+    from types import SimpleNamespace
+
+    from jaxdit.families.base import check_calibrated_caches
+    from jaxdit.models import hunyuan_video15 as hv
+
+    model = hv.abstract_model(hv.HunyuanVideo15Config.preset("hunyuanvideo1.5-720p"))
+    policy = resolve(MagCache(), model, (5, 45, 80))
+    assert (policy.threshold, policy.max_skips, policy.retention) == (0.03, 2, 0.25)
+    cond, uncond = (np.asarray(r) for r in policy.mag_ratios)
+    assert len(cond) == len(uncond) == 20
+    assert cond[:3].tolist() == [1.0, 1.01172, 0.9873] and uncond[:3].tolist() == [1.0, 1.00293, 1.0127]
+    assert (cond[-1], uncond[-1]) == (0.94824, 0.94873)
+    forty = resolve(MagCache(ratios="hunyuanvideo1.5-720p@40steps"), model, (5, 45, 80))
+    f_cond, f_uncond = (np.asarray(r) for r in forty.mag_ratios)
+    assert len(f_cond) == 40 and f_cond[1] == 1.04199 and f_uncond[1] == 1.01953
+    assert (f_cond[-1], f_uncond[-1]) == (0.81787, 0.81836)
+    with pytest.raises(ValueError, match="--calibrate_magcache FILE"):
+        resolve(
+            MagCache(), hv.abstract_model(hv.HunyuanVideo15Config.preset("hunyuanvideo1.5-480p")), (5, 30, 52)
+        )
+    request = SimpleNamespace(cache=MagCache())
+    check_calibrated_caches(request, "HunyuanVideo 1.5", magcache_published=True)
+    with pytest.raises(ValueError, match="MagCache has no published numbers"):
+        check_calibrated_caches(request, "HunyuanVideo 1.5")
+
+
 def test_magcache_without_ratios_is_refused():
     small = flux.abstract_model(flux.FluxConfig(hidden_size=64, num_heads=4, axes_dim=(4, 6, 6), depth=1))
     # It names the flags that exist: record once, then pass the file.
