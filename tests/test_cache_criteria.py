@@ -200,6 +200,11 @@ def test_magcache_published_qwen_image_sets():
     # The one unequal pair (published list entries 38 / 39 -> step 20): the split keeps them apart.
     assert (e_cond[20], e_uncond[20]) == (1.07031, 1.0625)
     assert np.flatnonzero(e_cond != e_uncond).tolist() == [20]
+    # The authors' ComfyUI 40-step set (Zehong-Ma/ComfyUI-MagCache nodes.py ``qwen_image``), by name.
+    forty = resolve(MagCache(ratios="qwen-image@40steps"), model)
+    f_cond, f_uncond = (np.asarray(r) for r in forty.mag_ratios)
+    assert len(f_cond) == 40 and (forty.threshold, f_cond[1], f_cond[-1]) == (0.1, 1.6875, 0.54688)
+    assert (f_cond[3], f_uncond[3]) == (1.34375, 1.33594)
     # Another step count interpolates the published 50 (nearest), as for FLUX / Wan.
     assert nearest_interp(cond, 8).shape == (8,)
     small = qwen_image.abstract_model(qwen_image.QwenImageConfig.preset("qwen-image", num_layers=1))

@@ -210,7 +210,7 @@ class QwenImageTransformer(nnx.Module):
         two branches, threshold 0.06, K 2, retention 0.2) for the published architecture, else jaxdit's
         shipped calibration of this architecture, else None (``--calibrate_magcache``). Qwen-Image-Edit
         has the same architecture and takes these by default; the authors' own Edit set is
-        ``MagCache(ratios="qwen-image-edit")``."""
+        ``MagCache(ratios="qwen-image-edit")``, their ComfyUI 40-step set ``"qwen-image@40steps"``."""
         from jaxdit.cache.magcache import config_key, shipped
 
         if self.config == QwenImageConfig.preset("qwen-image"):
