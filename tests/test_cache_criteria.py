@@ -33,7 +33,7 @@ from jaxdit.cache.cached_forward import _norm_ratio, resolve
 from jaxdit.cache.magcache import magcache_pattern, nearest_interp, shipped
 from jaxdit.cache.taylor import taylorseer_pattern
 from jaxdit.mesh import ParallelConfig
-from jaxdit.models import flux, wan
+from jaxdit.models import flux, qwen_image, wan
 from jaxdit.pipelines import tiny_digits as tiny
 
 # --------------------------------------------------------------------------------------------------------
@@ -180,6 +180,67 @@ def test_magcache_published_flux_sets():
     )
     assert (kontext.threshold, kontext.max_skips, len(kontext.mag_ratios[0])) == (0.05, 4, 28)
     assert kontext.mag_ratios[0][1] == 1.19531
+
+
+def test_magcache_published_qwen_image_sets():
+    """Qwen-Image's published architecture takes the authors' MagCache4QwenImage set without a file: 50
+    steps, the interleaved list split into conditional / unconditional (pad 1.0 first), 0.06 / K 2 /
+    retention 0.2; Qwen-Image-Edit's set (same architecture) is chosen by name. Values as published in
+    Zehong-Ma/MagCache MagCache4QwenImage/ and MagCache4QwenImageEdit/magcache_generate.py."""
+    model = qwen_image.abstract_model(qwen_image.QwenImageConfig.preset("qwen-image"))
+    policy = resolve(MagCache(), model)
+    assert (policy.threshold, policy.max_skips, policy.retention) == (0.06, 2, 0.2)
+    cond, uncond = (np.asarray(r) for r in policy.mag_ratios)
+    assert len(cond) == len(uncond) == 50
+    assert cond[:3].tolist() == [1.0, 1.64062, 1.45312] and cond[-1] == 0.55078
+    np.testing.assert_array_equal(cond, uncond)  # the authors' Qwen-Image pairs are equal
+    edit = resolve(MagCache(ratios="qwen-image-edit"), model)
+    e_cond, e_uncond = (np.asarray(r) for r in edit.mag_ratios)
+    assert e_cond[:3].tolist() == [1.0, 1.41406, 1.09375] and e_cond[-1] == 0.50781
+    # The one unequal pair (published list entries 38 / 39 -> step 20): the split keeps them apart.
+    assert (e_cond[20], e_uncond[20]) == (1.07031, 1.0625)
+    assert np.flatnonzero(e_cond != e_uncond).tolist() == [20]
+    # The authors' ComfyUI 40-step set (Zehong-Ma/ComfyUI-MagCache nodes.py ``qwen_image``), by name.
+    forty = resolve(MagCache(ratios="qwen-image@40steps"), model)
+    f_cond, f_uncond = (np.asarray(r) for r in forty.mag_ratios)
+    assert len(f_cond) == 40 and (forty.threshold, f_cond[1], f_cond[-1]) == (0.1, 1.6875, 0.54688)
+    assert (f_cond[3], f_uncond[3]) == (1.34375, 1.33594)
+    # Another step count interpolates the published 50 (nearest), as for FLUX / Wan.
+    assert nearest_interp(cond, 8).shape == (8,)
+    small = qwen_image.abstract_model(qwen_image.QwenImageConfig.preset("qwen-image", num_layers=1))
+    with pytest.raises(ValueError, match="--calibrate_magcache FILE"):
+        resolve(MagCache(), small)  # another architecture still needs its calibration
+
+
+def test_magcache_published_hunyuan_video15_sets():
+    """HunyuanVideo 1.5 720p T2V takes the authors' published set (Zehong-Ma/ComfyUI-MagCache nodes.py
+    ``hunyuan_video1.5``: 20 steps, cond / uncond interleaved, README's 0.03 / K 2 / retention 0.25)
+    without a file; the 40-step set by name; another preset still needs a calibration, and the family's
+    pre-load check refuses MagCache only there."""
+    from types import SimpleNamespace
+
+    from jaxdit.families.base import check_calibrated_caches
+    from jaxdit.models import hunyuan_video15 as hv
+
+    model = hv.abstract_model(hv.HunyuanVideo15Config.preset("hunyuanvideo1.5-720p"))
+    policy = resolve(MagCache(), model, (5, 45, 80))
+    assert (policy.threshold, policy.max_skips, policy.retention) == (0.03, 2, 0.25)
+    cond, uncond = (np.asarray(r) for r in policy.mag_ratios)
+    assert len(cond) == len(uncond) == 20
+    assert cond[:3].tolist() == [1.0, 1.01172, 0.9873] and uncond[:3].tolist() == [1.0, 1.00293, 1.0127]
+    assert (cond[-1], uncond[-1]) == (0.94824, 0.94873)
+    forty = resolve(MagCache(ratios="hunyuanvideo1.5-720p@40steps"), model, (5, 45, 80))
+    f_cond, f_uncond = (np.asarray(r) for r in forty.mag_ratios)
+    assert len(f_cond) == 40 and f_cond[1] == 1.04199 and f_uncond[1] == 1.01953
+    assert (f_cond[-1], f_uncond[-1]) == (0.81787, 0.81836)
+    with pytest.raises(ValueError, match="--calibrate_magcache FILE"):
+        resolve(
+            MagCache(), hv.abstract_model(hv.HunyuanVideo15Config.preset("hunyuanvideo1.5-480p")), (5, 30, 52)
+        )
+    request = SimpleNamespace(cache=MagCache())
+    check_calibrated_caches(request, "HunyuanVideo 1.5", magcache_published=True)
+    with pytest.raises(ValueError, match="MagCache has no published numbers"):
+        check_calibrated_caches(request, "HunyuanVideo 1.5")
 
 
 def test_magcache_without_ratios_is_refused():

@@ -138,7 +138,7 @@ def _dimensions(name: str, config: Any, abstract_model: Callable[..., Any]) -> M
     return ModelDimensions(one(everything, "embed", name), one(everything, "mlp", name), depths)
 
 
-def check_calibrated_caches(request: Any, display: str) -> None:
+def check_calibrated_caches(request: Any, display: str, *, magcache_published: bool = False) -> None:
     """For a family with no published TeaCache coefficients or MagCache ratios (FLUX.2, HunyuanVideo 1.5):
     either cache without them is refused before any weight loads, naming the calibration that records
     them."""
@@ -147,6 +147,8 @@ def check_calibrated_caches(request: Any, display: str) -> None:
         ("TeaCache", "coefficients", "calibrate_teacache", "teacache_coefficients"),
         ("MagCache", "ratios", "calibrate_magcache", "magcache_ratios"),
     ):
+        if title == "MagCache" and magcache_published:
+            continue  # the model's published ratios (``magcache_defaults``)
         if getattr(cache, "title", None) == title and getattr(cache, given) is None:
             raise ValueError(
                 f"{title} has no published numbers for {display}: record them once with --{calibrate} "

@@ -168,7 +168,8 @@ class HunyuanVideo15Family(ModelFamily):
         return SPATIAL  # the VAE's 16 x the 1 x 1 patches of the released models
 
     def check_generate(self, request: Any, config: HunyuanVideo15Config | None, parallel: Any) -> None:
-        check_calibrated_caches(request, self.display)
+        published = config is not None and config == HunyuanVideo15Config.preset("hunyuanvideo1.5-720p")
+        check_calibrated_caches(request, self.display, magcache_published=published)
         frames = request.num_frames
         if frames is not None and (frames < 1 or (frames - 1) % TEMPORAL):
             raise ValueError(

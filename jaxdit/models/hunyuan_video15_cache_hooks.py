@@ -57,8 +57,13 @@ class HunyuanVideo15CacheHooks:
         return None
 
     def magcache_defaults(self, grid: tuple[int, ...]) -> dict[str, Any] | None:
-        """No MagCache ratios are published for HunyuanVideo 1.5; jaxdit's own calibration of this
+        """MagCache's ratios: the authors' published set for HunyuanVideo 1.5 720p T2V (ComfyUI-MagCache, 20
+        steps, CFG's two branches, threshold 0.03, K 2, retention 0.25; their 40-step set is
+        ``MagCache(ratios="hunyuanvideo1.5-720p@40steps")``), else jaxdit's own calibration of this
         architecture if it ships one, else None (calibrate with ``--calibrate_magcache``)."""
         from jaxdit.cache.magcache import config_key, shipped
+        from jaxdit.models.hunyuan_video15_config import HunyuanVideo15Config
 
+        if self.config == HunyuanVideo15Config.preset("hunyuanvideo1.5-720p"):
+            return shipped("hunyuanvideo1.5-720p")
         return shipped(config_key("hunyuan-video15", self.config))

@@ -205,9 +205,17 @@ class QwenImageTransformer(nnx.Module):
         """MagCache measures the image stream leaving the last block, and its real tokens."""
         return self.cache_metric_stream(streams, ctx)
 
-    def magcache_defaults(self, grid: tuple[int, ...]) -> None:
-        """No MagCache ratios are published for Qwen-Image: calibrate them (``--calibrate_magcache``)."""
-        return None
+    def magcache_defaults(self, grid: tuple[int, ...]) -> dict[str, Any] | None:
+        """MagCache's ratios: the authors' calibration of Qwen-Image (MagCache4QwenImage, 50 steps, CFG's
+        two branches, threshold 0.06, K 2, retention 0.2) for the published architecture, else jaxdit's
+        shipped calibration of this architecture, else None (``--calibrate_magcache``). Qwen-Image-Edit
+        has the same architecture and takes these by default; the authors' own Edit set is
+        ``MagCache(ratios="qwen-image-edit")``, their ComfyUI 40-step set ``"qwen-image@40steps"``."""
+        from jaxdit.cache.magcache import config_key, shipped
+
+        if self.config == QwenImageConfig.preset("qwen-image"):
+            return shipped("qwen-image")
+        return shipped(config_key("qwen-image", self.config))
 
     def output(self, streams: Any, cond: QwenImageCond, ctx: ShardContext) -> jax.Array:
         """The image tokens -> the velocity prediction [B, N, patch_size**2 * out_channels]."""
