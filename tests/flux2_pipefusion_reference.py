@@ -1,7 +1,8 @@
 """A serial statement of PipeFusion's pipelined phase (stale K/V) on an unsharded FLUX.2 transformer,
-shared by the klein and dev tests (``tests/test_flux2_pipefusion.py``, ``tests/test_flux2_dev_pipefusion.py``):
-full softmax over the patch's fresh K/V and the other patches' buffered K/V, nothing of the runner's
-programs.
+shared by the klein and dev tests (``tests/test_flux2_pipefusion.py``, ``tests/test_flux2_dev_pipefusion.py``),
+and on FLUX.1 Kontext's (``tests/test_flux_kontext.py``: the same staged pieces, its own conditioning
+vector and RoPE axes): full softmax over the patch's fresh K/V and the other patches' buffered K/V,
+nothing of the runner's programs.
 
 The reference runs the steps in order and, within a step, the patches in order: each layer of patch m
 reads this step's K/V of the patches before it and the previous step's of those after it, which is the
@@ -20,7 +21,8 @@ import numpy as np
 from flax import nnx
 from pipefusion_helpers import TaylorResiduals
 
-from jaxdit.models import flux2
+from jaxdit.models import flux, flux2
+from jaxdit.models.layers import rope_angles
 from jaxdit.parallel.layout import SequenceLayout
 from jaxdit.parallel.local_attention import reference_attention
 
@@ -46,6 +48,15 @@ class _Context:
         mask = jnp.concatenate([self.valid, *(o[2] for o in others)], 1)
         self.buffer[self.patch] = (k, v, self.valid)
         return reference_attention(q, keys, values, mask)
+
+
+def _conditioning(model, sigma, guidance, context, ids):
+    """What every block reads at model time ``sigma`` [B], for positions ``ids``: FLUX.2's step
+    conditioning, or FLUX.1's AdaLN vector (time + guidance + pooled text)."""
+    if isinstance(model, flux.FluxTransformer):
+        vec = model.conditioning(sigma, jnp.asarray(context["pooled_projections"], jnp.float32), guidance)
+        return flux.FluxCond(vec, rope_angles(ids, model.config.axes_dim, model.config.theta)[None])
+    return flux2.Flux2Cond(*model.step_conditioning(sigma, guidance), model.angles(ids)[None])
 
 
 def serial_stale_kv(pipe, inputs, patches: int, ran=None, order: int = 0) -> np.ndarray:
@@ -91,8 +102,8 @@ def serial_stale_kv(pipe, inputs, patches: int, ran=None, order: int = 0) -> np.
         ts, ns, rs = sel(t, T), sel(n, N), sel(r, patches * r)
         streams = model.embed_tokens(jnp.asarray(x_tokens), jnp.asarray(txt[:, ts]), jnp.asarray(ref[:, rs]))
         sigma = jnp.full((batch,), sampler.model_time(schedule, step), jnp.float32)
-        angles = model.angles(jnp.asarray(np.concatenate([txt_ids[ts], img_ids[ns], ref_ids[rs]])))
-        cond = flux2.Flux2Cond(*model.step_conditioning(sigma, guidance), angles[None])
+        ids = jnp.asarray(np.concatenate([txt_ids[ts], img_ids[ns], ref_ids[rs]]))
+        cond = _conditioning(model, sigma, guidance, ctx_in, ids)
         layout = SequenceLayout((len(ts), len(ns), len(rs)), 1)
         valid = np.concatenate([txt_valid[ts], np.ones(len(ns), bool), ref_valid[rs]])
         valid = jnp.asarray(np.broadcast_to(valid, (batch, len(valid))))

@@ -96,3 +96,40 @@ def test_dev_pipelined_pipefusion_matches_the_serial_reference(transformer, call
     tol.check(got.latents, want, tol.PIPEFUSION, "FLUX.2 [dev] pipelined PipeFusion vs the serial reference")
     assert drift > 1e-3  # stale K/V changed the result: the comparison is not the plain run's
     assert moved > 1e-3  # the guidance input matters: dropping it would fail the comparison
+
+
+#: MagCache (made-up ratios, threshold 0.5) and TaylorSeer (interval 2, one warm-up step) over 6 steps.
+DEV_CACHE_PLANS = {"magcache": [1, 0, 0, 1, 0, 0], "taylorseer": [1, 0, 1, 0, 1, 0]}
+
+
+@pytest.mark.parametrize("name", list(DEV_CACHE_PLANS))
+def test_dev_host_planned_cache_matches_the_serial_reference(transformer, call, tmp_path, name):
+    """pipefusion2 x ulysses2 with a cache vs the serial reference with the same plan: a skipped step's
+    output layer reads the step conditioning with dev's embedded guidance; the cache moves the result."""
+    from jaxdit.cache import MagCache, TaylorSeer, magcache
+
+    if name == "magcache":
+        path = str(tmp_path / "ratios.json")
+        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
+        cache, order = MagCache(threshold=0.5, ratios=path), 0
+    else:
+        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    pipe = _pipeline(transformer, ParallelConfig(pipefusion=2, ulysses=2), jax.devices()[:4])
+    one = _pipeline(transformer, ParallelConfig(), jax.devices()[:1])
+    run = dict(call, num_inference_steps=6)
+    pipe.check_pipefusion_cache(name)  # what pipe(...) checks: the family's pipefusion_caches
+    got = pipe(
+        num_pipeline_patch=PATCHES, warmup_steps=1, output_type="latent", progress=False, cache=cache, **run
+    )
+    print(f"\n{name}: {got.cache.describe()}")
+    plan = DEV_CACHE_PLANS[name]
+    np.testing.assert_array_equal(got.cache.ran, np.asarray(plan, bool))
+    prepared = one.prepare(GenerationRequest.of(**run))
+    want = prepared.to_latents(
+        serial_stale_kv(one, prepared.inputs, PATCHES, tuple(bool(r) for r in plan), order)
+    )
+    uncached = prepared.to_latents(serial_stale_kv(one, prepared.inputs, PATCHES))
+    err = tol.check(got.latents, want, tol.PIPEFUSION, f"FLUX.2 [dev] {name} vs the serial reference")
+    drift = tol.max_error(got.latents, uncached)
+    print(f"vs the serial reference {err:.1e}; vs uncached PipeFusion {drift:.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(want).max())

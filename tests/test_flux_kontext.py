@@ -223,3 +223,111 @@ def test_bfl_and_comfyui_transformers_kohya_lora_and_caches(case, tmp_path):
         out = run(pipe, cache=cache, steps=3)
         assert not out.cache.ran.all(), out.cache  # a step reused the residual (TeaCache runs the last one)
         assert np.isfinite(out.latents).all() and not np.array_equal(out.latents, fused)
+
+
+# ------------------------------------------------------------------ host-planned caches under PipeFusion
+
+#: MagCache (made-up ratios, threshold 0.5, at most 2 skips in a row) and TaylorSeer (interval 2, one
+#: warm-up step) over 6 steps under PipeFusion: the plans the host makes (True: every block ran).
+KONTEXT_CACHE_PLANS = {"magcache": [1, 0, 0, 1, 0, 0], "taylorseer": [1, 0, 1, 0, 1, 0]}
+PF_PATCHES = (
+    4  # 2 rows of the 8 x 10 packed image each (20 tokens), a 4-token text and 12-token reference chunk
+)
+
+
+@pytest.fixture(scope="module")
+def kontext_pipes(case):
+    """(pipefusion2 x ulysses2, one device) Kontext pipelines of the tiny folder."""
+    import jax
+
+    from jaxdit import ParallelConfig
+
+    fast = {"xla_backend_optimization_level": 0}
+    pc = ParallelConfig(pipefusion=2, ulysses=2)
+    pipe = kontext.FluxKontextPipeline.from_pretrained(
+        case[0], pc.make_mesh(jax.devices()[:4]), compiler_options=fast
+    )
+    one = kontext.FluxKontextPipeline.from_pretrained(case[0], ParallelConfig().make_mesh(jax.devices()[:1]))
+    return pipe, one
+
+
+@pytest.mark.parametrize("name", list(KONTEXT_CACHE_PLANS))
+def test_host_planned_cache_under_pipefusion_matches_the_serial_reference(
+    case, kontext_pipes, tmp_path, name
+):
+    """pipefusion2 x ulysses2 with MagCache / TaylorSeer vs the serial reference of stale-K/V PipeFusion
+    (``flux2_pipefusion_reference.py``, FLUX.1's conditioning) with the same plan. The reference tokens
+    (joined after the image along the sequence, never denoised) reach the image through the K/V of the
+    full steps and so through the residual kept per patch; a skipped step embeds the patch's tokens,
+    adds that residual (TaylorSeer: its forecast) and runs the final layer on the image tokens only,
+    with the embedded guidance in its conditioning. The cache moves the result against uncached
+    PipeFusion."""
+    import tolerance as tol
+    from flux2_pipefusion_reference import serial_stale_kv
+
+    from jaxdit.cache import MagCache, TaylorSeer, magcache
+    from jaxdit.pipelines.request import GenerationRequest
+
+    if name == "magcache":
+        path = str(tmp_path / "ratios.json")
+        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
+        cache, order = MagCache(threshold=0.5, ratios=path), 0
+    else:
+        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    pipe, one = kontext_pipes
+    call = dict(
+        image=Image.open(case[1]), prompt=PROMPT, height=H, width=W, max_area=H * W, auto_resize=False,
+        num_inference_steps=6, seed=SEED, max_sequence_length=16, guidance_scale=3.5,
+    )  # fmt: skip
+    got = pipe(
+        num_pipeline_patch=PF_PATCHES,
+        warmup_steps=1,
+        output_type="latent",
+        progress=False,
+        cache=cache,
+        **call,
+    )
+    print(f"\n{name}: {got.cache.describe()}")
+    plan = KONTEXT_CACHE_PLANS[name]
+    np.testing.assert_array_equal(got.cache.ran, np.asarray(plan, bool))
+    prepared = one.prepare(one.with_defaults(GenerationRequest.of(**call)))
+    context = prepared.inputs.context
+    assert context["reference_hidden_states"].shape[1] == 48 and context["guidance"] is not None
+    want = prepared.to_latents(
+        serial_stale_kv(one, prepared.inputs, PF_PATCHES, tuple(bool(r) for r in plan), order)
+    )
+    uncached = prepared.to_latents(serial_stale_kv(one, prepared.inputs, PF_PATCHES))
+    err = tol.check(
+        got.latents, want, tol.PIPEFUSION, f"Kontext {name} pipefusion2 x ulysses2 vs the serial reference"
+    )
+    drift = tol.max_error(got.latents, uncached)
+    print(f"vs the serial reference {err:.1e}; vs uncached PipeFusion {drift:.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(want).max())
+
+
+def test_pipefusion_caches_pass_the_cli_and_python_checks_alike(case, kontext_pipes, monkeypatch):
+    """``jaxdit generate``'s check (before any weight loads) and ``pipe(..., cache=)`` on a PipeFusion mesh
+    take MagCache and TaylorSeer on Kontext and refuse the data-dependent ones; both read the family's
+    ``pipefusion_caches``, so a family that drops a cache is refused by both."""
+    from jaxdit.families.flux_kontext import FluxKontextFamily
+    from jaxdit.generate_cache import check_for_family
+
+    pipe = kontext_pipes[0]
+
+    def request(name):
+        return GenerateRequest(weights=case[0], feature_cache=name, pipefusion_parallel_degree=2)
+
+    for name in ("magcache", "taylorseer"):
+        check_for_family(request(name), None)
+        pipe.check_pipefusion_cache(name)
+    for check in (
+        lambda: check_for_family(request("fbcache"), None),
+        lambda: pipe.check_pipefusion_cache("fbcache"),
+    ):
+        with pytest.raises(ValueError, match="First-Block-Cache decides each step"):
+            check()
+    monkeypatch.setattr(FluxKontextFamily, "pipefusion_caches", frozenset({"taylorseer"}))
+    with pytest.raises(ValueError, match="magcache does not run with PipeFusion on FLUX.1 Kontext"):
+        check_for_family(request("magcache"), None)
+    with pytest.raises(ValueError, match="magcache does not run with PipeFusion on FLUX.1 Kontext"):
+        pipe.check_pipefusion_cache("magcache")

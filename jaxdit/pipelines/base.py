@@ -309,11 +309,7 @@ class DiffusionPipeline:
         if request.output_type != "latent" and self.decode is None:
             raise ValueError("this pipeline has no decoder (VAE): use output_type='latent'")
         if request.cache is not None and self.parallel.pipefusion > 1:
-            # Only host-planned caches (MagCache, TaylorSeer) run with PipeFusion, on families whose
-            # runner takes them (pipefusion/cache.py); refused in one line before any work.
-            reason = pipefusion_cache.refusal(getattr(request.cache, "name", ""), self.runner.family.caches)
-            if reason is not None:
-                raise ValueError(reason)
+            self.check_pipefusion_cache(getattr(request.cache, "name", ""))
         options = self.denoiser_options(request)
         if request.cache is not None:
             options["cache"] = request.cache
@@ -329,6 +325,23 @@ class DiffusionPipeline:
             if request.output_type == "pil":
                 images = to_pil(images)
         return GenerationOutput(images=images, latents=latents, seconds=result.seconds, cache=result.cache)
+
+    def check_pipefusion_cache(self, name: str) -> None:
+        """Only host-planned caches (MagCache, TaylorSeer) run with PipeFusion (pipefusion/cache.py), and
+        only on a model family that takes them: the runner's caches AND the family's ``pipefusion_caches``
+        (what ``jaxdit generate`` checks), so a family whose PipeFusion cache is untested (its runner
+        shared with another family) is refused here as by the CLI; in one line, before any work."""
+        from jaxdit import families  # the registry imports the pipelines
+
+        found = families.for_pipeline(type(self))
+        takes = frozenset(getattr(self.runner.family, "caches", ()))
+        for family in found:
+            takes &= family.pipefusion_caches
+        display = found[0].display if found else type(self).__name__
+        have = [f.display for f in families.FAMILIES.values() if name in f.pipefusion_caches]
+        reason = pipefusion_cache.refusal(name, takes, display, have)
+        if reason is not None:
+            raise ValueError(reason)
 
     def denoiser_options(self, request: GenerationRequest) -> dict[str, Any]:
         """The request's options for this mesh's denoiser: PipeFusion's, which only PipeFusion takes."""
