@@ -40,6 +40,7 @@ from converters.qwen_image import CHECKPOINTS
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import qwen_image
 from jaxdit.models.qwen_image_config import QwenImageConfig
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES
 from jaxdit.pipelines.pipefusion.flux import Geometry, validate_patches
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 
@@ -133,6 +134,9 @@ class QwenImagePatches:
     """
 
     config: QwenImageConfig
+
+    #: The feature caches this runner takes (host-planned: ``pipefusion/cache.py``).
+    caches = PIPEFUSION_CACHES
 
     context_axes = {
         "encoder_hidden_states": ("batch", None, "seq", None),
