@@ -179,7 +179,8 @@ def _chunks(x: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
 
 def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs, ran=None, order: int = 0) -> np.ndarray:
     """The pipelined PipeFusion run, serially (also used by ``test_qwen_image_edit_reference_tokens.py``
-    on the folders without ``zero_cond_t``).
+    on the folders without ``zero_cond_t``, and by ``test_qwen_image_features.py`` on Qwen-Image's text
+    to image, with no reference tokens; true CFG ``CFG``, ``PATCHES`` patches).
 
     ``ran`` (a host-planned cache's plan, ``jaxdit.pipelines.pipefusion.cache``; None: every step full):
     each full step keeps, per patch, the residual of every block on the image tokens (the image stream's
@@ -192,6 +193,10 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs, ran=None, order: int
     text, t = _chunks(np.asarray(c["encoder_hidden_states"], np.float32), 1)
     text_valid, _ = _chunks(np.asarray(c["encoder_hidden_states_mask"], bool), 1)
     txt_ids, _ = _chunks(np.asarray(c["txt_ids"]), 0)
+    # Qwen-Image (no input pictures; ``test_qwen_image_features.py``): an empty reference group.
+    if "reference_hidden_states" not in c:
+        c = {**c, "reference_hidden_states": np.zeros((len(text), 0, model.config.in_channels), np.float32)}
+        c["reference_ids"] = np.zeros((0, 3), np.float32)
     length = c["reference_hidden_states"].shape[1]
     ref, r = _chunks(np.asarray(c["reference_hidden_states"], np.float32), 1)
     ref_ids, _ = _chunks(np.asarray(c["reference_ids"]), 0)
@@ -201,7 +206,7 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs, ran=None, order: int
     batch, stores = text.shape[0], {}
     rope = lambda ids: model.rope(jnp.asarray(ids))[None]  # noqa: E731
     # Edit-2511 (zero_cond_t): the reference tokens' modulation of timestep 0; otherwise the step's
-    clean = model.time_embedding(jnp.zeros((batch,), jnp.float32)) if model.config.zero_cond_t else None
+    clean = model.time_embedding(jnp.zeros((batch,), jnp.float32)) if model.config.zero_cond_t and r else None
 
     def run(patch, tokens, step, residual=None):
         """The guided velocity of ``patch``'s image tokens (None: every patch, the warm-up) and the blocks'
@@ -214,7 +219,7 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs, ran=None, order: int
         angles = (rope(txt_ids[ti]), rope(np.concatenate([img_ids[ii], ref_ids[ri]])))
         temb = model.time_embedding(jnp.full((batch,), sampler.model_time(schedule, step), jnp.float32))
         cond = qwen_image.QwenImageCond(temb, angles, clean)
-        layout = SequenceLayout((len(ti), len(ii), len(ri)), 1)
+        layout = SequenceLayout((len(ti), len(ii)) + ((len(ri),) if r else ()), 1)
         valid = jnp.asarray(
             np.concatenate([text_valid[:, ti], np.ones((batch, len(ii)), bool), ref_valid[:, ri]], 1)
         )
