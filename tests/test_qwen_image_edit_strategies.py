@@ -29,6 +29,7 @@ import pytest
 import tolerance as tol
 from flax import nnx
 from PIL import Image
+from pipefusion_helpers import TaylorResiduals
 
 pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -176,15 +177,26 @@ def _chunks(x: np.ndarray, axis: int) -> tuple[np.ndarray, int]:
     return np.pad(x, widths), size
 
 
-def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs) -> np.ndarray:
+def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs, ran=None, order: int = 0) -> np.ndarray:
     """The pipelined PipeFusion run, serially (also used by ``test_qwen_image_edit_reference_tokens.py``
-    on the folders without ``zero_cond_t``)."""
+    on the folders without ``zero_cond_t``, and by ``test_qwen_image_features.py`` on Qwen-Image's text
+    to image, with no reference tokens; true CFG ``CFG``, ``PATCHES`` patches).
+
+    ``ran`` (a host-planned cache's plan, ``jaxdit.pipelines.pipefusion.cache``; None: every step full):
+    each full step keeps, per patch, the residual of every block on the image tokens (the image stream's
+    image band minus the embedded band, what the output layer reads; the reference tokens and the text
+    are read by no output); a skipped step runs, per patch, the output layer on the embedded image band
+    plus that residual (``order`` > 0: its Taylor forecast), no block, no K/V write."""
     model, sampler, schedule, c = pipe.model, pipe.sampler, inputs.schedule, inputs.context
     rows, cols = inputs.grid
     n = rows * cols // PATCHES  # image tokens per patch: a band of rows
     text, t = _chunks(np.asarray(c["encoder_hidden_states"], np.float32), 1)
     text_valid, _ = _chunks(np.asarray(c["encoder_hidden_states_mask"], bool), 1)
     txt_ids, _ = _chunks(np.asarray(c["txt_ids"]), 0)
+    # Qwen-Image (no input pictures; ``test_qwen_image_features.py``): an empty reference group.
+    if "reference_hidden_states" not in c:
+        c = {**c, "reference_hidden_states": np.zeros((len(text), 0, model.config.in_channels), np.float32)}
+        c["reference_ids"] = np.zeros((0, 3), np.float32)
     length = c["reference_hidden_states"].shape[1]
     ref, r = _chunks(np.asarray(c["reference_hidden_states"], np.float32), 1)
     ref_ids, _ = _chunks(np.asarray(c["reference_ids"]), 0)
@@ -194,10 +206,11 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs) -> np.ndarray:
     batch, stores = text.shape[0], {}
     rope = lambda ids: model.rope(jnp.asarray(ids))[None]  # noqa: E731
     # Edit-2511 (zero_cond_t): the reference tokens' modulation of timestep 0; otherwise the step's
-    clean = model.time_embedding(jnp.zeros((batch,), jnp.float32)) if model.config.zero_cond_t else None
+    clean = model.time_embedding(jnp.zeros((batch,), jnp.float32)) if model.config.zero_cond_t and r else None
 
-    def run(patch, tokens, step):
-        """The guided velocity of ``patch``'s image tokens (None: every patch, the warm-up)."""
+    def run(patch, tokens, step, residual=None):
+        """The guided velocity of ``patch``'s image tokens (None: every patch, the warm-up) and the blocks'
+        residual on them; ``residual`` given: added to the embedded image tokens, no block run."""
         pick = lambda size, m: np.arange(PATCHES * size) if m is None else np.arange(m * size, (m + 1) * size)  # noqa: E731
         ti, ri = pick(t, patch), pick(r, patch)
         ii = np.arange(rows * cols) if patch is None else np.arange(patch * n, (patch + 1) * n)
@@ -206,7 +219,7 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs) -> np.ndarray:
         angles = (rope(txt_ids[ti]), rope(np.concatenate([img_ids[ii], ref_ids[ri]])))
         temb = model.time_embedding(jnp.full((batch,), sampler.model_time(schedule, step), jnp.float32))
         cond = qwen_image.QwenImageCond(temb, angles, clean)
-        layout = SequenceLayout((len(ti), len(ii), len(ri)), 1)
+        layout = SequenceLayout((len(ti), len(ii)) + ((len(ri),) if r else ()), 1)
         valid = jnp.asarray(
             np.concatenate([text_valid[:, ti], np.ones((batch, len(ii)), bool), ref_valid[:, ri]], 1)
         )
@@ -220,21 +233,36 @@ def _serial_pipefusion(pipe: QwenImageEditPipeline, inputs) -> np.ndarray:
             )
             for m in range(PATCHES)
         ]
+        embedded = streams[1][:, : len(ii)]  # the image band (the reference tokens follow it)
+        if residual is not None:  # a skipped step: the output layer on the embedded band + the residual
+            streams = (streams[0], streams[1].at[:, : len(ii)].add(residual))
         graphdef, state = nnx.split(model.transformer_blocks)
-        for layer in range(model.config.num_layers):
+        for layer in range(model.config.num_layers if residual is None else 0):
             block = nnx.merge(graphdef, jax.tree.map(lambda a, layer=layer: a[layer], state))
             ctx = _Context(layout, stores.setdefault(layer, [None] * PATCHES), patch, valid, split)
             streams = model.run_block("transformer_blocks", block, streams, cond, ctx)
         pred = model.output(streams, cond, _Context(layout, None, None, None, None))
         half = pred.shape[0] // 2  # one device: [negative rows; positive rows]
-        return norm_preserving_guidance(pred[:half], pred[half:], jnp.float32(CFG))
+        guided = norm_preserving_guidance(pred[:half], pred[half:], jnp.float32(CFG))
+        return guided, streams[1][:, : len(ii)] - embedded
 
-    x = np.array(sampler.step(schedule, 0, (), jnp.asarray(x), run(None, x, 0))[0])
+    ran = (True,) * inputs.steps if ran is None else tuple(bool(r) for r in ran)
+    assert ran[0], "the warm-up step runs every block"
+    cache = TaylorResiduals(PATCHES, order)
+    v, residual = run(None, x, 0)
+    x = np.array(sampler.step(schedule, 0, (), jnp.asarray(x), v)[0])
+    for m in range(PATCHES):
+        cache.refresh(m, residual[:, m * n : (m + 1) * n], 0, 0)
+    last, full = 0, 1  # the warm-up step
     for step in range(1, inputs.steps):
         for m in range(PATCHES):
             band = slice(m * n, (m + 1) * n)
-            v = run(m, x[:, band], step)
+            v, residual = run(m, x[:, band], step, None if ran[step] else cache.forecast(m, step - last))
             x[:, band] = np.asarray(sampler.step(schedule, step, (), jnp.asarray(x[:, band]), v)[0])
+            if ran[step]:
+                cache.refresh(m, residual, step - last, full)
+        if ran[step]:
+            last, full = step, full + 1
     return x
 
 
@@ -246,6 +274,57 @@ def test_pipelined_pipefusion_matches_the_serial_reference(case, pipefusion):
     want = prepared.to_latents(_serial_pipefusion(one, prepared.inputs))
     tol.check(got, want, tol.PIPEFUSION, "Qwen-Image-Edit pipelined PipeFusion vs the serial reference")
     assert np.abs(plain - want).max() > 1e-3 * np.abs(plain).max()  # stale K/V changed the result
+
+
+#: Host-planned caches under PipeFusion (jaxdit/pipelines/pipefusion/cache.py) over 6 steps: MagCache on
+#: made-up ratios (threshold 0.5, at most 2 skips in a row: steps 1, 2, 4, 5 skipped, the first two by the
+#: warm-up step's program), TaylorSeer (interval 2, one warm-up step: 1, 3, 5 skipped).
+CACHE_STEPS = 6
+CACHE_CASES = {"magcache": [1, 0, 0, 1, 0, 0], "taylorseer": [1, 0, 1, 0, 1, 0]}
+
+
+@pytest.mark.parametrize("name", list(CACHE_CASES))
+def test_host_planned_cache_with_reference_tokens_matches_the_serial_reference(
+    case, pipefusion, tmp_path, name
+):
+    """pipefusion2 x ulysses2 with true CFG on Edit-2511 (reference tokens joined to the image stream,
+    their modulation of timestep 0): the host's plan, and the latents of the serial reference with the
+    same plan and stale K/V (a skipped step adds the image band's residual of all blocks, or its Taylor
+    forecast, and writes no K/V); the cache moves the result against uncached PipeFusion."""
+    from jaxdit.cache import MagCache, TaylorSeer, magcache
+
+    folder, pictures, one = case[:3]
+    if name == "magcache":
+        path = str(tmp_path / "ratios.json")
+        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
+        cache, order = MagCache(threshold=0.5, ratios=path), 0
+    else:
+        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    call = {**CALL, "num_inference_steps": CACHE_STEPS}
+    got = pipefusion(
+        pictures,
+        **call,
+        num_pipeline_patch=PATCHES,
+        warmup_steps=1,
+        output_type="latent",
+        progress=False,
+        cache=cache,
+    )
+    print(f"\n{name}: {got.cache.describe()}")
+    plan = CACHE_CASES[name]
+    np.testing.assert_array_equal(got.cache.ran, np.asarray(plan, bool))
+    prepared = one.prepare(GenerationRequest.of(image=pictures, **call))
+    want = prepared.to_latents(_serial_pipefusion(one, prepared.inputs, plan, order))
+    uncached = prepared.to_latents(_serial_pipefusion(one, prepared.inputs))
+    tol.check(
+        got.latents,
+        want,
+        tol.PIPEFUSION,
+        f"Qwen-Image-Edit {name} pipefusion2 x ulysses2 vs the serial reference",
+    )
+    drift = tol.max_error(got.latents, uncached)
+    print(f"vs uncached PipeFusion: {drift:.1e} (max |latent| {np.abs(want).max():.2f})")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(want).max())
 
 
 # ------------------------------------------------------------------ LoRA

@@ -26,18 +26,24 @@ def case(tmp_path_factory):
     return (str(folder), *qwen_image_folder.reference(folder))
 
 
-def test_masked_text_is_no_key_in_pipelined_pipefusion(case):
-    """Past its warm-up PipeFusion attends to stale K/V of other patches, which diffusers has no
-    counterpart of; what must still hold exactly is the mask: text tokens a prompt's mask leaves out are
-    no key anywhere, fresh or stale, so filling them with large values changes nothing."""
+@pytest.fixture(scope="module")
+def pipefusion(case):
+    """pipefusion2 x ulysses2, shared by the text-mask and the feature-cache runs."""
     from jaxdit import ParallelConfig
     from jaxdit.pipelines.qwen_image import QwenImagePipeline
 
-    pipe = QwenImagePipeline.from_pretrained(
+    return QwenImagePipeline.from_pretrained(
         case[0],
         ParallelConfig(pipefusion=2, ulysses=2),
         compiler_options={"xla_backend_optimization_level": 0},
     )
+
+
+def test_masked_text_is_no_key_in_pipelined_pipefusion(pipefusion):
+    """Past its warm-up PipeFusion attends to stale K/V of other patches, which diffusers has no
+    counterpart of; what must still hold exactly is the mask: text tokens a prompt's mask leaves out are
+    no key anywhere, fresh or stale, so filling them with large values changes nothing."""
+    pipe = pipefusion
     rng = np.random.default_rng(0)
     embeds = rng.standard_normal((2, 7, pipe.config.joint_attention_dim)).astype(np.float32)
     mask = np.arange(7)[None] < np.array([[7], [3]])  # prompt rows of 7 and 3 real tokens
@@ -60,6 +66,57 @@ def test_masked_text_is_no_key_in_pipelined_pipefusion(case):
     noisy = run(np.where(mask[..., None], embeds, 100 * embeds))
     np.testing.assert_allclose(noisy, clean, rtol=0, atol=1e-5)
     assert np.isfinite(clean).all()
+
+
+def test_taylorseer_under_pipefusion_matches_the_serial_reference(case, pipefusion):
+    """Text to image (no reference group: [text; image] per patch, the prompts' masks differing) with a
+    host-planned cache under PipeFusion: TaylorSeer (interval 2, order 1: steps 1, 3, 5 of 6 skipped) on
+    pipefusion2 x ulysses2 with true CFG, against ``test_qwen_image_edit_strategies.py``'s serial
+    reference with the same plan and stale K/V; the cache moves the result against uncached PipeFusion.
+    (MagCache and the edit pipelines' reference tokens: that file.)"""
+    import jax
+    import test_qwen_image_edit_strategies as strategies
+    import tolerance as tol
+
+    from jaxdit import ParallelConfig
+    from jaxdit.cache import TaylorSeer
+    from jaxdit.pipelines.qwen_image import QwenImagePipeline
+    from jaxdit.pipelines.request import GenerationRequest
+
+    assert (CFG, H, W) == (strategies.CFG, strategies.H, strategies.W)  # the reference's call
+    call = dict(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG, height=H, width=W, seed=SEED)
+    call["num_inference_steps"] = 6
+    got = pipefusion(
+        **call,
+        num_pipeline_patch=strategies.PATCHES,
+        warmup_steps=1,
+        output_type="latent",
+        progress=False,
+        cache=TaylorSeer(interval=2, order=1, warmup=1),
+    )
+    print(f"\n{got.cache.describe()}")
+    plan = [1, 0, 1, 0, 1, 0]
+    np.testing.assert_array_equal(got.cache.ran, np.asarray(plan, bool))
+    one = QwenImagePipeline.from_pretrained(
+        case[0],
+        ParallelConfig().make_mesh(jax.devices()[:1]),
+        compiler_options={"xla_backend_optimization_level": 0},
+    )
+    prepared = one.prepare(GenerationRequest(**call))
+    assert "reference_hidden_states" not in prepared.inputs.context
+    mask = np.asarray(prepared.inputs.context["encoder_hidden_states_mask"])
+    assert not mask.all()  # the negative prompt is the shorter: its padding is no key
+    want = prepared.to_latents(strategies._serial_pipefusion(one, prepared.inputs, plan, order=1))
+    uncached = prepared.to_latents(strategies._serial_pipefusion(one, prepared.inputs))
+    tol.check(
+        got.latents,
+        want,
+        tol.PIPEFUSION,
+        "Qwen-Image TaylorSeer pipefusion2 x ulysses2 vs the serial reference",
+    )
+    drift = tol.max_error(got.latents, uncached)
+    print(f"vs uncached PipeFusion: {drift:.1e} (max |latent| {np.abs(want).max():.2f})")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(want).max())
 
 
 # ------------------------------------------------------------------ LoRA layouts

@@ -131,6 +131,25 @@ def test_cli_pipefusion2_ulysses2_matches_diffusers(case, tmp_path, monkeypatch)
     _check_against_diffusers(case, tmp_path, monkeypatch, mesh)
 
 
+def test_cli_takes_the_host_planned_caches_with_pipefusion(case, tmp_path):
+    """``jaxdit generate --pipefusion_parallel_degree 2 --cache magcache|taylorseer`` on a Qwen-Image
+    folder passes the checks made before any weight loads (the runs themselves:
+    ``test_qwen_image_features.py``, ``test_qwen_image_edit_strategies.py``); First-Block-Cache is
+    still refused with its reason."""
+    from jaxdit.cache import magcache
+    from jaxdit.generate import GenerateRequest, check_request
+
+    ratios = str(tmp_path / "ratios.json")
+    magcache.save_ratios(ratios, np.ones((1, STEPS)))
+    mesh = dict(pipefusion_parallel_degree=2, ulysses_degree=2, warmup_steps=1)
+    call = dict(weights=case[0], prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=CFG)
+    call.update(height=H, width=W, num_inference_steps=STEPS, **mesh)
+    for name, flags in (("magcache", dict(magcache_ratios=ratios)), ("taylorseer", {})):
+        check_request(GenerateRequest(**call, feature_cache=name, **flags), output=False)
+    with pytest.raises(ValueError, match="First-Block-Cache decides each step from block 0's residual"):
+        check_request(GenerateRequest(**call, feature_cache="fbcache"), output=False)
+
+
 # ------------------------------------------------------------------ bad input, before any weight loads
 
 

@@ -21,6 +21,11 @@ in its patch's micro-step, their K/V buffered like every other token's; they lea
 output layer reads the image band only) and the sampler never steps them. Edit-2511 (``zero_cond_t``)
 gives them the modulation of timestep 0.
 
+Host-planned caches (MagCache, TaylorSeer: ``cache.py``) take the runner's skipped step as it is: the
+residual of all blocks is kept on the whole [text; image(; reference)] piece, of which the output layer
+reads the image band alone; Edit-2511's timestep-0 modulation of the reference tokens enters the blocks
+only, so a skipped step (no block) needs nothing of it.
+
 Embeddings and the output layer are replicated; every stage computes the timestep embedding itself.
 """
 
@@ -40,6 +45,7 @@ from converters.qwen_image import CHECKPOINTS
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import qwen_image
 from jaxdit.models.qwen_image_config import QwenImageConfig
+from jaxdit.pipelines.pipefusion.cache import PIPEFUSION_CACHES
 from jaxdit.pipelines.pipefusion.flux import Geometry, validate_patches
 from jaxdit.pipelines.pipefusion.stages import StagedModel
 
@@ -133,6 +139,9 @@ class QwenImagePatches:
     """
 
     config: QwenImageConfig
+
+    #: The feature caches this runner takes (host-planned: ``pipefusion/cache.py``).
+    caches = PIPEFUSION_CACHES
 
     context_axes = {
         "encoder_hidden_states": ("batch", None, "seq", None),
