@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax import lax
-from pipefusion_helpers import ReferenceContext
+from pipefusion_helpers import ReferenceContext, TaylorResiduals
 
 from jaxdit.models import wan
 from jaxdit.models.layers import rope_angles
@@ -39,10 +39,21 @@ def warmup_steps_of(experts: tuple[int, ...], steps: int, warmup: int) -> list[b
 
 
 def stale_kv_reference(
-    models: list[wan.WanTransformer], inputs, patches: int, warmup: int, patch_by: str = "rows"
+    models: list[wan.WanTransformer],
+    inputs,
+    patches: int,
+    warmup: int,
+    patch_by: str = "rows",
+    ran: tuple[bool, ...] | None = None,
+    order: int = 0,
 ) -> np.ndarray:
     """The final latent tokens [1, N, K] of PipeFusion's semantics on ``inputs`` (a ``DenoiseInputs``)
-    with ``models[e]`` for expert e (one model: every step)."""
+    with ``models[e]`` for expert e (one model: every step).
+
+    ``ran`` (a host-planned cache's plan, ``jaxdit.pipelines.pipefusion.cache``): each full step keeps
+    per patch the residual of all blocks (their output minus the patch embedding); each skipped step runs,
+    per patch, the step's expert's head on the embedding plus the kept residual (``order`` > 0: its Taylor
+    forecast), UniPC on the patch's own state, and writes no K/V."""
     c = models[0].config
     graphdef, _ = nnx.split(models[0])
     params = [nnx.state(m) for m in models]
@@ -60,7 +71,9 @@ def stale_kv_reference(
     experts = inputs.experts or (0,) * steps
     scales = inputs.scales or (inputs.scale,) * steps
 
-    def forward(state, xs, ex, pos, mask, t, scale, patch, buffers):
+    def forward(state, xs, ex, pos, mask, t, scale, patch, buffers, kept=None):
+        """(guided prediction, K/V buffers, residual of all blocks); ``kept``: no block runs, the
+        embedding plus ``kept`` goes to the head (a skipped step)."""
         model = nnx.merge(graphdef, state)
         block_def, stacked = nnx.split(model.blocks)
         buffers = dict(buffers)
@@ -71,8 +84,10 @@ def stale_kv_reference(
         temb, mod, token_time = model.embed_token_time(jnp.full((2,), t, jnp.float32), mask)
         txt, _ = model.embed_context(text)
         angles = rope_angles(pos, c.rope_axes_dim, c.rope_theta)[None]
-        h = model.patch_embedding(jnp.concatenate([xs, xs])).astype(jnp.float32)
-        for i in range(c.num_layers):
+        h = start = model.patch_embedding(jnp.concatenate([xs, xs])).astype(jnp.float32)
+        if kept is not None:
+            h = start + kept
+        for i in range(0 if kept is not None else c.num_layers):
             layer = nnx.merge(block_def, jax.tree.map(lambda a, i=i: a[i], stacked))
             ctx = ReferenceContext(buffers, i, patch)
             h = layer(h, mod, txt, None, angles, ctx, token_time=token_time)
@@ -80,7 +95,7 @@ def stale_kv_reference(
             model.head_prediction(h, temb, token_time), math.prod(c.patch_size), c.out_channels
         )
         uncond, cond = jnp.split(pred, 2)
-        return uncond + scale * (cond - uncond), buffers
+        return uncond + scale * (cond - uncond), buffers, h - start
 
     @jax.jit
     def full_step(state, x, sampler, step, scale):
@@ -88,34 +103,48 @@ def stale_kv_reference(
         ex = {k: flat(a) for k, a in extras.items()}
         m = None if mask is None else mask.reshape(-1)
         t = jnp.asarray(schedule.timesteps)[step].astype(jnp.float32)
-        v, buffers = forward(state, flat(x), ex, positions.reshape(-1, 3), m, t, scale, None, {})
+        v, buffers, residual = forward(state, flat(x), ex, positions.reshape(-1, 3), m, t, scale, None, {})
         per_patch = lambda a: jnp.moveaxis(a.reshape(a.shape[0], patches, -1, *a.shape[2:]), 1, 0)
         own = unipc.UniPCState(step, *(flat(a) for a in sampler[1:]))
         x_new, own = unipc.step(schedule, own, flat(x), v)
         sampler = unipc.UniPCState(step + 1, *(a.reshape(x.shape) for a in own[1:]))
-        return x_new.reshape(x.shape), sampler, {k: tuple(map(per_patch, kv)) for k, kv in buffers.items()}
+        kv = {k: tuple(map(per_patch, kv)) for k, kv in buffers.items()}
+        return x_new.reshape(x.shape), sampler, kv, per_patch(residual)
 
     @jax.jit
-    def patch_step(state, x, sampler, m, step, scale, buffers):
+    def patch_step(state, x, sampler, m, step, scale, buffers, kept=None):
         pick = lambda a: lax.dynamic_index_in_dim(a, m, 1, keepdims=False)
         ex = {k: pick(a) for k, a in extras.items()}
         t = jnp.asarray(schedule.timesteps)[step].astype(jnp.float32)
         patch_mask = None if mask is None else mask[m]
-        v, buffers = forward(state, pick(x), ex, positions[m], patch_mask, t, scale, m, buffers)
+        v, buffers, residual = forward(
+            state, pick(x), ex, positions[m], patch_mask, t, scale, m, buffers, kept
+        )
         own = unipc.UniPCState(step, *(pick(a) for a in sampler[1:]))
         xs, own = unipc.step(schedule, own, pick(x), v)
         put = lambda a, b: lax.dynamic_update_index_in_dim(a, b, m, 1)
         sampler = unipc.UniPCState(step + 1, *(put(a, b) for a, b in zip(sampler[1:], own[1:], strict=True)))
-        return put(x, xs), sampler, buffers
+        return put(x, xs), sampler, buffers, residual
 
     sampler, buffers = unipc.init_state(x), None
+    ran = (True,) * steps if ran is None else ran
+    cache, last, full = TaylorResiduals(patches, order), 0, 0
     for step, synchronous in enumerate(warmup_steps_of(inputs.experts, steps, warmup)):
         state, scale = params[experts[step]], jnp.float32(scales[step])
         if synchronous:
-            x, sampler, buffers = full_step(state, x, sampler, jnp.int32(step), scale)
+            assert ran[step], f"step {step} is an expert's warm-up step: the plan must run it"
+            x, sampler, buffers, residual = full_step(state, x, sampler, jnp.int32(step), scale)
+            for m in range(patches):
+                cache.refresh(m, residual[m], step - last, full)
         else:
             for m in range(patches):
-                x, sampler, buffers = patch_step(
-                    state, x, sampler, jnp.int32(m), jnp.int32(step), scale, buffers
+                kept = None if ran[step] else cache.forecast(m, step - last)
+                x, sampler, buffers_new, residual = patch_step(
+                    state, x, sampler, jnp.int32(m), jnp.int32(step), scale, buffers, kept
                 )
+                if ran[step]:  # a skipped step writes no K/V
+                    buffers = buffers_new
+                    cache.refresh(m, residual, step - last, full)
+        if ran[step]:
+            last, full = step, full + 1
     return g.from_patches(np.asarray(x), 1)

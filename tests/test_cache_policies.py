@@ -301,9 +301,23 @@ def test_plan_prices_a_host_planned_cache_under_pipefusion():
         assert cached_generation(p, 0.4, hw, "fbcache") is None  # it decides from the data
     text = format_cache(report, "magcache", 0.4)
     assert "take no magcache" not in text and "no tick of the pipeline" in text, text
-    # Wan 2.2 A14B switches experts mid-run, which a PipeFusion cache refuses: its rows stay unpriced.
+    # Wan 2.2 A14B: one PipeFusion run per expert, each with its own warm-up step (never skipped); the
+    # skipped steps leave either segment's schedule, and the ticks they save do not depend on the split.
     experts = plan(Workload.create("wan2.2-t2v-a14b"), 8)
-    for p in experts.plans:
-        seconds = cached_generation(p, 0.4, experts.hardware, "magcache")
-        assert (seconds is None) == (p.config.pipefusion > 1), p.name
-    assert "this generation switches experts" in format_cache(experts, "magcache", 0.4)
+    steps = experts.workload.steps
+    for p in (p for p in experts.plans if p.config.pipefusion > 1):
+        c, t = p.cost, p.timing
+        skipped = pipefusion_skipped_steps(p, 0.4)
+        assert skipped == round(0.4 * steps)
+        ticks = lambda full, c=c: PipeSchedule(c.config.pipefusion, c.patches, c.passes, full).ticks  # noqa: E731
+        w = c.workload
+        nonblock = w.family.step_terms(w, c.config, shapes(w, c.config)).nonblock_flops
+        per_skip = nonblock / experts.hardware.flops + t.by_strategy.get("cfg", (0.0, 0.0, False))[1]
+        for high in (10, 20):  # the high-noise expert's steps, its warm-up step included
+            a, b = high - 1, steps - high - 1  # each expert's pipelined full steps uncached
+            s1 = skipped // 4
+            saved = (ticks(a) + ticks(b) - ticks(a - s1) - ticks(b - (skipped - s1))) * t.compute / c.patches
+            saved += skipped * (t.comm_exposed - per_skip)
+            seconds = cached_generation(p, 0.4, experts.hardware, "magcache")
+            assert seconds == pytest.approx(t.generation - saved, rel=1e-9), (p.name, high)
+    assert "take no magcache" not in format_cache(experts, "magcache", 0.4)

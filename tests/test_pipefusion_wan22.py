@@ -27,6 +27,7 @@ import tiny_pipelines
 import tolerance as tol
 from pipefusion_wan_reference import stale_kv_reference, warmup_steps_of
 
+from jaxdit.cache import MagCache, TaylorSeer, magcache
 from jaxdit.families import load_params
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines.pipefusion.segments import Segment, expert_segments
@@ -149,6 +150,51 @@ def test_pipelined_segments_equal_a_serial_reference_of_stale_kv(variant):
     assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(reference).max())  # stale K/V really is used
     if variant == "t2v":  # each expert pipelines after its own warm-up step
         assert segments == (Segment(0, 0, 2, 1), Segment(1, 2, 3, 1))
+
+
+#: Host-planned caches across A14B's expert switch (jaxdit/pipelines/pipefusion/cache.py): each expert's
+#: warm-up step (0 and 2) is forced full. MagCache on made-up ratios (both branches; the tiny folder ships
+#: none) plans F.FF. (step 3 full in the second expert's pipelined phase, step 4 skipped right after it in
+#: the same program); TaylorSeer interval 2 (one warm-up step) plans F.F.F (step 4 pipelined after a skip).
+CACHE_PLANS = {"magcache": (1, 0, 1, 1, 0), "taylorseer": (1, 0, 1, 0, 1)}
+
+
+@pytest.fixture(scope="module")
+def wan22_caches(tmp_path_factory):
+    path = tmp_path_factory.mktemp("magcache") / "ratios.json"
+    magcache.save_ratios(str(path), np.asarray([[1.0, 1.0, 1.0, 0.5, 1.0]] * 2))
+    return {
+        "magcache": MagCache(threshold=0.3, ratios=str(path)),
+        "taylorseer": TaylorSeer(interval=2, order=1, warmup=1),
+    }
+
+
+@pytest.mark.parametrize("name", list(CACHE_PLANS))
+def test_host_planned_cache_across_the_expert_switch_equals_the_serial_reference(name, wan22_caches):
+    """A14B T2V, pipefusion2 x ulysses2, M = 3: the plan's skipped steps stay within an expert's segment,
+    each segment runs the same pipelined program on its own full steps, and the result equals the serial
+    reference of stale K/V with the same plan (each expert's head on the kept residual, or its Taylor
+    forecast, which crosses the switch as on a plain mesh); the cache moves it against uncached PipeFusion."""
+    variant, cache = "t2v", wan22_caches[name]
+    pipe = _pipe(variant, **MESHES[variant])
+    out = pipe(**_call(variant), num_pipeline_patch=PATCHES[variant], warmup_steps=1, cache=cache)
+    print(f"\n{name}: {out.cache.describe()}")
+    np.testing.assert_array_equal(out.cache.ran, np.asarray(CACHE_PLANS[name], bool))
+    assert pipe.denoiser.runner.last_segments == (Segment(0, 0, 2, 1), Segment(1, 2, 3, 1))
+    plain = _pipe(variant)
+    prepared = plain.prepare(plain.with_defaults(GenerationRequest(**_call(variant))))
+    folder, _, _ = tiny_pipelines.wan22(variant)
+    models = [load_params(folder / n, plain.mesh, jnp.float32)[1] for n in ("transformer", "transformer_2")]
+    order = getattr(cache, "order", 0)
+    ran = tuple(bool(r) for r in CACHE_PLANS[name])
+    reference = prepared.to_latents(
+        stale_kv_reference(models, prepared.inputs, PATCHES[variant], 1, ran=ran, order=order)
+    )
+    tol.check(out.latents, reference, tol.PIPEFUSION, f"{name} across the expert switch vs the reference")
+    uncached, _ = _pipefusion(variant, 1)
+    drift = tol.max_error(out.latents, uncached)
+    print(f"vs uncached PipeFusion: {drift:.1e}")
+    assert drift > 100 * tol.PIPEFUSION.allowed(np.abs(reference).max())
 
 
 def test_generate_and_plan_accept_wan22_presets_on_pipefusion(tmp_path):

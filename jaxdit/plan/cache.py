@@ -59,8 +59,7 @@ def cached_generation(plan: Plan, skip: float, hw: Hardware, name: str = "fbcach
     terms = w.family.step_terms(w, c.config, shapes(w, c.config))
     nonblock = terms.nonblock_flops / hw.flops
     if c.config.pipefusion > 1:
-        # The runner refuses a cache across an expert switch (Wan 2.2 A14B): nothing to price.
-        if name not in HOST_PLANNED or name not in w.family.pipefusion_caches or w.experts > 1:
+        if name not in HOST_PLANNED or name not in w.family.pipefusion_caches:
             return None
         cfg_exchange = t.by_strategy.get("cfg", (0.0, 0.0, False))[1]
         skipped = pipefusion_skipped_steps(plan, skip)
@@ -98,13 +97,11 @@ def format_cache(report: PlanReport, name: str, skip: float, limit: int = 8) -> 
         )
     pipefusion = sum(1 for _, seconds in rows if seconds is None)
     if pipefusion:
-        if name not in HOST_PLANNED:
-            why = "it decides from the data"
-        elif report.workload.experts > 1:
-            why = "a cache under PipeFusion runs one expert; this generation switches experts"
-        else:
-            why = f"{report.workload.family.display}'s runner"
-
+        why = (
+            "it decides from the data"
+            if name not in HOST_PLANNED
+            else f"{report.workload.family.display}'s runner"
+        )
         out.append(f"  ({pipefusion} PipeFusion configurations take no {name}: {why})")
     decision = (
         "it plans its steps on the host (no decision on the devices)"

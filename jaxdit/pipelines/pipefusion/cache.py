@@ -97,8 +97,15 @@ class Plan:
     full_index: np.ndarray
 
     @classmethod
-    def build(cls, policy: Any, steps: int, warmup_steps: int) -> Plan:
-        forced = policy.forced(steps, range(warmup_steps))
+    def build(cls, policy: Any, steps: int, warmup_steps: int, segments: Sequence[Any] = ()) -> Plan:
+        """The plan of ``policy`` over ``steps`` steps whose synchronous steps are the first
+        ``warmup_steps`` or, with ``segments`` (``segments.Segment``, Wan 2.2 A14B's experts), each
+        segment's warm-up: those are forced full, so a run of skipped steps never crosses an expert switch
+        (the next expert's residual starts from its own warm-up step)."""
+        synchronous = (
+            [s.first + k for s in segments for k in range(s.warmup)] if segments else range(warmup_steps)
+        )
+        forced = policy.forced(steps, synchronous)
         ran = np.asarray(policy.host_pattern(steps, forced), bool)
         follow = np.zeros(steps, np.int32)
         distance = np.zeros(steps, np.int32)
@@ -111,19 +118,21 @@ class Plan:
                 last, count = i, count + 1
             else:
                 follow[last] += 1
-        full_index = np.flatnonzero(ran)
-        full_index = full_index[full_index >= warmup_steps].astype(np.int32)
+        full_index = np.setdiff1d(np.flatnonzero(ran), synchronous).astype(np.int32)
         return cls(ran, follow, distance, full_before, full_index)
 
     def tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(follow, distance, full_before): what the programs read."""
         return self.follow, self.distance, self.full_before
 
-    def pipelined(self) -> tuple[np.ndarray, np.ndarray]:
-        """(full_index padded to one entry per step, the count of its real entries): what the pipelined
-        program reads besides :meth:`tables`. The padding repeats the last full step (never read: the
-        schedule's items past the count are not valid), so every plan of the run's step count has the
-        same shapes and runs the same program."""
-        padded = np.full(len(self.ran), self.full_index[-1] if len(self.full_index) else 0, np.int32)
-        padded[: len(self.full_index)] = self.full_index
-        return padded, np.int32(len(self.full_index))
+    def pipelined(self, first: int = 0, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(the pipelined full steps in ``first .. end - 1`` -- one expert segment's; all by default --
+        padded to one entry per step, the count of its real entries): what the pipelined program reads
+        besides :meth:`tables`. The padding repeats the last full step (never read: the schedule's items
+        past the count are not valid), so every plan and segment of the run's step count has the same
+        shapes and runs the same program."""
+        end = len(self.ran) if end is None else end
+        index = self.full_index[(self.full_index >= first) & (self.full_index < end)]
+        padded = np.full(len(self.ran), index[-1] if len(index) else 0, np.int32)
+        padded[: len(index)] = index
+        return padded, np.int32(len(index))

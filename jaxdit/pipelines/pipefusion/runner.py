@@ -37,7 +37,9 @@ and one more pipelined launch; the warm-up program is shared, a pipelined progra
 A host-planned feature cache (``cache=MagCache(...)`` or ``TaylorSeer(...)``; ``cache.py``): the host
 plans which steps run every block; the warm-up programs and ONE pipelined program (its scan over the full
 steps) also run the skipped steps, each right after the full step it follows, with no block and no K/V
-write; ``last_cache`` reports the plan. One parameter set only (no expert switch).
+write; ``last_cache`` reports the plan. With two experts each segment's warm-up steps are forced full
+(the plan's runs of skipped steps end at a switch) and each segment launches the same pipelined program
+on its own full steps.
 
 Guidance runs when the context's batch is twice the latents' (both branches, interleaved). The request
 is checked before anything compiles (patches against the grid and the sequence degree, warm-up steps
@@ -212,11 +214,7 @@ class PipeFusionRunner:
         self.last_cache = self.last_plan = None
         if cache is not None:
             policy = self.cache_policy(cache, grid)
-            if len(segments) > 1:
-                raise ValueError(
-                    "a feature cache with PipeFusion runs one parameter set; this run switches experts"
-                )
-            plan = pipefusion_cache.Plan.build(policy, num_inference_steps, warmup_steps)
+            plan = pipefusion_cache.Plan.build(policy, num_inference_steps, warmup_steps, segments)
         order = None if policy is None else policy.taylor_order
         programs = self.programs_for(g, g.batch == 2 * g.requests, sampler, order)
         sh = programs.shardings
@@ -280,29 +278,29 @@ class PipeFusionRunner:
                     counter.update(done - i)
                     reached(done, lat)
                 watch.finish()
+                end = segment.first + segment.steps
                 if plan is not None:
-                    if len(plan.full_index):
+                    index, count = plan.pipelined(segment.first, end)  # this segment's full steps
+                    if count:
                         run = programs.asynchronous_cached(num_inference_steps)
-                        full = tuple(jax.device_put(t, sh["scalar"]) for t in plan.pipelined())
+                        full = tuple(jax.device_put(t, sh["scalar"]) for t in (index, count))
                         args = (weights, lat, state, kv, residual, placed, sched, scale, *tables, *full)
                         self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
                         lat, state, residual = run(*args)
-                        first = int(plan.full_index[0]) + 1
-                        phase = f"the latents after the pipelined steps {first}-{num_inference_steps}"
+                        phase = f"the latents after the pipelined steps {int(index[0]) + 1}-{end}"
                         finite.check_arrays("denoising step", {phase: jax.device_get(lat[last_stage])})
-                        counter.update(num_inference_steps - done)
-                        reached(num_inference_steps, lat)
+                        counter.update(end - done)
+                        reached(end, lat)
                 elif segment.pipelined:
                     first = segment.first + segment.warmup
                     run = programs.asynchronous(segment.pipelined, first)
                     args = (weights, lat, state, kv, placed, sched, scale)
                     self.last_programs["pipelined"] = (run, jax.tree.map(abstract_like, args))
                     lat, state = run(*args)
-                    last = segment.first + segment.steps
-                    phase = f"the latents after the pipelined steps {first + 1}-{last}"
+                    phase = f"the latents after the pipelined steps {first + 1}-{end}"
                     finite.check_arrays("denoising step", {phase: jax.device_get(lat[last_stage])})
                     counter.update(segment.pipelined)  # one program: its steps end together
-                    reached(last, lat)
+                    reached(end, lat)
         out = np.asarray(jax.device_get(lat[last_stage]))
         if plan is not None:
             self.last_plan = plan
