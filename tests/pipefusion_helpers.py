@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxdit import hlo_stats
 from jaxdit.mesh import ParallelConfig
@@ -77,3 +78,20 @@ class TaylorResiduals:
     def forecast(self, m, k: int):
         """Patch ``m``'s residual ``k`` steps after its last full step (order 0: the residual itself)."""
         return sum(d * (k**i / math.factorial(i)) for i, d in enumerate(self.derivatives[m]))
+
+
+#: Made-up MagCache ratios of 6 steps (the tiny random models ship none): at threshold 0.5 they skip
+#: steps 1, 2, 4 and 5 after one warm-up step, the plan the 6-step PipeFusion cache tests expect.
+SIX_STEP_RATIOS = (1.0, 0.99, 0.98, 0.97, 0.96, 0.95)
+
+
+def six_step_cache(name: str, folder, branches: int = 1):
+    """(cache, Taylor order) of the 6-step PipeFusion cache tests: MagCache 0.5 on :data:`SIX_STEP_RATIOS`
+    (saved under ``folder``, one row per guidance branch) or TaylorSeer interval 2, order 1, one warm-up."""
+    from jaxdit.cache import MagCache, TaylorSeer, magcache
+
+    if name == "magcache":
+        path = str(folder / "ratios.json")
+        magcache.save_ratios(path, np.asarray([SIX_STEP_RATIOS] * branches))
+        return MagCache(threshold=0.5, ratios=path), 0
+    return TaylorSeer(interval=2, order=1, warmup=1), 1

@@ -22,6 +22,7 @@ import pytest
 import tolerance as tol
 from flux2_pipefusion_reference import serial_stale_kv
 from PIL import Image
+from pipefusion_helpers import six_step_cache
 
 from converters.flux2 import CHECKPOINTS
 from jaxdit.mesh import DeviceMesh, ParallelConfig
@@ -106,18 +107,11 @@ DEV_CACHE_PLANS = {"magcache": [1, 0, 0, 1, 0, 0], "taylorseer": [1, 0, 1, 0, 1,
 def test_dev_host_planned_cache_matches_the_serial_reference(transformer, call, tmp_path, name):
     """pipefusion2 x ulysses2 with a cache vs the serial reference with the same plan: a skipped step's
     output layer reads the step conditioning with dev's embedded guidance; the cache moves the result."""
-    from jaxdit.cache import MagCache, TaylorSeer, magcache
-
-    if name == "magcache":
-        path = str(tmp_path / "ratios.json")
-        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
-        cache, order = MagCache(threshold=0.5, ratios=path), 0
-    else:
-        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    cache, order = six_step_cache(name, tmp_path)
     pipe = _pipeline(transformer, ParallelConfig(pipefusion=2, ulysses=2), jax.devices()[:4])
     one = _pipeline(transformer, ParallelConfig(), jax.devices()[:1])
     run = dict(call, num_inference_steps=6)
-    pipe.check_pipefusion_cache(name)  # what pipe(...) checks: the family's pipefusion_caches
+    pipe.check_pipefusion_cache(name)  # what pipe(...) checks: the pipeline class's pipefusion_caches
     got = pipe(
         num_pipeline_patch=PATCHES, warmup_steps=1, output_type="latent", progress=False, cache=cache, **run
     )

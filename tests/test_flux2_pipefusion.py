@@ -18,6 +18,7 @@ import pytest
 import tolerance as tol
 from flux2_pipefusion_reference import serial_stale_kv
 from PIL import Image
+from pipefusion_helpers import six_step_cache
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.pipelines.flux2 import Flux2KleinPipeline
@@ -74,14 +75,7 @@ def test_host_planned_cache_matches_the_serial_reference(folder, pictures, tmp_p
     """pipefusion2 x ulysses2 with a cache vs the serial reference with the same plan and stale K/V (a
     skipped step: the output layer on the embedded image plus the kept residual); the cache moves the
     result against uncached PipeFusion."""
-    from jaxdit.cache import MagCache, TaylorSeer, magcache
-
-    if name == "magcache":
-        path = str(tmp_path / "ratios.json")
-        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
-        cache, order = MagCache(threshold=0.5, ratios=path), 0
-    else:
-        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    cache, order = six_step_cache(name, tmp_path)
     pc = ParallelConfig(pipefusion=2, ulysses=2)
     pipe = Flux2KleinPipeline.from_pretrained(folder, pc.make_mesh(jax.devices()[:4]), compiler_options=FAST)
     one = Flux2KleinPipeline.from_pretrained(folder, ParallelConfig().make_mesh(jax.devices()[:1]))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tiny_pipelines
 from PIL import Image
+from pipefusion_helpers import six_step_cache
 
 from jaxdit import cli
 from jaxdit.generate import GenerateRequest, check_request
@@ -265,15 +266,9 @@ def test_host_planned_cache_under_pipefusion_matches_the_serial_reference(
     import tolerance as tol
     from flux2_pipefusion_reference import serial_stale_kv
 
-    from jaxdit.cache import MagCache, TaylorSeer, magcache
     from jaxdit.pipelines.request import GenerationRequest
 
-    if name == "magcache":
-        path = str(tmp_path / "ratios.json")
-        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
-        cache, order = MagCache(threshold=0.5, ratios=path), 0
-    else:
-        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    cache, order = six_step_cache(name, tmp_path)
     pipe, one = kontext_pipes
     call = dict(
         image=Image.open(case[1]), prompt=PROMPT, height=H, width=W, max_area=H * W, auto_resize=False,
@@ -308,8 +303,7 @@ def test_host_planned_cache_under_pipefusion_matches_the_serial_reference(
 def test_pipefusion_caches_pass_the_cli_and_python_checks_alike(case, kontext_pipes, monkeypatch):
     """``jaxdit generate``'s check (before any weight loads) and ``pipe(..., cache=)`` on a PipeFusion mesh
     take MagCache and TaylorSeer on Kontext and refuse the data-dependent ones; both read the family's
-    ``pipefusion_caches``, so a family that drops a cache is refused by both."""
-    from jaxdit.families.flux_kontext import FluxKontextFamily
+    ``pipefusion_caches`` (the pipeline class's), so a pipeline that drops a cache is refused by both."""
     from jaxdit.generate_cache import check_for_family
 
     pipe = kontext_pipes[0]
@@ -326,8 +320,8 @@ def test_pipefusion_caches_pass_the_cli_and_python_checks_alike(case, kontext_pi
     ):
         with pytest.raises(ValueError, match="First-Block-Cache decides each step"):
             check()
-    monkeypatch.setattr(FluxKontextFamily, "pipefusion_caches", frozenset({"taylorseer"}))
+    monkeypatch.setattr(kontext.FluxKontextPipeline, "pipefusion_caches", frozenset({"taylorseer"}))
     with pytest.raises(ValueError, match="magcache does not run with PipeFusion on FLUX.1 Kontext"):
         check_for_family(request("magcache"), None)
-    with pytest.raises(ValueError, match="magcache does not run with PipeFusion on FLUX.1 Kontext"):
+    with pytest.raises(ValueError, match="magcache does not run with PipeFusion on FluxKontextPipeline"):
         pipe.check_pipefusion_cache("magcache")

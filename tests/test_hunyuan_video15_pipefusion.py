@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import tolerance as tol
 from hunyuan_video15_pipefusion_reference import serial_stale_kv
+from pipefusion_helpers import six_step_cache
 
 from converters.hunyuan_video15 import CHECKPOINTS
 from jaxdit.mesh import DeviceMesh, ParallelConfig
@@ -169,15 +170,8 @@ def test_host_planned_cache_matches_the_serial_reference(transformer, embeds, tm
     """Both passes (refiner up, dual-stream down) skipped on a skipped step: the output layer on the
     embedded video plus the residual of every block kept per patch (or its Taylor forecast), against the
     serial reference with the same plan and stale K/V; the cache moves the result."""
-    from jaxdit.cache import MagCache, TaylorSeer, magcache
-
     parallel, plan = CACHE_CASES[case]
-    if case.startswith("magcache"):
-        path = str(tmp_path / "ratios.json")
-        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]] * 2))
-        cache, order = MagCache(threshold=0.5, ratios=path), 0
-    else:
-        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    cache, order = six_step_cache("magcache" if case.startswith("magcache") else "taylorseer", tmp_path, 2)
     pipe, one = _pipelines(transformer, HunyuanVideo15Pipeline, parallel)
     call = {**CALL, **embeds, "num_inference_steps": CACHE_STEPS}
     got = pipe(

@@ -29,7 +29,7 @@ import pytest
 import tolerance as tol
 from flax import nnx
 from PIL import Image
-from pipefusion_helpers import TaylorResiduals
+from pipefusion_helpers import TaylorResiduals, six_step_cache
 
 pytest.importorskip("torch")
 pytest.importorskip("diffusers")
@@ -291,15 +291,9 @@ def test_host_planned_cache_with_reference_tokens_matches_the_serial_reference(
     their modulation of timestep 0): the host's plan, and the latents of the serial reference with the
     same plan and stale K/V (a skipped step adds the image band's residual of all blocks, or its Taylor
     forecast, and writes no K/V); the cache moves the result against uncached PipeFusion."""
-    from jaxdit.cache import MagCache, TaylorSeer, magcache
 
     folder, pictures, one = case[:3]
-    if name == "magcache":
-        path = str(tmp_path / "ratios.json")
-        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
-        cache, order = MagCache(threshold=0.5, ratios=path), 0
-    else:
-        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    cache, order = six_step_cache(name, tmp_path)
     call = {**CALL, "num_inference_steps": CACHE_STEPS}
     got = pipefusion(
         pictures,

@@ -20,7 +20,7 @@ import pytest
 import tolerance as tol
 import z_image_tiny as tiny
 from flax import nnx
-from pipefusion_helpers import TaylorResiduals
+from pipefusion_helpers import TaylorResiduals, six_step_cache
 
 from jaxdit.mesh import ParallelConfig
 from jaxdit.models import z_image
@@ -194,14 +194,7 @@ def test_host_planned_cache_matches_the_serial_reference(folder, pipe, tmp_path,
     """Three passes (noise refiner, context refiner, joint layers) skipped on a skipped step, the patch
     back to stage 0 after the odd last pass: pipefusion2 x ulysses2 against the serial reference with
     the same plan and stale K/V; the cache moves the result against uncached PipeFusion."""
-    from jaxdit.cache import MagCache, TaylorSeer, magcache
-
-    if name == "magcache":
-        path = str(tmp_path / "ratios.json")
-        magcache.save_ratios(path, np.asarray([[1.0, 0.99, 0.98, 0.97, 0.96, 0.95]]))
-        cache, order = MagCache(threshold=0.5, ratios=path), 0
-    else:
-        cache, order = TaylorSeer(interval=2, order=1, warmup=1), 1
+    cache, order = six_step_cache(name, tmp_path)
     call = {**CALL, "num_inference_steps": 6}
     got = pipe(
         PROMPTS,

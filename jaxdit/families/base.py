@@ -208,9 +208,6 @@ class ModelFamily:
     #: The feature caches its transformer serves (``jaxdit.cache.hooks``: the hooks each needs); a cache
     #: not named here is refused before any weight loads.
     caches: ClassVar[frozenset[str]] = frozenset()
-    #: The feature caches its PipeFusion runner takes (host-planned ones only:
-    #: ``jaxdit.pipelines.pipefusion.cache``); any other is refused with PipeFusion before weights load.
-    pipefusion_caches: ClassVar[frozenset[str]] = frozenset()
     #: Feature-cache thresholds where this family's measured ones differ from the cache's own default
     #: (cache name -> threshold).
     cache_thresholds: ClassVar[Mapping[str, float]] = {}
@@ -310,6 +307,12 @@ class ModelFamily:
         """The (width, height) the folder's pipeline draws at for a ``width`` x ``height`` input picture
         where the picture decides it (a request's ``size`` may then only repeat it), else None."""
         return None
+
+    @property
+    def pipefusion_caches(self) -> frozenset[str]:
+        """The feature caches its PipeFusion runner takes: its pipeline class's ``pipefusion_caches`` (one
+        source for ``jaxdit generate``, ``jaxdit plan`` and ``pipe(..., cache=)``)."""
+        return self.pipeline_class.pipefusion_caches
 
     def video_fps(self, folder: ModelFolder | None) -> int:
         """Frames per second of the videos a folder's model makes (default: the family's ``fps``)."""

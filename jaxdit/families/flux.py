@@ -101,7 +101,6 @@ class FluxForward:
 class FluxFamily(ModelFamily):
     name = "flux"
     caches = ALL_CACHES  # its transformer has every hook of jaxdit.cache.hooks.CacheHooks
-    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # pipelines/pipefusion/cache.py
     display = "FLUX.1"
     checkpoints = flux_converters.CHECKPOINTS
     lora = flux_lora.LORA

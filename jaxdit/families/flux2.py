@@ -44,7 +44,6 @@ class Flux2Family(ModelFamily):
     # Its transformer has every hook of jaxdit.cache.hooks.CacheHooks (models/flux2_cache_hooks.py); TeaCache
     # and MagCache take their numbers from the caller (none are published for FLUX.2).
     caches = ALL_CACHES
-    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # pipelines/pipefusion/cache.py
     checkpoints = flux2_converters.CHECKPOINTS
     lora = flux2_lora.LORA
     presets = {

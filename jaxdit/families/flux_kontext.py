@@ -25,7 +25,6 @@ class FluxKontextFamily(FluxFamily):
     name = "flux-kontext"
     display = "FLUX.1 Kontext"
     #: A skipped step embeds the patch's reference chunk with its image (tests/test_flux_kontext.py).
-    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # pipelines/pipefusion/cache.py
     variant_of = (
         "flux"  # FLUX.1-dev's shapes: found by its folder (model_index.json) or preset, never by shape
     )

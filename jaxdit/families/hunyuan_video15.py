@@ -106,7 +106,6 @@ class HunyuanVideo15Family(ModelFamily):
     # Its transformer has every hook of jaxdit.cache.hooks.CacheHooks (models/hunyuan_video15_cache_hooks.py);
     # TeaCache and MagCache take their numbers from a calibration (none are published).
     caches = ALL_CACHES
-    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # pipelines/pipefusion/cache.py
     makes_video = True
     fps = 24
     cfg_scale_argument = "guidance_scale"

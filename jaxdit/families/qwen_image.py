@@ -123,7 +123,6 @@ class QwenImageFamily(ModelFamily):
     pipeline_class = QwenImagePipeline
     staged_model = PipeFusionQwenImage
     caches = ALL_CACHES  # its transformer has every hook of jaxdit.cache.hooks.CacheHooks
-    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # pipelines/pipefusion/cache.py
     cfg_scale_argument = "true_cfg_scale"
     cfg_needs = (
         "a --negative_prompt (or negative embeddings) and --true_cfg_scale > 1 (Qwen-Image's default 4)"

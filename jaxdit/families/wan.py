@@ -135,7 +135,6 @@ def _preset(steps: int, height: int, width: int, kind: str, frames: int = 81, ex
 class WanFamily(ModelFamily):
     name = "wan"
     caches = ALL_CACHES  # its transformer has every hook of jaxdit.cache.hooks.CacheHooks
-    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # pipelines/pipefusion/cache.py
     display = "Wan"
     checkpoints = wan_converters.CHECKPOINTS
     lora = wan_lora.LORA

@@ -73,7 +73,6 @@ class ZImageFamily(ModelFamily):
     name = "z-image"
     # TeaCache and MagCache run from a calibration's file: none are published for Z-Image.
     caches = frozenset({"fbcache", "dbcache", "taylorseer", "teacache", "magcache"})
-    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # pipelines/pipefusion/cache.py
     display = "Z-Image"
     several_prompts = True
     checkpoints = z_image_converters.CHECKPOINTS

@@ -112,6 +112,10 @@ class DiffusionPipeline:
     #: field) with their ``jaxdit generate`` flags; ``__call__`` passes them on with
     #: ``GenerationRequest.of``, and they arrive in ``request.family_arguments``.
     call_options: ClassVar[tuple[CallOption, ...]] = ()
+    #: The feature caches its PipeFusion runner is tested with (host-planned ones only:
+    #: ``jaxdit.pipelines.pipefusion.cache``); any other is refused with PipeFusion before any work. The
+    #: one source: a model family reads its pipeline class's.
+    pipefusion_caches: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def from_checkpoint(
@@ -328,18 +332,12 @@ class DiffusionPipeline:
 
     def check_pipefusion_cache(self, name: str) -> None:
         """Only host-planned caches (MagCache, TaylorSeer) run with PipeFusion (pipefusion/cache.py), and
-        only on a model family that takes them: the runner's caches AND the family's ``pipefusion_caches``
-        (what ``jaxdit generate`` checks), so a family whose PipeFusion cache is untested (its runner
-        shared with another family) is refused here as by the CLI; in one line, before any work."""
-        from jaxdit import families  # the registry imports the pipelines
-
-        found = families.for_pipeline(type(self))
-        takes = frozenset(getattr(self.runner.family, "caches", ()))
-        for family in found:
-            takes &= family.pipefusion_caches
-        display = found[0].display if found else type(self).__name__
-        have = [f.display for f in families.FAMILIES.values() if name in f.pipefusion_caches]
-        reason = pipefusion_cache.refusal(name, takes, display, have)
+        only where this pipeline class takes them: the runner's caches AND the class's
+        ``pipefusion_caches`` (what ``jaxdit generate`` reads through the family), so a pipeline whose
+        PipeFusion cache is untested (its runner shared with another pipeline) is refused here as by the
+        CLI; in one line, before any work."""
+        takes = frozenset(getattr(self.runner.family, "caches", ())) & type(self).pipefusion_caches
+        reason = pipefusion_cache.refusal(name, takes, type(self).__name__)
         if reason is not None:
             raise ValueError(reason)
 

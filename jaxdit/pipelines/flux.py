@@ -77,6 +77,7 @@ class FluxPipeline(DiffusionPipeline):
     default_size = (1024, 1024)  # FLUX.1's, as diffusers computes it: default_sample_size 128 x the VAE's 8
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionFlux
+    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # host-planned: pipelines/pipefusion/cache.py
 
     def __init__(
         self,

@@ -101,6 +101,7 @@ class Flux2KleinPipeline(DiffusionPipeline):
     default_size = (1024, 1024)  # diffusers: default_sample_size 128 x the VAE's 8
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionFlux2
+    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # host-planned: pipelines/pipefusion/cache.py
     folder_classes = FOLDER_CLASSES
     #: The text encoder's hidden states the prompt features stack.
     hidden_states = HIDDEN_STATES

@@ -153,6 +153,7 @@ class HunyuanVideo15Pipeline(DiffusionPipeline):
     cfg_hint = "pass negative prompt embeddings with a guider scale > 1"
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionHunyuanVideo15
+    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # host-planned: pipelines/pipefusion/cache.py
 
     def __init__(
         self,

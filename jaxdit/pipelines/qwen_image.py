@@ -116,6 +116,7 @@ class QwenImagePipeline(DiffusionPipeline):
     default_size = (1024, 1024)
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionQwenImage
+    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # host-planned: pipelines/pipefusion/cache.py
 
     def __init__(
         self,

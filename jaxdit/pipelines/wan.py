@@ -149,6 +149,7 @@ class WanPipeline(DiffusionPipeline):
     cfg_hint = "use guidance_scale > 1 with negative conditioning"
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionWan
+    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # host-planned: pipelines/pipefusion/cache.py
 
     def __init__(
         self,

@@ -67,6 +67,7 @@ class ZImagePipeline(DiffusionPipeline):
     default_size = (1024, 1024)
     checkpoints = CHECKPOINTS
     staged_model = PipeFusionZImage
+    pipefusion_caches = frozenset({"magcache", "taylorseer"})  # host-planned: pipelines/pipefusion/cache.py
 
     def __init__(
         self,
