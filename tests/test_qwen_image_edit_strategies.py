@@ -291,7 +291,6 @@ def test_host_planned_cache_with_reference_tokens_matches_the_serial_reference(
     their modulation of timestep 0): the host's plan, and the latents of the serial reference with the
     same plan and stale K/V (a skipped step adds the image band's residual of all blocks, or its Taylor
     forecast, and writes no K/V); the cache moves the result against uncached PipeFusion."""
-
     folder, pictures, one = case[:3]
     cache, order = six_step_cache(name, tmp_path)
     call = {**CALL, "num_inference_steps": CACHE_STEPS}

@@ -47,7 +47,6 @@ __all__ = [
     "bundled_names",
     "call_options",
     "for_config",
-    "for_pipeline",
     "get",
     "load_params",
     "load_transformer",
@@ -111,17 +110,6 @@ def for_config(config: Any) -> ModelFamily:
         if family.variant_of is None and isinstance(config, family.checkpoints.config_class):
             return family
     raise ValueError(f"{type(config).__name__} is the config of no registered model family")
-
-
-def for_pipeline(pipeline_class: type) -> list[ModelFamily]:
-    """The families a pipeline class runs: those whose ``pipeline_class`` is the nearest class in its MRO
-    that any registered family names (several where families share one, e.g. FLUX.1 and tiny-digits);
-    [] for a pipeline class no family names."""
-    for cls in pipeline_class.__mro__:
-        found = [f for f in FAMILIES.values() if f.pipeline_class is cls]
-        if found:
-            return found
-    return []
 
 
 def call_options() -> dict[str, tuple[CallOption, list[ModelFamily]]]:

@@ -20,7 +20,6 @@ __all__ = ["FLUX2_DEV", "Flux2DevFamily"]
 
 
 class Flux2DevFamily(Flux2Family):
-    #: A skipped step reads the embedded guidance in its conditioning (tests/test_flux2_dev_pipefusion.py).
     name = "flux2-dev"
     display = "FLUX.2 [dev]"
     variant_of = "flux2"  # found by its folder's pipeline class, never by shape

@@ -24,7 +24,6 @@ __all__ = ["FLUX_KONTEXT", "FluxKontextFamily"]
 class FluxKontextFamily(FluxFamily):
     name = "flux-kontext"
     display = "FLUX.1 Kontext"
-    #: A skipped step embeds the patch's reference chunk with its image (tests/test_flux_kontext.py).
     variant_of = (
         "flux"  # FLUX.1-dev's shapes: found by its folder (model_index.json) or preset, never by shape
     )

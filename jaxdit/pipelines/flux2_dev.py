@@ -59,6 +59,8 @@ class Flux2Pipeline(Flux2KleinPipeline):
     (``from_pretrained`` of a diffusers ``Flux2Pipeline`` folder)."""
 
     cfg_hint = DISTILLED
+    # Its PipeFusion caches (klein's pipefusion_caches): a skipped step reads the embedded guidance in its
+    # conditioning (tests/test_flux2_dev_pipefusion.py).
     folder_classes = FOLDER_CLASSES
     embeds_guidance = True
     hidden_states = DEV_HIDDEN_STATES

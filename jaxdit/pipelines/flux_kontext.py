@@ -142,6 +142,8 @@ class FluxKontextPipeline(FluxPipeline):
         (scaled and shifted); without it the call takes no picture.
     """
 
+    # Its PipeFusion caches (FLUX.1's pipefusion_caches): a skipped step embeds the patch's reference chunk
+    # with its image (tests/test_flux_kontext.py).
     #: ``max_area`` and ``auto_resize`` are Kontext's alone (``jaxdit generate --max_area / --no_auto_resize``).
     call_options = (
         CallOption("max_area", "output pixels (default 1048576)", type=int),
